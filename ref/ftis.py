@@ -98,7 +98,8 @@ def ref_ftis_loss(
     ratio = torch.exp(logp - old)
     lo, hi = 1.0 - opt.epsilon, 1.0 + opt.clip_high
     surrogate = torch.minimum(ratio * adv_hat, torch.clamp(ratio, lo, hi) * adv_hat)
-    loss_tok = -weight * surrogate
+    # A zero advantage (a filtered sample) contributes nothing, even where the weight is inf (VIS).
+    loss_tok = -torch.where(adv_hat != 0, weight, torch.zeros_like(weight)) * surrogate
     if opt.beta > 0:
         ref_minus = masked(ref_logprobs) - logp
         loss_tok = loss_tok + opt.beta * (torch.exp(ref_minus) - ref_minus - 1.0)

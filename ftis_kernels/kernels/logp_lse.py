@@ -1,0 +1,241 @@
+"""Row kernels over the vocabulary: log pi of the taken token (forward) and d loss / d logits
+(backward), in Triton, with the chunked PyTorch equivalents used on CPU without the interpreter.
+
+Forward, per row r = (b, t) with mask[r] set:  lse_r = logsumexp_v(x[r, v] / tau),
+logp_r = x[r, token_r] / tau - lse_r;  masked rows read nothing and write 0.
+Backward: dx[r, v] = c_r * (1[v == token_r] - exp(x[r, v] / tau - lse_r)) with c_r = coef_r / tau
+(the caller folds 1 / tau and the incoming gradient into c); rows with c_r = 0 read nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from ftis_kernels.kernels.tl_utils import NEG_BIG, online_lse_update
+
+# Largest vocabulary block one program holds in registers at once (the tests lower it to cover
+# the multi-block loop with small vocabularies).
+MAX_BLOCK_V = 4096
+# Elements of float32 scratch the CPU path holds per chunk (16 MiB).
+CPU_CHUNK_ELEMENTS = 1 << 22
+
+
+def _block_v(V: int) -> int:
+    return min(triton.next_power_of_2(V), MAX_BLOCK_V)
+
+
+def _num_warps(block_v: int) -> int:
+    return 4 if block_v <= 1024 else (8 if block_v <= 4096 else 16)
+
+
+@triton.heuristics({"HAS_MASK": lambda args: args["mask_ptr"] is not None})
+@triton.jit
+def _logp_lse_fwd_kernel(
+    # pointers
+    logits_ptr,  # (B, T, V) fp32 | bf16 | fp16, any strides
+    tokens_ptr,  # (B, T) int32 | int64, in [0, V)
+    mask_ptr,  # (B, T) bool, or None
+    logp_ptr,  # (B * T,) fp32 out
+    lse_ptr,  # (B * T,) fp32 out
+    # scalars
+    temperature,
+    # sizes
+    T,
+    V,
+    # strides
+    stride_lb,
+    stride_lt,
+    stride_lv,
+    stride_tb,
+    stride_tt,
+    stride_mb,
+    stride_mt,
+    # meta-parameters
+    HAS_MASK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    active = True
+    if HAS_MASK:
+        active = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
+    row_ptr = logits_ptr + b * stride_lb.to(tl.int64) + t * stride_lt.to(tl.int64)
+    # A masked row runs no iteration: its logits may be anything, even nan, and are never read.
+    v_end = tl.where(active, V, 0)
+    m = NEG_BIG
+    s = 0.0
+    for v0 in range(0, v_end, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
+        m, s = online_lse_update(m, s, x.to(tl.float32) / temperature)
+    token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
+    x_token = tl.load(row_ptr + token * stride_lv, mask=active, other=0.0).to(tl.float32)
+    lse = tl.where(active, m + tl.log(tl.where(active, s, 1.0)), 0.0)
+    logp = tl.where(active, x_token / temperature - lse, 0.0)
+    tl.store(logp_ptr + row, logp)
+    tl.store(lse_ptr + row, lse)
+
+
+def logp_lse_fwd(
+    logits: torch.Tensor, tokens: torch.Tensor, mask: Optional[torch.Tensor], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward. logits (B, T, V), tokens (B, T), mask (B, T) bool or None.
+
+    Returns logp (B, T) and lse (B, T), both fp32; 0 at masked positions.
+    """
+    B, T, V = logits.shape
+    logp = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    block_v = _block_v(V)
+    mask_strides = mask.stride() if mask is not None else (0, 0)
+    _logp_lse_fwd_kernel[(B * T,)](
+        logits, tokens, mask, logp, lse,
+        float(temperature),
+        T, V,
+        *logits.stride(), *tokens.stride(), *mask_strides,
+        BLOCK_V=block_v, num_warps=_num_warps(block_v),
+    )  # fmt: skip
+    return logp, lse
+
+
+@triton.jit
+def _logits_bwd_kernel(
+    # pointers
+    logits_ptr,  # (B, T, V) fp32 | bf16 | fp16, any strides
+    dlogits_ptr,  # (B, T, V) out, same dtype; may be logits_ptr itself (in-place backward)
+    tokens_ptr,  # (B, T) int32 | int64
+    lse_ptr,  # (B * T,) fp32, from the forward
+    coef_ptr,  # (B * T,) fp32: d loss / d logp, times the incoming gradient, over temperature
+    # scalars
+    temperature,
+    # sizes
+    T,
+    V,
+    # strides
+    stride_lb,
+    stride_lt,
+    stride_lv,
+    stride_db,
+    stride_dt,
+    stride_dv,
+    stride_tb,
+    stride_tt,
+    # meta-parameters
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    coef = tl.load(coef_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
+    row_ptr = logits_ptr + b * stride_lb.to(tl.int64) + t * stride_lt.to(tl.int64)
+    drow_ptr = dlogits_ptr + b * stride_db.to(tl.int64) + t * stride_dt.to(tl.int64)
+    # Rows without gradient (masked, filtered, zero advantage) read nothing and write zeros.
+    v_read = tl.where(coef != 0.0, V, 0)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        in_row = offs < V
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf"))
+        p = tl.exp(x.to(tl.float32) / temperature - lse)
+        grad = coef * (tl.where(offs == token, 1.0, 0.0) - p)
+        tl.store(
+            drow_ptr + offs.to(tl.int64) * stride_dv,
+            grad.to(dlogits_ptr.dtype.element_ty),
+            mask=in_row,
+        )
+
+
+def logits_bwd(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    temperature: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Triton backward. logits, out (B, T, V) (out may be logits); tokens (B, T); lse, coef (B, T)
+    fp32 contiguous, coef already scaled by the incoming gradient and 1 / temperature. Returns out.
+    """
+    B, T, V = logits.shape
+    block_v = _block_v(V)
+    _logits_bwd_kernel[(B * T,)](
+        logits, out, tokens, lse, coef,
+        float(temperature),
+        T, V,
+        *logits.stride(), *out.stride(), *tokens.stride(),
+        BLOCK_V=block_v, num_warps=_num_warps(block_v),
+    )  # fmt: skip
+    return out
+
+
+def triton_is_interpreted() -> bool:
+    """True when Triton decorated these kernels for its CPU interpreter (TRITON_INTERPRET=1)."""
+    return isinstance(_logits_bwd_kernel, InterpretedFunction)
+
+
+# --- CPU path: the same two passes in PyTorch, a chunk of rows at a time ------------------------
+
+
+def _row_chunks(B: int, T: int, V: int):
+    """(b, t0, t1) chunks of at most CPU_CHUNK_ELEMENTS logits each, within one sample, so that a
+    strided (B, T, V) view is sliced, never copied whole."""
+    rows = max(1, CPU_CHUNK_ELEMENTS // V)
+    for b in range(B):
+        for t0 in range(0, T, rows):
+            yield b, t0, min(T, t0 + rows)
+
+
+def logp_lse_fwd_torch(
+    logits: torch.Tensor, tokens: torch.Tensor, mask: Optional[torch.Tensor], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch forward with the signature and results of `logp_lse_fwd`; fp32 scratch is bounded
+    by one chunk."""
+    B, T, V = logits.shape
+    logp = torch.zeros(B, T, dtype=torch.float32, device=logits.device)
+    lse = torch.zeros(B, T, dtype=torch.float32, device=logits.device)
+    for b, t0, t1 in _row_chunks(B, T, V):
+        active = None if mask is None else mask[b, t0:t1]
+        if active is not None and not bool(active.any()):
+            continue
+        x = logits[b, t0:t1].float() / temperature
+        chunk_lse = torch.logsumexp(x, dim=-1)
+        chunk_logp = x.gather(-1, tokens[b, t0:t1].long()[:, None])[:, 0] - chunk_lse
+        if active is not None:
+            chunk_lse = torch.where(active, chunk_lse, 0.0)
+            chunk_logp = torch.where(active, chunk_logp, 0.0)
+        lse[b, t0:t1] = chunk_lse
+        logp[b, t0:t1] = chunk_logp
+    return logp, lse
+
+
+def logits_bwd_torch(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    temperature: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """PyTorch backward with the signature and results of `logits_bwd`."""
+    B, T, V = logits.shape
+    for b, t0, t1 in _row_chunks(B, T, V):
+        c = coef[b, t0:t1]
+        live = c != 0
+        if not bool(live.any()):
+            out[b, t0:t1] = 0
+            continue
+        x = logits[b, t0:t1].float() / temperature
+        grad = torch.exp(x - lse[b, t0:t1, None]).neg_()
+        grad.scatter_add_(-1, tokens[b, t0:t1].long()[:, None], torch.ones_like(grad[:, :1]))
+        grad.mul_(c[:, None])
+        # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
+        grad = torch.where(live[:, None], grad, 0.0)
+        out[b, t0:t1] = grad.to(out.dtype)
+    return out

@@ -1,0 +1,22 @@
+"""Triton helpers shared by the kernels of ftis-kernels."""
+
+import triton
+import triton.language as tl
+
+# Start value of a running maximum. Finite on purpose: with -inf, a row whose first block is all
+# -inf would compute exp(-inf - -inf) = nan when it rescales its running sum.
+NEG_BIG: tl.constexpr = -3.0e38
+
+
+@triton.jit
+def online_lse_update(m, s, x):
+    """One block of a streaming log-sum-exp.
+
+    m, s: scalars, the running maximum and sum of exp(value - m) so far; x: (BLOCK,) fp32 values,
+    -inf for padding. Returns the updated (m, s); lse = m + log(s) at the end. One exp per element
+    (plus one per block): at bf16 on Hopper, two per element would make the op bound by the
+    special-function units instead of memory.
+    """
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+    return m_new, s
