@@ -1,0 +1,103 @@
+"""Atomic checkpoints: safetensors weights, optimizer state, RNG states and the round.
+
+Layout under `<out>/ckpt/`:
+
+    node<i>/round_<r>/model.safetensors, optimizer.pt, rng.pt, state.json
+    latest.json          {"round": r}: every node has written round r (rank 0 writes it last)
+
+Each node writes into `round_<r>.tmp/`, fsyncs, and renames it into place; `latest.json` is replaced
+atomically only after a barrier, so a crash at any moment leaves the previous complete round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_model, save_model
+
+KEEP = 2  # complete rounds kept per node
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON to `path` through a temporary file and os.replace."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def node_dir(root: Path, node: int, round_: int) -> Path:
+    return root / f"node{node}" / f"round_{round_:05d}"
+
+
+def save_node(root: Path, node: int, round_: int, model, optimizer, sampler: torch.Generator,
+              state: dict[str, Any]) -> Path:
+    """Write node `node`'s checkpoint after `round_` completed rounds; returns its folder."""
+    final = node_dir(root, node, round_)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save({"torch": torch.get_rng_state(), "sampler": sampler.get_state(),
+                "python": random.getstate()}, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"round": round_, "node": node, **state}, indent=1))
+    for f in tmp.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    done = sorted(p for p in final.parent.glob("round_*") if not p.name.endswith(".tmp"))
+    for old in done[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def mark_latest(root: Path, round_: int) -> None:
+    """Record that every node has a complete checkpoint of `round_` (call after a barrier)."""
+    write_json_atomic(root / "latest.json", {"round": round_})
+
+
+def latest_round(root: Path) -> Optional[int]:
+    path = root / "latest.json"
+    if not path.exists():
+        return None
+    return int(json.loads(path.read_text())["round"])
+
+
+def load_node(root: Path, node: int, round_: int, model, optimizer,
+              sampler: torch.Generator) -> dict[str, Any]:
+    """Restore weights, optimizer and RNG states written by `save_node`; returns its state.json."""
+    folder = node_dir(root, node, round_)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--resume: no checkpoint of node {node} at round {round_} "
+                                f"({folder})")
+    load_model(model, str(folder / "model.safetensors"), strict=True)
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    rng = torch.load(folder / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    sampler.set_state(rng["sampler"])
+    random.setstate(_as_tuple(rng["python"]))
+    return json.loads((folder / "state.json").read_text())
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

@@ -1,0 +1,190 @@
+"""The sample exchange: a fixed binary record per sample, sent through torch.distributed.
+
+Wire format of one sample (little-endian), `HEADER_BYTES` + 8 bytes per completion token:
+
+    int64 prompt_id | int32 source node | int32 n_tokens | float32 reward | float32 advantage
+    int32 tokens[n_tokens] | float32 logprobs[n_tokens]
+
+A node's payload is its records back to back. One round is two `all_gather`s: the payload lengths
+(int64), then the payloads padded to the longest (uint8). `bytes_sent` counts the payload only
+(the 8-byte length word and the padding are transport details of the collective). No pickle
+crosses the wire: a receiver parses bytes with bounds checks and drops, with a logged reason, any
+record that is malformed, so nothing a peer sends can crash it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<qiiff")
+HEADER_BYTES = _HEADER.size  # 24
+BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob
+HOSTILE_KINDS = ("forged_logprobs", "flipped_rewards", "random_tokens")
+
+
+@dataclass
+class Sample:
+    """One completion as exchanged: tokens (L,) int32 and logprobs (L,) float32 of the generator."""
+
+    prompt_id: int
+    source: int
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    reward: float
+    advantage: float
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+
+def record_bytes(n_tokens: int) -> int:
+    """Size on the wire of one sample with `n_tokens` completion tokens."""
+    return HEADER_BYTES + BYTES_PER_TOKEN * n_tokens
+
+
+def pack(samples: list[Sample]) -> bytes:
+    """The payload of `samples`: their records back to back."""
+    parts = []
+    for s in samples:
+        tokens = s.tokens.to(torch.int32).numpy().astype("<i4", copy=False)
+        logprobs = s.logprobs.to(torch.float32).numpy().astype("<f4", copy=False)
+        parts.append(_HEADER.pack(s.prompt_id, s.source, tokens.size, s.reward, s.advantage))
+        parts.append(tokens.tobytes())
+        parts.append(logprobs.tobytes())
+    return b"".join(parts)
+
+
+def unpack(
+    payload: bytes,
+    *,
+    sender: int,
+    vocab_size: int,
+    max_tokens: int,
+    prompt_ok: Callable[[int], bool] = lambda pid: True,
+) -> tuple[list[Sample], list[str]]:
+    """Parse and validate `sender`'s payload; returns (valid samples, one reason per dropped record).
+
+    A record is dropped when its source is not `sender`, its length is outside [1, max_tokens], a
+    token id is outside [0, vocab_size), a logprob is non-finite or > 0, the reward or advantage is
+    non-finite, or `prompt_ok(prompt_id)` is false. A record whose length field cannot be trusted
+    (out of range, or past the payload's end) ends the parse: the rest of the payload is dropped.
+    """
+    samples, drops = [], []
+    offset, index = 0, 0
+    while offset < len(payload):
+        where = f"sample {index} from node {sender}"
+        if len(payload) - offset < HEADER_BYTES:
+            drops.append(f"{where}: truncated header ({len(payload) - offset} bytes left)")
+            break
+        prompt_id, source, n, rew, adv = _HEADER.unpack_from(payload, offset)
+        if not 1 <= n <= max_tokens:
+            drops.append(f"{where}: length {n} outside [1, {max_tokens}]; rest of payload dropped")
+            break
+        end = offset + record_bytes(n)
+        if end > len(payload):
+            drops.append(f"{where}: record of {n} tokens runs past the payload; rest dropped")
+            break
+        body = offset + HEADER_BYTES
+        tokens = np.frombuffer(payload, dtype="<i4", count=n, offset=body)
+        logprobs = np.frombuffer(payload, dtype="<f4", count=n, offset=body + 4 * n)
+        offset, index = end, index + 1
+        reason = None
+        if source != sender:
+            reason = f"source field {source} is not the sending node {sender}"
+        elif tokens.min() < 0 or tokens.max() >= vocab_size:
+            reason = f"token id outside [0, {vocab_size})"
+        elif not np.isfinite(logprobs).all():
+            reason = "non-finite logprob"
+        elif (logprobs > 0).any():
+            reason = "logprob > 0"
+        elif not (math.isfinite(rew) and math.isfinite(adv)):
+            reason = "non-finite reward or advantage"
+        elif not prompt_ok(prompt_id):
+            reason = f"unknown prompt id {prompt_id}"
+        if reason is not None:
+            drops.append(f"{where}: {reason}")
+            continue
+        samples.append(Sample(prompt_id, source, torch.from_numpy(tokens.astype(np.int32)),
+                              torch.from_numpy(logprobs.astype(np.float32)), rew, adv))
+    return samples, drops
+
+
+def exchange(
+    samples: list[Sample],
+    *,
+    vocab_size: int,
+    max_tokens: int,
+    max_samples: int,
+    prompt_ok: Callable[[int], bool] = lambda pid: True,
+    group: Optional[dist.ProcessGroup] = None,
+) -> tuple[list[Sample], list[str], int]:
+    """Send `samples` to every node and receive theirs (one all_gather of lengths, one of bytes).
+
+    Returns (valid samples from the other nodes, in rank order; drop reasons; bytes this node sent).
+    A peer payload longer than `max_samples` records of `max_tokens` tokens is cut at that cap (the
+    cut record is then dropped), so a peer cannot make the others allocate without bound.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    payload = pack(samples)
+    cap = max_samples * record_bytes(max_tokens)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    claimed = [int(t.item()) for t in lengths]
+    width = max(1, min(max(claimed), cap))
+    mine = torch.zeros(width, dtype=torch.uint8)
+    sent = payload[:width]
+    if sent:
+        mine[: len(sent)] = torch.frombuffer(bytearray(sent), dtype=torch.uint8)
+    buffers = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(buffers, mine, group=group)
+    received, drops = [], []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        size = min(max(claimed[peer], 0), width)
+        got, dropped = unpack(buffers[peer][:size].numpy().tobytes(), sender=peer,
+                              vocab_size=vocab_size, max_tokens=max_tokens, prompt_ok=prompt_ok)
+        if claimed[peer] > width:
+            dropped.append(f"node {peer}: payload of {claimed[peer]} bytes cut at the cap {cap}")
+        received.extend(got)
+        drops.extend(dropped)
+    for reason in drops:
+        log.warning("dropped peer sample: %s", reason)
+    return received, drops, len(payload)
+
+
+def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
+                 generator: torch.Generator) -> list[Sample]:
+    """What a hostile node sends instead of `samples` (hook for robustness experiments).
+
+    kind: None (honest) | "forged_logprobs" (claims near-certainty, log pi_gen ~ 0) |
+    "flipped_rewards" (reward 1 - r, advantage negated) | "random_tokens" (uniform token ids).
+    The node itself still trains on its honest samples.
+    """
+    if kind is None:
+        return samples
+    if kind not in HOSTILE_KINDS:
+        raise ValueError(f"hostile: expected None or one of {HOSTILE_KINDS}, got {kind!r}")
+    out = []
+    for s in samples:
+        tokens, logprobs, rew, adv = s.tokens, s.logprobs, s.reward, s.advantage
+        if kind == "forged_logprobs":
+            logprobs = torch.full_like(logprobs, -1e-3)
+        elif kind == "flipped_rewards":
+            rew, adv = 1.0 - rew, -adv
+        else:
+            tokens = torch.randint(0, vocab_size, tokens.shape, generator=generator,
+                                   dtype=torch.int32)
+        out.append(Sample(s.prompt_id, s.source, tokens, logprobs, rew, adv))
+    return out

@@ -1,0 +1,122 @@
+"""Node models: tiny Qwen2-style presets with a supervised warm-up, local checkpoints, LoRA.
+
+A preset model is built from a `Qwen2Config` (no weights can be downloaded) over the project's
+tokenizer and warmed up with a short supervised run on the task, so that GRPO starts from a
+non-zero reward like a base model does. Different architectures give different sizes; a different
+warm-up (seed, length, operations seen) gives a different "expertise". `--model PATH` loads any
+local Hugging Face causal LM and its tokenizer instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
+
+log = logging.getLogger(__name__)
+
+ARCHS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2),
+    "base": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+# Warm-up problems live far above any index a GRPO run reaches.
+_WARMUP_INDEX_BASE = 1 << 40
+
+
+def build_model(arch: str, tokenizer, seed: int) -> Qwen2ForCausalLM:
+    """A freshly initialised Qwen2-style causal LM of preset size `arch` over `tokenizer`."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch: expected one of {tuple(ARCHS)}, got {arch!r}")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        **ARCHS[arch],
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.float()
+
+
+def load_pretrained(path: str):
+    """(model, tokenizer) from a local Hugging Face checkpoint folder, in float32."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def apply_lora(model, r: int, alpha: float):
+    """Wrap `model` in a peft LoRA adapter on every linear layer; only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def warm_up(
+    model,
+    tokenizer,
+    task: ArithmeticTask,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    operations: Sequence[str],
+) -> float:
+    """Supervised next-token training on worked answers ('7+5=12. #### 12<eos>'); returns last loss.
+
+    Only completion tokens are scored. Problems come from the train split restricted to
+    `operations`, drawn from `seed`: the node's expertise.
+    """
+    if steps <= 0:
+        return math.nan
+    rng = random.Random(f"warmup:{seed}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    model.train()
+    loss_value = math.nan
+    for step in range(steps):
+        rows, labels = [], []
+        for _ in range(batch_size):
+            index = _WARMUP_INDEX_BASE + rng.randrange(1 << 30)
+            problem = task.problem(make_prompt_id("train", index), operations=operations)
+            prompt = tokenizer(format_prompt(problem.question))["input_ids"]
+            target = tokenizer(task.target(problem))["input_ids"] + [tokenizer.eos_token_id]
+            rows.append(prompt + target)
+            labels.append([-100] * len(prompt) + target)
+        width = max(len(r) for r in rows)
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        label_ids = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        if (step + 1) % max(1, steps // 4) == 0:
+            log.info("warm-up step %d/%d: loss %.3f", step + 1, steps, loss_value)
+    return loss_value

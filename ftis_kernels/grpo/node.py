@@ -1,0 +1,374 @@
+"""One node of the swarm, as started by torchrun: set up, then generate, exchange, train each round.
+
+Every collective goes through `_collective`, so a peer that dies or falls silent surfaces as a
+`SwarmError` naming the phase (after at most `timeout_s`, the process group's timeout), and the
+node stops with a clear message and exit code 3 instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from ftis_kernels.grpo import checkpoint
+from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
+from ftis_kernels.grpo.exchange import Sample, exchange, make_hostile
+from ftis_kernels.grpo.models import apply_lora, build_model, load_pretrained, warm_up
+from ftis_kernels.grpo.report import plot_curves, read_metrics, summary_table
+from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
+from ftis_kernels.grpo.task import (
+    ArithmeticTask, JsonlTask, Problem, format_prompt, make_prompt_id, reward,
+)
+from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
+from ftis_kernels.grpo.train import grpo_update
+
+log = logging.getLogger("ftis_kernels.grpo")
+
+EXIT_SWARM = 3  # a peer died or stopped answering
+METRIC_KEYS = (
+    "reward_mean", "acc_id", "acc_ood", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
+    "is_truncated_frac", "loss", "tokens_sent", "bytes_sent", "bytes_per_token",
+    "samples_trained", "samples_received", "dropped", "seconds",
+)
+_INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped")
+
+
+class SwarmError(RuntimeError):
+    """A collective failed or timed out: some peer node died or stopped answering."""
+
+
+def _collective(phase: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # gloo/nccl raise RuntimeError or DistBackendError subclasses
+        raise SwarmError(f"during {phase}: {type(exc).__name__}: {exc}") from exc
+
+
+class Problems:
+    """The task behind prompt ids: the built-in generator or local JSONL files."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.arith = ArithmeticTask(cfg.seed)
+        self.files = JsonlTask(cfg.data) if cfg.task == "jsonl" else None
+        self._by_id = ({p.prompt_id: p for ps in self.files.problems.values() for p in ps}
+                       if self.files else {})
+
+    def problem(self, prompt_id: int) -> Problem:
+        if self.files is not None:
+            return self._by_id[prompt_id]
+        return self.arith.problem(prompt_id)
+
+    def known(self, prompt_id: int) -> bool:
+        if self.files is not None:
+            return prompt_id in self._by_id
+        try:
+            self.arith.problem(prompt_id)
+        except ValueError:
+            return False
+        return True
+
+    def train_ids(self, indices: range) -> list[int]:
+        if self.files is not None:
+            train = self.files.split("train")
+            return [train[i % len(train)].prompt_id for i in indices]
+        return [make_prompt_id("train", i) for i in indices]
+
+    def eval_ids(self, split: str, n: int) -> list[int]:
+        if self.files is not None:
+            return [p.prompt_id for p in self.files.split(split)[:n]]
+        return [make_prompt_id(split, i) for i in range(n)]
+
+
+class Node:
+    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.spec = cfg.node(rank)
+        self.out = Path(cfg.out)
+        self.ckpt = self.out / "ckpt"
+        self.problems = Problems(cfg)
+        self.options = cfg.ftis_options()
+        self.sampler = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
+        self._prompt_cache: dict[int, list[int]] = {}
+
+    # -- set-up -------------------------------------------------------------------------------
+    def build(self) -> None:
+        spec = self.spec
+        if spec.model is not None:
+            self.model, self.tokenizer = load_pretrained(spec.model)
+        else:
+            if self.cfg.task != "arith":
+                raise ValueError(f"node {self.rank}: preset models know only the built-in task's "
+                                 f"vocabulary; give `model: PATH` for task {self.cfg.task!r}")
+            self.tokenizer = build_tokenizer(self.problems.arith.vocabulary_text())
+            self.model = build_model(spec.arch, self.tokenizer, spec.init_seed)
+        self.model.to(self.device)
+        self.vocab_size = min(len(self.tokenizer), self.model.get_input_embeddings().num_embeddings)
+        self.check_vocabulary()
+
+    def check_vocabulary(self) -> None:
+        """All nodes must share one token -> id map, or exchanged token ids mean nothing."""
+        if len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
+            raise ValueError(f"node {self.rank}: tokenizer has {len(self.tokenizer)} tokens but "
+                             f"the model only {self.model.get_input_embeddings().num_embeddings}")
+        mine = torch.frombuffer(bytearray(vocab_fingerprint(self.tokenizer).encode()),
+                                dtype=torch.uint8)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        _collective("the vocabulary check", dist.all_gather, everyone, mine)
+        prints = [bytes(t.tolist()).decode() for t in everyone]
+        if len(set(prints)) > 1:
+            detail = ", ".join(f"node {i} ({self.cfg.node(i).name}): {p[:12]}"
+                               for i, p in enumerate(prints))
+            raise SystemExit(f"vocabulary mismatch, refusing to start: every node must use the "
+                             f"same tokenizer (fingerprints {detail})")
+        log.info("node %d (%s): vocabulary of %d tokens shared by all %d nodes", self.rank,
+                 self.spec.name, len(self.tokenizer), self.world)
+
+    def prepare(self) -> int:
+        """Warm up (fresh run) or restore (--resume); returns the first round to run."""
+        cfg, spec = self.cfg, self.spec
+        start = 0
+        if cfg.resume:
+            start = checkpoint.latest_round(self.ckpt)
+            if start is None:
+                raise SystemExit(f"--resume: no complete checkpoint under {self.ckpt}")
+        elif spec.model is None:
+            t0 = time.time()
+            loss = warm_up(self.model, self.tokenizer, self.problems.arith,
+                           steps=spec.warmup_steps, lr=spec.warmup_lr,
+                           batch_size=cfg.warmup_batch, seed=spec.init_seed,
+                           operations=spec.warmup_ops)
+            log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
+                     spec.name, spec.warmup_steps, time.time() - t0, loss)
+        if spec.lora:
+            self.model = apply_lora(self.model, spec.lora_r, spec.lora_alpha)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
+        n_train = sum(p.numel() for p in params)
+        n_all = sum(p.numel() for p in self.model.parameters())
+        log.info("node %d (%s): %s, %d of %d parameters trainable", self.rank, spec.name,
+                 "LoRA" if spec.lora else "full fine-tune", n_train, n_all)
+        if cfg.resume:
+            state = checkpoint.load_node(self.ckpt, self.rank, start, self.model, self.optimizer,
+                                         self.sampler)
+            if state.get("config") != cfg.fingerprint():
+                raise SystemExit(f"--resume: the configuration differs from the checkpointed "
+                                 f"run's (only {', '.join(RESUMABLE)} may change)")
+            log.info("node %d: resumed after round %d", self.rank, start)
+        else:
+            self.save(0)
+        return start
+
+    def save(self, completed: int) -> None:
+        checkpoint.save_node(self.ckpt, self.rank, completed, self.model, self.optimizer,
+                             self.sampler, {"config": self.cfg.fingerprint(),
+                                            "name": self.spec.name})
+        _collective("the checkpoint barrier", dist.barrier)
+        if self.rank == 0:
+            checkpoint.mark_latest(self.ckpt, completed)
+
+    # -- one round ----------------------------------------------------------------------------
+    def prompt_tokens(self, prompt_id: int) -> list[int]:
+        if prompt_id not in self._prompt_cache:
+            question = self.problems.problem(prompt_id).question
+            self._prompt_cache[prompt_id] = self.tokenizer(format_prompt(question))["input_ids"]
+        return self._prompt_cache[prompt_id]
+
+    def generate(self, prompt_ids: list[int], *, greedy: bool, max_new_tokens: int):
+        """Completions of `prompt_ids`: [(tokens (L,) int32, logprobs (L,) float32, reward)]."""
+        out = []
+        step = self.cfg.micro_batch
+        for start in range(0, len(prompt_ids), step):
+            ids = prompt_ids[start : start + step]
+            tokens, logprobs, lengths = sample(
+                self.model, [self.prompt_tokens(p) for p in ids], max_new_tokens=max_new_tokens,
+                temperature=self.cfg.temperature, eos_id=self.tokenizer.eos_token_id,
+                pad_id=self.tokenizer.pad_token_id, generator=self.sampler, greedy=greedy,
+            )
+            tokens, logprobs = tokens.cpu(), logprobs.cpu()
+            for i, pid in enumerate(ids):
+                n = int(lengths[i])
+                text = self.tokenizer.decode(tokens[i, :n], skip_special_tokens=True)
+                out.append((tokens[i, :n].to(torch.int32), logprobs[i, :n].clone(),
+                            reward(text, self.problems.problem(pid))))
+        return out
+
+    def accuracy(self, split: str) -> float:
+        ids = self.problems.eval_ids(split, self.cfg.eval_size)
+        done = self.generate(ids, greedy=True, max_new_tokens=self.cfg.eval_max_new_tokens)
+        return sum(r for _, _, r in done) / max(len(done), 1)
+
+    def rollout(self, round_: int) -> list[Sample]:
+        """This node's samples of the round, with rewards and group advantages."""
+        cfg, P, G, N = self.cfg, self.cfg.prompts_per_node, self.cfg.group_size, self.world
+        horizontal = cfg.collab == "horizontal" and cfg.loss != "on-policy"
+        if horizontal:
+            prompts = self.problems.train_ids(range(round_ * P, (round_ + 1) * P))
+            per_prompt = G // N
+        else:
+            first = (round_ * N + self.rank) * P
+            prompts = self.problems.train_ids(range(first, first + P))
+            per_prompt = G
+        ids = [p for p in prompts for _ in range(per_prompt)]
+        done = self.generate(ids, greedy=False, max_new_tokens=cfg.max_new_tokens)
+        rewards = torch.tensor([r for _, _, r in done], dtype=torch.float32).view(P, per_prompt)
+        if horizontal:
+            swarm = [torch.empty_like(rewards) for _ in range(N)]
+            _collective("the reward exchange", dist.all_gather, swarm, rewards)
+            advantages = horizontal_advantages(torch.stack(swarm))[self.rank]
+        else:
+            advantages = vertical_advantages(rewards)
+        return [Sample(pid, self.rank, tok, lp, rew, float(adv))
+                for pid, (tok, lp, rew), adv in zip(ids, done, advantages.flatten().tolist())]
+
+    def run_round(self, round_: int) -> dict[str, float]:
+        cfg, t0 = self.cfg, time.time()
+        if self.spec.fail_at_round == round_:
+            log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank,
+                      round_)
+            logging.shutdown()
+            os._exit(17)
+        evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
+        acc_id = self.accuracy("test") if evaluate else math.nan
+        acc_ood = self.accuracy("ood") if evaluate else math.nan
+        own = self.rollout(round_)
+        received, drops, sent = [], [], 0
+        if cfg.loss != "on-policy":
+            hostile_gen = torch.Generator().manual_seed(cfg.seed * 104729 + round_ * 31 + self.rank)
+            outgoing = make_hostile(own, self.spec.hostile, self.vocab_size, hostile_gen)
+            received, drops, sent = _collective(
+                "the sample exchange", exchange, outgoing, vocab_size=self.vocab_size,
+                max_tokens=cfg.max_new_tokens, max_samples=len(own), prompt_ok=self.problems.known,
+            )
+        stats = grpo_update(self.model, self.optimizer, own + received, self.prompt_tokens,
+                            self.options, micro_batch=cfg.micro_batch,
+                            pad_id=self.tokenizer.pad_token_id, grad_clip=cfg.grad_clip,
+                            device=self.device)
+        tokens_sent = sum(s.n_tokens for s in own) if cfg.loss != "on-policy" else 0
+        return dict(
+            reward_mean=sum(s.reward for s in own) / len(own), acc_id=acc_id, acc_ood=acc_ood,
+            tokens_sent=tokens_sent, bytes_sent=sent,
+            bytes_per_token=sent / tokens_sent if tokens_sent else math.nan,
+            samples_trained=len(own) + len(received), samples_received=len(received),
+            dropped=len(drops), seconds=time.time() - t0, **stats,
+        )
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
+        vec = torch.tensor([float(metrics[k]) for k in METRIC_KEYS], dtype=torch.float64)
+        everyone = [torch.empty_like(vec) for _ in range(self.world)]
+        _collective("the metrics gather", dist.all_gather, everyone, vec)
+        rows = []
+        for node, v in enumerate(everyone):
+            row: dict[str, Any] = dict(round=round_, node=node, name=self.cfg.node(node).name,
+                                       mode=self.cfg.loss, collab=self.cfg.collab)
+            for key, x in zip(METRIC_KEYS, v.tolist()):
+                row[key] = None if math.isnan(x) else (int(x) if key in _INT_KEYS else x)
+            rows.append(row)
+        return rows
+
+    def run(self) -> None:
+        cfg = self.cfg
+        self.build()
+        start = self.prepare()
+        metrics_path = self.out / "metrics.jsonl"
+        bar = None
+        if self.rank == 0:
+            kept = []
+            if cfg.resume and metrics_path.exists():
+                kept = [r for r in read_metrics(metrics_path) if r["round"] < start]
+            checkpoint.write_json_atomic(self.out / "config.json", to_dict(cfg))
+            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            tmp = metrics_path.with_name("metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, metrics_path)
+            if cfg.progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=cfg.rounds, initial=start, desc=f"GRPO {cfg.loss}", unit="round")
+        for round_ in range(start, cfg.rounds):
+            if self.world > 1:
+                _collective(f"the start barrier of round {round_}", _barrier, cfg.timeout_s)
+            metrics = self.run_round(round_)
+            rows = self.gather_rows(round_, metrics)
+            if self.rank == 0:
+                with open(metrics_path, "a", encoding="utf-8") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
+                msg = " ".join(f"{r['name']}={r['reward_mean']:.2f}" for r in rows)
+                log.debug("round %d reward %s", round_, msg)
+                if bar is not None:
+                    bar.set_postfix_str(f"reward {msg}", refresh=False)
+                    bar.update(1)
+            completed = round_ + 1
+            if completed % cfg.ckpt_every == 0 or completed == cfg.rounds:
+                self.save(completed)
+        if bar is not None:
+            bar.close()
+        if self.rank == 0:
+            self.out.joinpath("tokenizer").mkdir(exist_ok=True)
+            self.tokenizer.save_pretrained(self.out / "tokenizer")
+            rows = read_metrics(metrics_path)
+            if rows:
+                plot_curves(rows, self.out / "curves.png")
+                table = summary_table(rows)
+                (self.out / "summary.txt").write_text(table + "\n")
+                print(f"\n{table}\n\nmetrics: {metrics_path}\ncurves:  {self.out / 'curves.png'}",
+                      flush=True)
+
+
+def _barrier(timeout_s: float) -> None:
+    """monitored_barrier names the silent ranks (gloo only); other backends get a plain barrier."""
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier()
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=os.environ.get("FTIS_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s node{rank} %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def run_worker(cfg: RunConfig) -> int:
+    """Entry point of one torchrun worker; returns the process exit code."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    setup_logging(rank)
+    cfg.validate(world)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(cfg.threads or max(1, (cores or 1) // local_world))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    # The exchange moves CPU tensors, so gloo carries it even next to nccl on GPUs.
+    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    try:
+        Node(cfg, rank, world, device).run()
+        _collective("the final barrier", dist.barrier)
+    except SwarmError as exc:
+        log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
+                  "answering; stopping. Continue from the last checkpoint with --resume.",
+                  rank, exc)
+        return EXIT_SWARM
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,173 @@
+"""The task: GSM8K-format arithmetic word problems, a strict binary reward, and a JSONL loader.
+
+The built-in generator writes grade-school word problems whose worked answer follows GSM8K's format
+("7+5=12. 12-3=9. #### 9"). A problem is a pure function of (seed, split, index), so every node
+rebuilds a peer's prompt from its 64-bit prompt id alone and nothing but ids crosses the wire.
+
+Splits: "train" and "test" (in distribution: 1-2 steps, operands 1-9) and "ood" (the stand-in for
+MATH-500: 3-4 steps and operands up to 19, never seen in training). For real data,
+`JsonlTask` reads local GSM8K (`question`/`answer` with "#### x") or MATH-500 (`problem`/`answer`)
+files.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+NAMES = {"Ava": "She", "Ben": "He", "Cara": "She", "Dan": "He", "Eli": "He", "Fay": "She"}
+ITEMS = ("apples", "pens", "cards", "books", "coins", "shells")
+OPERATIONS = ("add", "sub")
+SPLITS = ("train", "test", "ood", "file")
+_SPLIT_CODE = {name: code for code, name in enumerate(SPLITS)}
+_INDEX_BITS = 48
+
+# The answer is the number after the last "####"; anything else after it makes the answer wrong.
+_ANSWER_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+
+
+def make_prompt_id(split: str, index: int) -> int:
+    """64-bit prompt id: the split's code in the high bits, the problem index in the low 48."""
+    return (_SPLIT_CODE[split] << _INDEX_BITS) | index
+
+
+def split_prompt_id(prompt_id: int) -> tuple[str, int]:
+    """Inverse of `make_prompt_id`; ValueError for an id that names no problem."""
+    code, index = prompt_id >> _INDEX_BITS, prompt_id & ((1 << _INDEX_BITS) - 1)
+    if prompt_id < 0 or code >= len(SPLITS):
+        raise ValueError(f"prompt_id: expected a valid id, got {prompt_id}")
+    return SPLITS[code], index
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt and its reference answer (the number or string after '####')."""
+
+    prompt_id: int
+    question: str
+    solution: str
+    answer: str
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The final answer of a GSM8K-format completion, normalised ('1,200' -> '1200'), or None."""
+    match = _ANSWER_RE.search(text.strip())
+    if match is None:
+        return None
+    return _normalise(match.group(1))
+
+
+def _normalise(answer: str) -> str:
+    answer = answer.strip().replace(",", "")
+    try:
+        value = float(answer)
+    except ValueError:
+        return answer
+    return str(int(value)) if value == int(value) else str(value)
+
+
+def reward(completion: str, problem: Problem) -> float:
+    """Binary correctness reward (as the paper): 1.0 iff the extracted answer equals the reference."""
+    got = extract_answer(completion)
+    return float(got is not None and got == _normalise(problem.answer))
+
+
+class ArithmeticTask:
+    """Deterministic generator of GSM8K-format arithmetic problems.
+
+    `problem(prompt_id)` is the same on every node. Only the supervised warm-up passes a subset of
+    `operations` (a node warmed up on additions alone has a different "expertise"); such problems
+    live under a different seed and never cross the wire.
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def problem(self, prompt_id: int, *, operations: Sequence[str] = OPERATIONS) -> Problem:
+        split, index = split_prompt_id(prompt_id)
+        if split == "file":
+            raise ValueError(f"prompt_id: {prompt_id} names a file problem, not a generated one")
+        rng = random.Random(f"ftis-arith:{self.seed}:{split}:{index}:{','.join(operations)}")
+        if split == "ood":
+            steps, high = rng.randint(3, 4), 19
+        else:
+            steps, high = rng.randint(1, 2), 9
+        name = rng.choice(sorted(NAMES))
+        pronoun, item = NAMES[name], rng.choice(ITEMS)
+        total = rng.randint(1, high)
+        sentences = [f"{name} has {total} {item}."]
+        work = []
+        for _ in range(steps):
+            op = rng.choice(list(operations))
+            if op == "sub" and total <= 1:
+                op = "add" if "add" in operations else op
+            if op == "sub" and total > 1:
+                amount = rng.randint(1, min(high, total - 1))
+                sentences.append(f"{pronoun} gives away {amount}.")
+                work.append(f"{total}-{amount}={total - amount}.")
+                total -= amount
+            else:
+                amount = rng.randint(1, high)
+                sentences.append(f"{pronoun} gets {amount} more.")
+                work.append(f"{total}+{amount}={total + amount}.")
+                total += amount
+        sentences.append(f"How many {item} does {name} have now?")
+        return Problem(prompt_id, " ".join(sentences), " ".join(work), str(total))
+
+    def target(self, problem: Problem) -> str:
+        """The supervised completion for warm-up: worked steps then '#### answer'."""
+        return f"{problem.solution} #### {problem.answer}"
+
+    def vocabulary_text(self) -> list[str]:
+        """Every word and symbol a generated problem or answer can contain."""
+        words = list(NAMES) + list(NAMES.values()) + list(ITEMS)
+        words += "Q A has gives away gets more How many does have now ? . + - = ####".split()
+        return words
+
+
+def format_prompt(question: str) -> str:
+    """The prompt a model sees; the completion follows it directly."""
+    return f"Q: {question}\nA: "
+
+
+class JsonlTask:
+    """Problems from local JSONL files (GSM8K: question/answer with '#### x'; MATH-500: problem/answer).
+
+    Prompt ids are `make_prompt_id("file", line_index)` into `paths[split]`; the completion must end
+    with '#### answer' for the strict reward (as the GSM8K format asks).
+    """
+
+    def __init__(self, paths: dict[str, str]):
+        self.problems: dict[str, list[Problem]] = {}
+        for split, path in paths.items():
+            self.problems[split] = load_jsonl(path, split)
+
+    def split(self, name: str) -> list[Problem]:
+        if name not in self.problems:
+            raise ValueError(f"task: no JSONL file given for split {name!r}")
+        return self.problems[name]
+
+
+def load_jsonl(path: str, split: str) -> list[Problem]:
+    """Read GSM8K (`question`, `answer` '... #### x') or MATH-500 (`problem`, `answer`) lines."""
+    problems = []
+    offset = {"train": 0, "test": 1 << 40, "ood": 2 << 40}.get(split, 0)
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        question = row.get("question", row.get("problem"))
+        answer = str(row.get("answer", ""))
+        if question is None or not answer:
+            raise ValueError(f"{path}:{lineno + 1}: expected 'question'/'problem' and 'answer' fields")
+        solution = ""
+        if "####" in answer:
+            solution, answer = answer.rsplit("####", 1)
+        problems.append(
+            Problem(make_prompt_id("file", offset + lineno), question, solution.strip(), answer.strip())
+        )
+    return problems
