@@ -1,0 +1,59 @@
+"""Shared test setup.
+
+Without a GPU the Triton kernels run under Triton's CPU interpreter: TRITON_INTERPRET must be set
+before the first `triton.jit` decoration, so it is set here, before any test module imports the
+library. On a machine with CUDA the compiled kernels are tested instead.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=400,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where the op is tested: the GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests import numerics
+
+    if not numerics.MAX_ERRORS:
+        return
+    terminalreporter.section("property tests: largest error against the float64 reference")
+    terminalreporter.write_line(f"property examples run: {numerics.EXAMPLES['count']}")
+    for (dtype, impl, name), err in sorted(numerics.MAX_ERRORS.items()):
+        terminalreporter.write_line(f"{dtype:9s} {impl:7s} {name:18s} {err:.3e}")

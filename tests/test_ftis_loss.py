@@ -1,0 +1,309 @@
+"""Numerics of `ftis_loss` against the float64 reference, the method's invariants, edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+
+from ftis_kernels import ftis_loss
+from ftis_kernels.kernels import logp_lse
+from ftis_kernels.options import FILTERS, IS_LEVELS, IS_MODES, KL_ESTIMATORS, KL_REDUCTIONS, LOSS_TYPES
+from tests import numerics
+from tests.cases import Case, backend, ftis_loss_module, make_case, run_op, run_ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SCALAR_METRICS = ("filtered_frac", "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac")
+
+
+@pytest.fixture(autouse=True)
+def small_vocab_blocks(monkeypatch):
+    """Vocabulary blocks of 64 so that the tests' small V still exercise the multi-block loop."""
+    monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 64)
+    monkeypatch.setattr(logp_lse, "CPU_CHUNK_ELEMENTS", 256)
+
+
+def implementations(device: torch.device) -> list[str]:
+    """The internal paths runnable here: Triton (compiled on CUDA, interpreted on CPU) and torch."""
+    names = ["torch"]
+    if device.type == "cuda" or logp_lse.triton_is_interpreted():
+        names.insert(0, "triton")
+    return names
+
+
+def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
+    """Loss, every metric and the gradient of the op against the float64 oracle (numerics.py)."""
+    loss, metrics, grad = run_op(case, impl, **opts)
+    o_loss, o_metrics, o_grad = run_ref(case, torch.float64, **opts)
+    p_loss, p_metrics, _ = run_ref(case, torch.float32, **opts)
+    _, _, p_grad = run_ref(case, dtype, **opts)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert grad.dtype == dtype and grad.shape == case.logits.shape
+    check = numerics.assert_no_worse_than_plain
+    errors = {"loss": check("loss", loss, o_loss, p_loss, numerics.FP32)}
+    for name in ("logp", "kl", *SCALAR_METRICS):
+        errors[name] = check(name, metrics[name], o_metrics[name], p_metrics[name], numerics.FP32)
+    assert torch.equal(metrics["filtered"].cpu(), o_metrics["filtered"].cpu())
+    errors["grad"] = check("grad", grad, o_grad, p_grad, numerics.GRAD_MARGIN[dtype])
+    if record:
+        numerics.record(dtype, impl, errors)
+
+
+# --- properties against the reference --------------------------------------------------------
+
+options = st.fixed_dictionaries(
+    {
+        "is_mode": st.sampled_from(IS_MODES),
+        "is_level": st.sampled_from(IS_LEVELS),
+        "is_cap": st.sampled_from([2.0, 1.3, math.inf]),
+        "filter": st.sampled_from(FILTERS),
+        "kl_threshold": st.sampled_from([0.0, 0.4, 2.0, 50.0]),
+        "kl_estimator": st.sampled_from(KL_ESTIMATORS),
+        "kl_reduction": st.sampled_from(KL_REDUCTIONS),
+        "epsilon": st.sampled_from([0.2, 0.1]),
+        "epsilon_high": st.sampled_from([None, 0.28]),
+        "beta": st.sampled_from([0.0, 0.0, 0.04]),
+        "temperature": st.sampled_from([1.0, 0.7, 1.6]),
+        "loss_type": st.sampled_from(LOSS_TYPES),
+    }
+)
+
+
+@given(
+    B=st.integers(1, 4),
+    T=st.integers(1, 6),
+    V=st.one_of(st.integers(1, 70), st.sampled_from([127, 200, 257])),
+    dtype=st.sampled_from(DTYPES),
+    mask=st.sampled_from(["none", "random", "empty_row"]),
+    scale=st.sampled_from([0.5, 3.0]),
+    gen_spread=st.sampled_from([0.05, 1.0, 4.0]),
+    with_old=st.booleans(),
+    zero_advantage=st.booleans(),
+    seed=st.integers(0, 2**16),
+    opts=options,
+)
+def test_matches_reference_on_loss_metrics_and_grad(
+    B, T, V, dtype, mask, scale, gen_spread, with_old, zero_advantage, seed, opts
+):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    case = make_case(B, T, V, dtype, seed=seed, mask=mask, scale=scale, gen_spread=gen_spread,
+                     with_old=with_old, with_ref=opts["beta"] > 0, zero_advantage=zero_advantage,
+                     device=device)  # fmt: skip
+    numerics.count_example()
+    for impl in implementations(device):
+        check_against_reference(case, dtype, impl, record=True, **opts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_defaults_match_reference_for_each_dtype_and_path(dtype, device):
+    case = make_case(3, 5, 203, dtype, seed=1, gen_spread=3.0, device=device)
+    for impl in implementations(device):
+        check_against_reference(case, dtype, impl)
+
+
+# --- the method's invariants -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_mode", IS_MODES)
+@pytest.mark.parametrize("is_level", IS_LEVELS)
+def test_on_policy_gen_logprobs_reduce_every_is_mode_to_plain_grpo(is_mode, is_level, device):
+    case = make_case(3, 6, 90, seed=2, device=device)
+    _, metrics, _ = run_op(case)
+    on_policy = Case(case.logits, case.tokens, metrics["logp"], case.advantages, case.mask,
+                     case.old_logprobs)
+    plain = run_op(on_policy, is_mode="none", filter=None)
+    got = run_op(on_policy, is_mode=is_mode, is_level=is_level)
+    assert torch.equal(got[0], plain[0])
+    assert torch.equal(got[2], plain[2])
+    assert float(got[1]["is_weight_mean"]) == 1.0 and float(got[1]["filtered_frac"]) == 0.0
+
+
+def test_tis_with_infinite_cap_is_vis(device):
+    case = make_case(4, 5, 77, seed=3, gen_spread=3.0, device=device)
+    tis = run_op(case, is_mode="tis", is_cap=math.inf)
+    vis = run_op(case, is_mode="vis")
+    assert torch.equal(tis[0], vis[0]) and torch.equal(tis[2], vis[2])
+    assert float(tis[1]["is_truncated_frac"]) == 0.0
+
+
+def test_filtered_sample_contributes_no_gradient(device):
+    case = make_case(3, 5, 64, seed=4, mask="none", gen_spread=6.0, device=device)
+    adv = torch.tensor([-1.0, 0.5, -0.3], device=device)
+    case = Case(case.logits, case.tokens, case.gen_logprobs, adv, None, case.old_logprobs)
+    loss, metrics, grad = run_op(case, kl_threshold=1.0)
+    assert metrics["filtered"].tolist() == [True, False, True]
+    assert torch.count_nonzero(grad[0]) == 0 and torch.count_nonzero(grad[2]) == 0
+    assert torch.count_nonzero(grad[1]) > 0
+    # The filtered samples' advantage is 0, yet they still count in the grpo mean over B.
+    single = Case(case.logits[1:2], case.tokens[1:2], case.gen_logprobs[1:2], adv[1:2],
+                            None, case.old_logprobs[1:2])  # fmt: skip
+    alone, _, _ = run_op(single, kl_threshold=1.0)
+    numerics.assert_close("loss", loss * 3, alone)
+
+
+@pytest.mark.parametrize("opts", [{}, {"is_level": "sequence", "beta": 0.1, "temperature": 0.8}])
+def test_sample_loss_and_gradient_do_not_depend_on_other_samples(opts, device):
+    case = make_case(4, 6, 70, seed=5, with_ref=True, device=device)
+    loss, _, grad = run_op(case, **opts)
+    per_sample = []
+    for b in range(4):
+        one = Case(*(t[b : b + 1] if t is not None else None for t in
+                               (case.logits, *case.inputs)))  # fmt: skip
+        l_b, _, g_b = run_op(one, **opts)
+        per_sample.append(l_b)
+        numerics.assert_close(f"grad[{b}]", grad[b] * 4, g_b[0])
+    numerics.assert_close("loss", loss, torch.stack(per_sample).mean())
+
+
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), -float("inf"), 1e4])
+def test_logits_at_masked_positions_change_nothing(garbage, device):
+    case = make_case(3, 6, 100, seed=6, mask="empty_row", device=device)
+    for impl in implementations(device):
+        loss, metrics, grad = run_op(case, impl)
+        dirty = case.logits.clone()
+        dirty[~case.mask] = garbage
+        loss2, metrics2, grad2 = run_op(case, impl, logits=dirty)
+        assert torch.equal(loss, loss2)
+        for name in metrics:
+            assert torch.equal(metrics[name], metrics2[name]), name
+        assert torch.equal(grad, grad2)
+        assert torch.count_nonzero(grad2[~case.mask]) == 0
+
+
+# --- edge cases --------------------------------------------------------------------------------
+
+
+def test_all_tokens_masked_gives_zero_loss_and_grad(device):
+    case = make_case(2, 4, 50, seed=7, mask="all_off", device=device)
+    for impl in implementations(device):
+        loss, metrics, grad = run_op(case, impl, beta=0.0)
+        assert float(loss) == 0.0 and torch.count_nonzero(grad) == 0
+        assert all(torch.isfinite(metrics[name]).all() for name in SCALAR_METRICS)
+
+
+@pytest.mark.parametrize("filter", ["negative", "negative_offpolicy", "negative_or_offpolicy"])
+def test_every_sample_filtered_gives_finite_zero_loss_and_grad(filter, device):
+    case = make_case(3, 5, 60, seed=8, gen_spread=8.0, device=device)
+    case = Case(case.logits, case.tokens, case.gen_logprobs,
+                          -case.advantages.abs() - 0.1, case.mask, case.old_logprobs)  # fmt: skip
+    for impl in implementations(device):
+        loss, metrics, grad = run_op(case, impl, filter=filter, kl_threshold=0.5, is_mode="vis")
+        assert bool(metrics["filtered"].all())
+        assert float(loss) == 0.0 and torch.count_nonzero(grad) == 0
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 7), (5, 1)])
+def test_single_token_and_single_sample_batches(B, T, device):
+    case = make_case(B, T, 129, seed=9, mask="none", device=device)
+    for impl in implementations(device):
+        check_against_reference(case, torch.float32, impl)
+
+
+def test_vocabulary_of_one_token(device):
+    case = make_case(2, 3, 1, seed=10, device=device)
+    loss, metrics, grad = run_op(case)
+    assert torch.count_nonzero(metrics["logp"]) == 0 and torch.count_nonzero(grad) == 0
+
+
+@pytest.mark.parametrize("layout", ["vocab_slice", "transposed", "time_stride"])
+def test_non_contiguous_logits(layout, device):
+    case = make_case(3, 4, 97, seed=11, device=device)
+    if layout == "vocab_slice":
+        big = torch.randn(3, 4, 130, device=device)
+        big[..., :97] = case.logits
+        view = big[..., :97]
+    elif layout == "transposed":
+        view = case.logits.transpose(0, 1).contiguous().transpose(0, 1)
+    else:
+        big = torch.randn(3, 8, 97, device=device)
+        big[:, ::2] = case.logits
+        view = big[:, ::2]
+    assert not view.is_contiguous()
+    for impl in implementations(device):
+        want = run_op(case, impl)
+        x = view.detach().requires_grad_()
+        with backend(impl):
+            loss, _ = ftis_loss(x, *case.inputs)
+            (grad,) = torch.autograd.grad(loss, x)
+        assert torch.equal(loss, want[0]) and torch.equal(grad, want[2])
+
+
+def test_int32_tokens_give_the_int64_result(device):
+    case = make_case(2, 5, 80, seed=12, device=device)
+    want = run_op(case)
+    case32 = Case(case.logits, case.tokens.int(), *case.inputs[1:])
+    got = run_op(case32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+def test_large_logits_do_not_overflow(device):
+    case = make_case(2, 4, 150, seed=13, scale=1e4, gen_spread=0.0, device=device)
+    for impl in implementations(device):
+        loss, metrics, grad = run_op(case, impl)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(metrics["logp"]).all()
+        check_against_reference(case, torch.float32, impl)
+
+
+def test_inplace_backward_writes_the_same_gradient_into_the_logits(device):
+    case = make_case(3, 4, 101, torch.bfloat16, seed=14, device=device)
+    for impl in implementations(device):
+        _, _, want = run_op(case, impl)
+        leaf = case.logits.clone().requires_grad_()
+        logits = leaf * 1.0  # a non-leaf, like the output of an lm-head
+        with backend(impl):
+            loss, _ = ftis_loss(logits, *case.inputs, inplace_backward=True)
+            (grad,) = torch.autograd.grad(loss, logits)
+        assert torch.equal(grad, want)
+        assert grad.data_ptr() == logits.data_ptr(), "no new (B, T, V) buffer"
+
+
+def test_gradient_scales_with_the_incoming_gradient(device):
+    case = make_case(2, 3, 40, seed=15, device=device)
+    x = case.logits.clone().requires_grad_()
+    loss, _ = ftis_loss(x, *case.inputs)
+    (g1,) = torch.autograd.grad(loss, x, retain_graph=True)
+    (g3,) = torch.autograd.grad(loss * 3.0, x)
+    numerics.assert_close("grad", g3, 3.0 * g1)
+
+
+def test_no_gradient_flows_to_logprob_inputs(device):
+    case = make_case(2, 3, 40, seed=16, with_ref=True, device=device)
+    gen = case.gen_logprobs.clone().requires_grad_()
+    x = case.logits.clone().requires_grad_()
+    loss, metrics = ftis_loss(x, case.tokens, gen, case.advantages, case.mask,
+                              case.old_logprobs, case.ref_logprobs, beta=0.1)  # fmt: skip
+    loss.backward()
+    assert gen.grad is None and x.grad is not None
+    assert all(not m.requires_grad for m in metrics.values())
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+
+
+def test_cpu_dispatch_follows_the_interpreter():
+    want = "triton" if logp_lse.triton_is_interpreted() else "torch"
+    assert ftis_loss_module.select_backend(torch.device("cpu")) == want
+    assert ftis_loss_module.select_backend(torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="logits"):
+        ftis_loss_module.select_backend(torch.device("meta"))
+
+
+def test_triton_and_torch_paths_agree(device):
+    paths = implementations(device)
+    if len(paths) < 2:
+        pytest.skip("Triton is neither compiled (CUDA) nor interpreted here")
+    case = make_case(3, 5, 150, torch.bfloat16, seed=17, device=device)
+    tri, tor = run_op(case, "triton"), run_op(case, "torch")
+    numerics.assert_close("loss", tri[0], tor[0])
+    numerics.assert_close("grad", tri[2], tor[2], numerics.GRAD_MARGIN[torch.bfloat16])
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_use_the_compiled_kernels():
+    case = make_case(4, 16, 1000, torch.bfloat16, seed=18, device="cuda")
+    assert ftis_loss_module.select_backend(case.logits.device) == "triton"
+    check_against_reference(case, torch.bfloat16, "triton")
