@@ -20,7 +20,7 @@ import torch
 from ftis_kernels.kernels import logp_lse
 from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
-from ftis_kernels.validate import LOGIT_DTYPES, check_tensor, validate_row_inputs
+from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_values, check_tensor
 
 METRIC_NAMES = (
     "logp",
@@ -47,29 +47,107 @@ _FORWARD = {"triton": logp_lse.logp_lse_fwd, "torch": logp_lse.logp_lse_fwd_torc
 _BACKWARD = {"triton": logp_lse.logits_bwd, "torch": logp_lse.logits_bwd_torch}
 
 
-class FTISLossFunction(torch.autograd.Function):
-    """Autograd wrapper: outputs (loss, *metrics in METRIC_NAMES order); gradient to logits only."""
+# The op is registered with torch.library so that torch.compile(fullgraph=True) sees one opaque
+# node with a fake (shape-only) implementation and an autograd formula, instead of graph-breaking
+# on Triton launches and data-dependent Python. The options travel unpacked: a custom op's schema
+# takes tensors and plain scalars only.
 
-    @staticmethod
-    def forward(ctx, logits, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs,
-                opt: FTISOptions, inplace_backward: bool, backend: str):  # fmt: skip
-        logp, lse = _FORWARD[backend](logits, tokens, mask, opt.temperature)
-        result = per_sample_loss(logp, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, opt)
-        ctx.save_for_backward(logits, tokens, lse, result.coef)
-        ctx.temperature = opt.temperature
-        ctx.inplace_backward = inplace_backward
-        ctx.backend = backend
-        metrics = tuple(result.metrics[name] for name in METRIC_NAMES)
-        ctx.mark_non_differentiable(*metrics)
-        return (result.loss, *metrics)
 
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        logits, tokens, lse, coef = ctx.saved_tensors
-        coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
-        out = logits if ctx.inplace_backward else torch.empty_like(logits)
-        dlogits = _BACKWARD[ctx.backend](logits, tokens, lse, coef, ctx.temperature, out)
-        return (dlogits,) + (None,) * 9
+@torch.library.custom_op("ftis_kernels::ftis_loss_fwd", mutates_args=())
+def _ftis_loss_fwd(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    old_logprobs: Optional[torch.Tensor],
+    ref_logprobs: Optional[torch.Tensor],
+    is_mode: str,
+    is_level: str,
+    is_cap: float,
+    filter: Optional[str],
+    kl_threshold: float,
+    kl_estimator: str,
+    kl_reduction: str,
+    epsilon: float,
+    epsilon_high: Optional[float],
+    beta: float,
+    temperature: float,
+    loss_type: str,
+    inplace_backward: bool,
+    backend: str,
+) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 3)]:  # type: ignore[misc]
+    """(loss, *metrics in METRIC_NAMES order, lse (B, T), coef (B, T)). Checks the input values
+    first: here they run eagerly even under torch.compile."""
+    check_row_values(logits.shape[-1], tokens, gen_logprobs, advantages, mask, old_logprobs,
+                     ref_logprobs)  # fmt: skip
+    opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
+                      epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
+    m = None if mask is None else mask != 0
+    logp, lse = _FORWARD[backend](logits, tokens, m, temperature)
+    result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
+    return (result.loss, *(result.metrics[name] for name in METRIC_NAMES), lse, result.coef)
+
+
+@_ftis_loss_fwd.register_fake
+def _(logits, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
+    B, T, _ = logits.shape
+    scalar = logits.new_empty((), dtype=torch.float32)
+    per_token = logits.new_empty((B, T), dtype=torch.float32)
+    return (
+        scalar,  # loss
+        per_token,  # logp
+        logits.new_empty((B,), dtype=torch.float32),  # kl
+        logits.new_empty((B,), dtype=torch.bool),  # filtered
+        *(torch.empty_like(scalar) for _ in range(5)),  # scalar metrics
+        torch.empty_like(per_token),  # lse
+        torch.empty_like(per_token),  # coef
+    )
+
+
+@torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
+def _ftis_loss_bwd(
+    logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+    temperature: float, backend: str,
+) -> torch.Tensor:  # fmt: skip
+    """d loss / d logits (B, T, V) in a new buffer; coef already scaled by the incoming gradient."""
+    return _BACKWARD[backend](logits, tokens, lse, coef, temperature, torch.empty_like(logits))
+
+
+@_ftis_loss_bwd.register_fake
+def _(logits, tokens, lse, coef, temperature, backend):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("ftis_kernels::ftis_loss_bwd_", mutates_args=("logits",))
+def _ftis_loss_bwd_inplace(
+    logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+    temperature: float, backend: str,
+) -> None:  # fmt: skip
+    """d loss / d logits written over the logits themselves."""
+    _BACKWARD[backend](logits, tokens, lse, coef, temperature, logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, tokens = inputs[0], inputs[1]
+    lse, coef = output[-2], output[-1]
+    ctx.save_for_backward(logits, tokens, lse, coef)
+    ctx.temperature, ctx.inplace_backward, ctx.backend = inputs[17], inputs[19], inputs[20]
+
+
+def _backward(ctx, grad_loss, *_):
+    logits, tokens, lse, coef = ctx.saved_tensors
+    coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
+    if ctx.inplace_backward:
+        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, lse, coef, ctx.temperature, ctx.backend)
+        dlogits = logits
+    else:
+        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, lse, coef, ctx.temperature,
+                                                       ctx.backend)  # fmt: skip
+    return (dlogits,) + (None,) * 20
+
+
+_ftis_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ftis_loss(
@@ -134,12 +212,15 @@ def ftis_loss(
     B, T, V = logits.shape
     check_tensor("logits", logits, (B, T, V), LOGIT_DTYPES, logits.device)
     backend = select_backend(logits.device)
-    mask = validate_row_inputs(B, T, V, logits.device, tokens, gen_logprobs, advantages, mask,
-                               old_logprobs, ref_logprobs, beta)  # fmt: skip
-    loss, *metrics = FTISLossFunction.apply(
+    check_row_tensors(B, T, logits.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
+                      ref_logprobs, beta)  # fmt: skip
+    loss, *metrics, _, _ = _ftis_loss_fwd(
         logits, tokens, gen_logprobs.detach(), advantages.detach(), mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
-        opt, bool(inplace_backward), backend,
+        opt.is_mode, opt.is_level, float(opt.is_cap), opt.filter, float(opt.kl_threshold),
+        opt.kl_estimator, opt.kl_reduction, float(opt.epsilon),
+        None if opt.epsilon_high is None else float(opt.epsilon_high), float(opt.beta),
+        float(opt.temperature), opt.loss_type, bool(inplace_backward), backend,
     )  # fmt: skip
-    return loss, dict(zip(METRIC_NAMES, metrics))
+    return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}

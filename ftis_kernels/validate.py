@@ -49,10 +49,9 @@ def check_tensor(
     return x
 
 
-def validate_row_inputs(
+def check_row_tensors(
     B: int,
     T: int,
-    V: int,
     device: torch.device,
     tokens: object,
     gen_logprobs: object,
@@ -61,13 +60,8 @@ def validate_row_inputs(
     old_logprobs: object,
     ref_logprobs: object,
     beta: float,
-) -> Optional[torch.Tensor]:
-    """Checks everything but the logits (or hidden states) of the F-TIS ops.
-
-    Token ids are checked at every position (they index memory); gen/old/ref logprobs only at
-    completion positions, where they are used (padding may hold anything there). Returns the mask
-    as a bool tensor, or None when it is None.
-    """
+) -> None:
+    """Shapes, dtypes and devices of everything but the logits (or hidden states): no sync."""
     check_tensor("tokens", tokens, (B, T), TOKEN_DTYPES, device)
     check_tensor("gen_logprobs", gen_logprobs, (B, T), None, device, floating=True)
     check_tensor("advantages", advantages, (B,), None, device, floating=True)
@@ -81,8 +75,20 @@ def validate_row_inputs(
     if beta > 0 and ref_logprobs is None:
         _fail("ref_logprobs", "a (B, T) tensor when beta > 0", None)
 
-    m = None if mask is None else mask != 0
-    keep = torch.ones((), dtype=torch.bool, device=device) if m is None else m
+
+def check_row_values(
+    V: int,
+    tokens: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    old_logprobs: Optional[torch.Tensor],
+    ref_logprobs: Optional[torch.Tensor],
+) -> None:
+    """Values, with one synchronisation. Token ids are checked at every position (they index
+    memory); gen/old/ref logprobs only at completion positions, where they are used (padding may
+    hold anything there)."""
+    keep = torch.ones((), dtype=torch.bool, device=tokens.device) if mask is None else mask != 0
     bad = [
         ("tokens", f"ids in [0, {V}) at every position (pad masked positions with a valid id)",
          ((tokens < 0) | (tokens >= V)).any()),
@@ -90,7 +96,7 @@ def validate_row_inputs(
          (~(torch.isfinite(gen_logprobs) & (gen_logprobs <= 0)) & keep).any()),
         ("advantages", "finite values", (~torch.isfinite(advantages)).any()),
     ]  # fmt: skip
-    if mask is not None and not mask.dtype == torch.bool:
+    if mask is not None and mask.dtype != torch.bool:
         bad.append(("mask", "bool or 0/1 values", ((mask != 0) & (mask != 1)).any()))
     for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if x is not None:
@@ -100,4 +106,23 @@ def validate_row_inputs(
     for (name, expected, _), is_bad in zip(bad, flags):
         if is_bad:
             _fail(name, expected, "values outside that")
-    return m
+
+
+def validate_row_inputs(
+    B: int,
+    T: int,
+    V: int,
+    device: torch.device,
+    tokens: object,
+    gen_logprobs: object,
+    advantages: object,
+    mask: object,
+    old_logprobs: object,
+    ref_logprobs: object,
+    beta: float,
+) -> Optional[torch.Tensor]:
+    """`check_row_tensors` then `check_row_values`. Returns the mask as a bool tensor, or None."""
+    check_row_tensors(B, T, device, tokens, gen_logprobs, advantages, mask, old_logprobs,
+                      ref_logprobs, beta)  # fmt: skip
+    check_row_values(V, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
+    return None if mask is None else mask != 0
