@@ -34,7 +34,7 @@ from ftis_kernels.ftis_loss import METRIC_NAMES, select_backend
 from ftis_kernels.kernels import logp_lse
 from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
-from ftis_kernels.validate import LOGIT_DTYPES, check_tensor, validate_row_inputs
+from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_values, check_tensor
 
 # With chunk_size=None, a chunk holds at most this many logits (2^26: 128 MiB in bf16, 256 MiB in
 # fp32, i.e. 441 rows of Qwen2.5's 151,936-token vocabulary).
@@ -157,33 +157,123 @@ def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tu
     return mask.nonzero(as_tuple=True)
 
 
-class FTISLinearLossFunction(torch.autograd.Function):
-    """Autograd wrapper: outputs (loss, *metrics in METRIC_NAMES order); gradients to hidden,
-    weight and bias."""
+# Registered with torch.library like `ftis_loss`, so that torch.compile(fullgraph=True) sees one
+# opaque node per pass with a fake (shape-only) implementation and an autograd formula. The
+# options travel unpacked: a custom op's schema takes tensors and plain scalars only.
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, gen_logprobs, advantages, mask, old_logprobs,
-                ref_logprobs, opt: FTISOptions, chunk_size: int, backend: str):  # fmt: skip
-        B, T, _ = hidden.shape
-        rows = _completion_rows(mask, B, T, hidden.device)
-        logp, lse = linear_logp_lse(hidden, weight, bias, tokens, rows, opt.temperature, chunk_size, backend)
-        result = per_sample_loss(logp, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, opt)
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse, result.coef)
-        ctx.temperature = opt.temperature
-        ctx.chunk_size = chunk_size
-        ctx.backend = backend
-        metrics = tuple(result.metrics[name] for name in METRIC_NAMES)
-        ctx.mark_non_differentiable(*metrics)
-        return (result.loss, *metrics)
 
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        hidden, weight, bias, tokens, lse, coef = ctx.saved_tensors
-        coef = coef * (grad_loss.float() / ctx.temperature)
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        grads = linear_grads(hidden, weight, bias, tokens, lse, coef, ctx.temperature, ctx.chunk_size,
-                             ctx.backend, needs)  # fmt: skip
-        return (*grads,) + (None,) * 9
+@torch.library.custom_op("ftis_kernels::ftis_linear_loss_fwd", mutates_args=())
+def _ftis_linear_loss_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    tokens: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    old_logprobs: Optional[torch.Tensor],
+    ref_logprobs: Optional[torch.Tensor],
+    is_mode: str,
+    is_level: str,
+    is_cap: float,
+    filter: Optional[str],
+    kl_threshold: float,
+    kl_estimator: str,
+    kl_reduction: str,
+    epsilon: float,
+    epsilon_high: Optional[float],
+    beta: float,
+    temperature: float,
+    loss_type: str,
+    chunk_size: int,
+    backend: str,
+) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 3)]:  # type: ignore[misc]
+    """(loss, *metrics in METRIC_NAMES order, lse (B, T), coef (B, T)). Checks the input values
+    first: here they run eagerly even under torch.compile."""
+    check_row_values(weight.shape[0], tokens, gen_logprobs, advantages, mask, old_logprobs,
+                     ref_logprobs)  # fmt: skip
+    opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
+                      epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
+    B, T, _ = hidden.shape
+    m = None if mask is None else mask != 0
+    rows = _completion_rows(m, B, T, hidden.device)
+    logp, lse = linear_logp_lse(hidden, weight, bias, tokens, rows, temperature, chunk_size, backend)
+    result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
+    return (result.loss, *(result.metrics[name] for name in METRIC_NAMES), lse, result.coef)
+
+
+@_ftis_linear_loss_fwd.register_fake
+def _(hidden, weight, bias, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
+    B, T, _ = hidden.shape
+    scalar = hidden.new_empty((), dtype=torch.float32)
+    per_token = hidden.new_empty((B, T), dtype=torch.float32)
+    return (
+        scalar,  # loss
+        per_token,  # logp
+        hidden.new_empty((B,), dtype=torch.float32),  # kl
+        hidden.new_empty((B,), dtype=torch.bool),  # filtered
+        *(torch.empty_like(scalar) for _ in range(5)),  # scalar metrics
+        torch.empty_like(per_token),  # lse
+        torch.empty_like(per_token),  # coef
+    )
+
+
+@torch.library.custom_op("ftis_kernels::ftis_linear_loss_bwd", mutates_args=())
+def _ftis_linear_loss_bwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    tokens: torch.Tensor,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    backend: str,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed (a custom
+    op returns no None). coef already scaled by the incoming gradient and 1 / temperature."""
+    grads = linear_grads(hidden, weight, bias, tokens, lse, coef, temperature, chunk_size, backend,
+                         (need_hidden, need_weight, need_bias))  # fmt: skip
+    return tuple(hidden.new_empty(0) if g is None else g for g in grads)
+
+
+@_ftis_linear_loss_bwd.register_fake
+def _(hidden, weight, bias, tokens, lse, coef, temperature, chunk_size, backend, need_hidden,
+      need_weight, need_bias):  # fmt: skip
+    return (
+        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if need_weight else hidden.new_empty(0),
+        weight.new_empty(weight.shape[0]) if need_bias else hidden.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, tokens = inputs[:4]
+    lse, coef = output[-2], output[-1]
+    ctx.save_for_backward(hidden, weight, bias, tokens, lse, coef)
+    ctx.temperature, ctx.chunk_size, ctx.backend = inputs[19], inputs[21], inputs[22]
+
+
+def _backward(ctx, grad_loss, *_):
+    hidden, weight, bias, tokens, lse, coef = ctx.saved_tensors
+    coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
+    needs = ctx.needs_input_grad
+    need_bias = bias is not None and needs[2]
+    grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
+        hidden, weight, bias, tokens, lse, coef, ctx.temperature, ctx.chunk_size, ctx.backend,
+        needs[0], needs[1], need_bias,
+    )  # fmt: skip
+    return (
+        grad_hidden if needs[0] else None,
+        grad_weight if needs[1] else None,
+        grad_bias if need_bias else None,
+    ) + (None,) * 20
+
+
+_ftis_linear_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_linear_inputs(hidden: object, weight: object, bias: object, chunk_size: object) -> tuple[int, int, int, int]:
@@ -193,6 +283,8 @@ def _check_linear_inputs(hidden: object, weight: object, bias: object, chunk_siz
                          f"{hidden.shape if isinstance(hidden, torch.Tensor) else hidden!r}")  # fmt: skip
     B, T, H = hidden.shape
     check_tensor("hidden", hidden, (B, T, H), LOGIT_DTYPES, hidden.device)
+    if hidden.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"hidden: expected a CUDA or CPU tensor, got a tensor on {hidden.device}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < 1:
         raise ValueError(f"weight: expected a (V, {H}) tensor with V >= 1, got "
                          f"{weight.shape if isinstance(weight, torch.Tensor) else weight!r}")  # fmt: skip
@@ -261,12 +353,16 @@ def ftis_linear_loss(
     )  # fmt: skip
     B, T, H, V = _check_linear_inputs(hidden, weight, bias, chunk_size)
     backend = select_backend(hidden.device)
-    mask = validate_row_inputs(B, T, V, hidden.device, tokens, gen_logprobs, advantages, mask,
-                               old_logprobs, ref_logprobs, beta)  # fmt: skip
-    loss, *metrics = FTISLinearLossFunction.apply(
+    check_row_tensors(B, T, hidden.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
+                      ref_logprobs, beta)  # fmt: skip
+    loss, *metrics, _, _ = _ftis_linear_loss_fwd(
         hidden, weight, bias, tokens, gen_logprobs.detach(), advantages.detach(), mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
-        opt, auto_chunk_size(V) if chunk_size is None else chunk_size, backend,
+        opt.is_mode, opt.is_level, float(opt.is_cap), opt.filter, float(opt.kl_threshold),
+        opt.kl_estimator, opt.kl_reduction, float(opt.epsilon),
+        None if opt.epsilon_high is None else float(opt.epsilon_high), float(opt.beta),
+        float(opt.temperature), opt.loss_type,
+        auto_chunk_size(V) if chunk_size is None else int(chunk_size), backend,
     )  # fmt: skip
-    return loss, dict(zip(METRIC_NAMES, metrics))
+    return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}
