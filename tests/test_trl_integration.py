@@ -1,0 +1,235 @@
+"""FTISGRPOTrainer inside TRL's real GRPOTrainer loop, on CPU, with no download.
+
+A tiny Qwen2 built from a config and a character-level tokenizer are saved to a temporary folder
+and loaded by path (TRL builds its reference model from that path when beta > 0). Plain
+`GRPOTrainer` and `FTISGRPOTrainer` then train from the same folder with the same seed, so they
+generate the same batches; with F-TIS reduced to TRL's loss, every step's loss and the weights
+after the run must agree. SGD keeps a weight difference proportional to a gradient difference.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+trl = pytest.importorskip("trl")
+
+import math  # noqa: E402
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from ftis_kernels.integrations.trl import FTISGRPOConfig, FTISGRPOTrainer  # noqa: E402
+
+PROMPTS = ["1+2=", "3+4=", "5+1=", "2+2=", "7+1=", "4+4=", "9+0=", "6+3="]
+LOSS_TOL = 1e-5  # fp32, per step
+WEIGHT_TOL = 1e-6  # after 2 SGD steps at lr 0.5: gradients agree to ~1e-6
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<eos>": 1}
+    for ch in "abcdefghijklmnopqrstuvwxyz0123456789 +=?.":
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def _tiny_qwen2(vocab_size: int, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    tok = _tokenizer()
+    _tiny_qwen2(len(tok), seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _vowel_reward(completions, **kwargs) -> list[float]:
+    return [sum(ch in "aeiou" for ch in c) / (1 + len(c)) for c in completions]
+
+
+def _train(trainer_cls, config_cls, model_dir, out_dir, rollout_func=None, **overrides):
+    """Runs 2 optimisation steps; returns the trainer and, per compute_loss call, the batch's
+    completion ids, its advantages and the loss."""
+    options = dict(
+        output_dir=str(out_dir), per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=8, max_steps=2, logging_steps=1, learning_rate=0.5, optim="sgd",
+        seed=0, use_cpu=True, bf16=False, activation_checkpointing=False, report_to="none",
+        save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    options.update(overrides)
+    trainer = trainer_cls(
+        model=model_dir, reward_funcs=_vowel_reward, args=config_cls(**options),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=_tokenizer(),
+        rollout_func=rollout_func,
+    )  # fmt: skip
+    records = []
+    compute_loss = trainer.compute_loss
+
+    def recording_compute_loss(model, inputs, *args, **kwargs):
+        loss = compute_loss(model, inputs, *args, **kwargs)
+        records.append((inputs["completion_ids"].clone(), inputs["advantages"].clone(), loss.item()))
+        return loss
+
+    trainer.compute_loss = recording_compute_loss
+    trainer.train()
+    return trainer, records
+
+
+REDUCTION_CASES = {
+    # Generation every 2 micro-batches: TRL's dapo divides by the generation batch's token count.
+    "dapo-on-policy-gradient-accumulation": dict(loss_type="dapo", per_device_train_batch_size=4,
+                                                 gradient_accumulation_steps=2),  # fmt: skip
+    "grpo-beta-ref-epsilon_high-temperature-2-iterations": dict(
+        loss_type="grpo", beta=0.1, use_bias_correction_kl=False, epsilon_high=0.28,
+        temperature=0.7, num_iterations=2,
+    ),  # fmt: skip
+    # Completions of at most 5 tokens: TRL's dr_grpo divides by max_completion_length (8), not T.
+    "dr_grpo-2-iterations-short-rollouts": dict(loss_type="dr_grpo", num_iterations=2, peer_tokens=5),
+    "bnpo-gradient-accumulation": dict(loss_type="bnpo", per_device_train_batch_size=4,
+                                       gradient_accumulation_steps=2),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(REDUCTION_CASES))
+def test_without_is_and_filter_each_step_loss_and_the_weights_equal_trl_grpo(case, model_dir, tmp_path):
+    options = dict(REDUCTION_CASES[case])
+    peer_tokens = options.pop("peer_tokens", None)
+
+    def rollout():
+        return None if peer_tokens is None else PeerRollout(_tokenizer(), seed=1, max_new_tokens=peer_tokens)
+
+    trl_trainer, trl_steps = _train(trl.GRPOTrainer, trl.GRPOConfig, model_dir, tmp_path / "trl",
+                                    rollout_func=rollout(), **options)  # fmt: skip
+    ftis_trainer, ftis_steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path / "ftis",
+                                      rollout_func=rollout(), is_mode="none", filter=None, **options)  # fmt: skip
+
+    assert len(ftis_steps) == len(trl_steps) >= 2
+    for step, ((trl_ids, _, trl_loss), (ftis_ids, _, ftis_loss)) in enumerate(zip(trl_steps, ftis_steps)):
+        assert torch.equal(trl_ids, ftis_ids), f"micro-step {step}: the two trainers saw different batches"
+        assert abs(ftis_loss - trl_loss) <= LOSS_TOL, f"micro-step {step}: F-TIS {ftis_loss!r} vs TRL {trl_loss!r}"
+    trl_weights = dict(trl_trainer.model.named_parameters())
+    for name, weight in ftis_trainer.model.named_parameters():
+        err = (weight - trl_weights[name]).abs().max().item()
+        assert err <= WEIGHT_TOL, f"{name}: weights after 2 steps differ by {err:.3e}"
+    assert any(step["loss"] != 0 for step in ftis_trainer.state.log_history if "loss" in step)
+
+
+class PeerRollout:
+    """Another node's generator: a differently initialised tiny Qwen2 samples each completion and
+    reports its per-token logprobs, the way the swarm does (TRL's `rollout_func` hook)."""
+
+    def __init__(self, tokenizer, seed: int, max_new_tokens: int = 8, temperature: float = 1.0):
+        self.tokenizer, self.max_new_tokens, self.temperature = tokenizer, max_new_tokens, temperature
+        self.model = _tiny_qwen2(len(tokenizer), seed=seed).eval()
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, prompts, trainer):
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for prompt in prompts:
+            ids = self.tokenizer(prompt)["input_ids"]
+            completion, logprobs = [], []
+            for _ in range(self.max_new_tokens):
+                logits = self.model(torch.tensor([ids + completion])).logits[0, -1] / self.temperature
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                token = torch.multinomial(logp.exp(), 1, generator=self.generator).item()
+                completion.append(token)
+                logprobs.append(logp[token].item())
+                if token == self.tokenizer.eos_token_id:
+                    break
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(completion)
+            out["logprobs"].append(logprobs)
+        return out
+
+
+def test_ftis_metrics_are_logged_and_pi_gen_is_the_rollout_logprobs(model_dir, tmp_path):
+    # With g = 0 every off-policy sample (KL > 0) counts as far off-policy, so the paper's filter
+    # zeroes exactly the samples with A <= 0: the logged fraction must be theirs. Had pi_gen been
+    # the trainer's own logprobs (KL = 0), nothing would be filtered.
+    trainer, steps = _train(
+        FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, rollout_func=PeerRollout(_tokenizer(), seed=1),
+        is_mode="tis", is_cap=2.0, filter="negative_offpolicy", kl_threshold=0.0, loss_type="grpo",
+    )  # fmt: skip
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry and "train_loss" not in entry]
+    assert len(logged) == len(steps) == 2
+    for entry, (_, advantages, _) in zip(logged, steps):
+        for name in ("ftis/kl_mean", "ftis/filtered_frac", "ftis/is_weight_mean", "ftis/is_truncated_frac",
+                     "ftis/clip_frac"):  # fmt: skip
+            assert name in entry and math.isfinite(entry[name]), f"{name} missing or not finite in {entry}"
+        assert entry["ftis/kl_mean"] > 0
+        assert entry["ftis/filtered_frac"] == pytest.approx((advantages <= 0).float().mean().item(), abs=1e-6)
+        assert 0 < entry["ftis/is_weight_mean"] <= 2.0
+        assert entry["ftis/is_weight_mean"] != pytest.approx(1.0, abs=1e-3)
+        assert 0 <= entry["ftis/is_truncated_frac"] <= 1
+
+
+REFUSED = [
+    ("loss_type", "cispo"),
+    ("loss_type", "sapo"),
+    ("importance_sampling_level", "sequence"),
+    ("delta", 1.5),
+    ("off_policy_mask_threshold", 0.5),
+    ("top_entropy_quantile", 0.2),
+    ("entropy_coef", 0.01),
+    ("use_adaptive_entropy", True),
+    ("ftis_op", "ftis_lossy"),
+    ("is_mode", "sis"),
+    ("is_cap", 0.0),
+    ("kl_estimator", "k4"),
+    ("epsilon_high", 3.0),
+]
+
+
+@pytest.mark.parametrize("option,value", REFUSED, ids=[f"{o}={v}" for o, v in REFUSED])
+def test_config_refuses_what_ftis_cannot_honour_naming_the_option(option, value, tmp_path):
+    with pytest.raises(ValueError, match=option):
+        FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **{option: value})
+
+
+def test_config_refuses_trl_weightings_that_ftis_replaces(tmp_path):
+    with pytest.raises(ValueError, match="use_bias_correction_kl"):
+        FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", beta=0.1,
+                       use_bias_correction_kl=True)  # fmt: skip
+    args = FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert not args.vllm_importance_sampling_correction and not args.use_bias_correction_kl
+    assert FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", filter="none").filter is None
+
+
+def test_trainer_refuses_at_construction_a_config_changed_after_validation(model_dir, tmp_path):
+    args = FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=4,
+                          per_device_train_batch_size=4)  # fmt: skip
+    args.loss_type = "cispo"
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(ValueError, match="loss_type"):
+        FTISGRPOTrainer(model=model_dir, reward_funcs=_vowel_reward, args=args, train_dataset=dataset)
+    with pytest.raises(TypeError, match="FTISGRPOConfig"):
+        FTISGRPOTrainer(model=model_dir, reward_funcs=_vowel_reward, train_dataset=dataset,
+                        args=trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                            num_generations=4, per_device_train_batch_size=4))  # fmt: skip
+
+
+def test_importing_ftis_kernels_does_not_import_trl():
+    code = "import sys, ftis_kernels, ftis_kernels.integrations; assert 'trl' not in sys.modules, 'trl imported'"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
