@@ -1,0 +1,212 @@
+"""The implementations under test, each configured to the same work (`workload.TIS_OPTIONS`).
+
+`prepare(name, case, inputs, mode)` returns a `Prepared`: `run()` does the measured work once
+(the forward with gradients enabled, as in training, or the forward and the backward) and returns
+the loss; `restore()`, when not None, must run before each `run()` outside the timed region (the
+in-place variants overwrite their input with its gradient).
+
+logits family (input: (B, T, V) logits):
+  ref_eager            ref/ `ref_ftis_loss`, eager PyTorch (fp32 log-softmax of the whole tensor)
+  ref_compile          the same under torch.compile (dynamic=False, one compile per shape)
+  ftis_loss            `ftis_kernels.ftis_loss` (Triton on CUDA, the chunked PyTorch path on CPU)
+  ftis_loss_inplace    the same with inplace_backward=True (fwd+bwd only)
+  ftis_loss_filter     the same with the paper's F-TIS filter on (FTIS_OPTIONS)
+  liger_triton         Liger-Kernel `triton_grpo_loss` (CUDA), TIS through `vllm_is_ratio`
+  liger_triton_inplace the same with its inplace=True (fwd+bwd only)
+linear family (inputs: hidden (B, T, H), lm-head weight (V, H); gradients to both):
+  ref_eager            hidden @ weight.T, then `ref_ftis_loss`
+  ref_compile          the same under torch.compile
+  ftis_loss            hidden @ weight.T, then `ftis_loss` (the unfused use of our kernels)
+  ftis_linear_loss     `ftis_kernels.ftis_linear_loss` (never materialises the logits)
+  liger_chunked        Liger-Kernel `LigerFusedLinearGRPOLoss`, TIS through `vllm_is_ratio`
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from bench.workload import FTIS_OPTIONS, TIS_OPTIONS, Case
+
+LOGITS_IMPLS = ("ref_eager", "ref_compile", "ftis_loss", "ftis_loss_inplace", "ftis_loss_filter",
+                "liger_triton", "liger_triton_inplace")  # fmt: skip
+LINEAR_IMPLS = ("ref_eager", "ref_compile", "ftis_loss", "ftis_linear_loss", "liger_chunked")
+IMPLS = {"logits": LOGITS_IMPLS, "linear": LINEAR_IMPLS}
+MODES = ("fwd", "fwd+bwd")
+# Only meaningful with a backward: they differ from their base implementation there alone.
+BACKWARD_ONLY = ("ftis_loss_inplace", "liger_triton_inplace")
+
+
+@dataclass
+class Prepared:
+    run: Callable[[], torch.Tensor]
+    restore: Optional[Callable[[], None]]
+    options: dict
+    note: str = ""
+
+
+def liger_version() -> Optional[str]:
+    """Liger-Kernel's version when it imports, else None (it is a bench-only extra)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    try:
+        from importlib.metadata import version
+
+        importlib.import_module("liger_kernel.chunked_loss.grpo_loss")
+        importlib.import_module("liger_kernel.transformers.grpo_loss")
+        return version("liger-kernel")
+    except Exception:  # a broken optional install is reported as missing, not raised
+        return None
+
+
+def _ftis_linear_loss():
+    try:
+        from ftis_kernels.ftis_linear_loss import ftis_linear_loss
+    except ImportError:
+        return None
+    return ftis_linear_loss
+
+
+def unavailable(name: str, family: str, mode: str, device: torch.device) -> Optional[str]:
+    """Why `name` cannot run here (a short reason), or None when it can."""
+    if name not in IMPLS[family]:
+        return f"not an implementation of the {family} family"
+    if mode == "fwd" and name in BACKWARD_ONLY:
+        return "in-place variant: differs only in the backward"
+    if name.startswith("liger"):
+        if liger_version() is None:
+            return "liger-kernel not installed (pip install liger-kernel)"
+        if name.startswith("liger_triton") and device.type != "cuda":
+            from ftis_kernels.kernels.logp_lse import triton_is_interpreted
+
+            if not triton_is_interpreted():
+                return "Liger's Triton kernels need CUDA (or TRITON_INTERPRET=1)"
+    if name == "ftis_linear_loss" and _ftis_linear_loss() is None:
+        return "ftis_kernels.ftis_linear_loss not importable"
+    return None
+
+
+def _grad_targets(case: Case, inputs: dict, mode: str) -> list[torch.Tensor]:
+    """Leaf tensors the loss is differentiated against (requires_grad set on them)."""
+    names = ("logits",) if case.family == "logits" else ("hidden", "weight")
+    leaves = [inputs[n].detach().requires_grad_(True) for n in names]
+    return leaves
+
+
+def _finish(loss: torch.Tensor, leaves: list[torch.Tensor], mode: str) -> torch.Tensor:
+    if mode == "fwd+bwd":
+        # autograd.grad, not .backward(): nothing accumulates into .grad across repetitions.
+        torch.autograd.grad(loss, leaves)
+    return loss.detach()
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_ref(case: Case) -> Callable:
+    """torch.compile of the reference (logits family) or of matmul + reference (linear), one per
+    case: a new case drops the previous one's graphs, so that no cache limit silently sends a
+    later shape back to eager."""
+    import torch._dynamo
+
+    from ref import ref_ftis_loss
+
+    if _COMPILED.get("case") != case:
+        torch._dynamo.reset()
+        if case.family == "logits":
+            fn = ref_ftis_loss
+        else:
+
+            def fn(hidden, weight, *args, **kwargs):
+                return ref_ftis_loss(hidden @ weight.t(), *args, **kwargs)
+
+        _COMPILED.update(case=case, fn=torch.compile(fn, dynamic=False))
+    return _COMPILED["fn"]
+
+
+def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
+    """Build implementation `name` on `inputs` (from `workload.make_inputs(case)`) for `mode`."""
+    from ref import ref_ftis_loss
+
+    from ftis_kernels import ftis_loss
+
+    tok, gen, adv, mask = inputs["tokens"], inputs["gen_logprobs"], inputs["advantages"], inputs["mask"]
+    leaves = _grad_targets(case, inputs, mode)
+    opts = FTIS_OPTIONS if name == "ftis_loss_filter" else TIS_OPTIONS
+
+    if case.family == "logits":
+        (x,) = leaves
+        if name == "ref_eager":
+            return Prepared(lambda: _finish(ref_ftis_loss(x, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
+        if name == "ref_compile":
+            fn = _compiled_ref(case)
+            return Prepared(lambda: _finish(fn(x, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
+        if name in ("ftis_loss", "ftis_loss_filter", "ftis_loss_inplace"):
+            inplace = name == "ftis_loss_inplace"
+            restore = None
+            if inplace:
+                # Its own storage: the backward overwrites it, and the shared inputs must survive.
+                x = inputs["logits"].detach().clone().requires_grad_(True)
+                leaves = [x]
+                restore = lambda: x.data.copy_(inputs["logits"])  # noqa: E731
+            return Prepared(
+                lambda: _finish(ftis_loss(x, tok, gen, adv, mask, inplace_backward=inplace, **opts)[0], leaves, mode),
+                restore,
+                opts,
+            )
+        if name in ("liger_triton", "liger_triton_inplace"):
+            from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+            # Liger's kernel takes (B, T + 1, V) logits, the last position unused: the same
+            # logits plus one row, so that it reads and scores exactly the rows we do.
+            B, T, V = x.shape
+            lx = torch.zeros(B, T + 1, V, dtype=x.dtype, device=x.device)
+            lx[:, :T] = inputs["logits"]
+            lx.requires_grad_(True)
+            inplace = name == "liger_triton_inplace"
+            restore = None
+            if inplace:
+                restore = lambda: (lx.data[:, :T].copy_(inputs["logits"]), lx.data[:, T].zero_())  # noqa: E731
+            w = inputs["is_weight"]
+
+            def run():
+                loss = triton_grpo_loss(
+                    lx, None, None, tok, adv, mask, temperature=1.0, beta=0.0, eps_low=0.2, eps_high=0.2,
+                    inplace=inplace, loss_type="grpo", reduce=True, vllm_is_ratio=w,
+                )[0]  # fmt: skip
+                return _finish(loss, [lx], mode)
+
+            return Prepared(run, restore, opts, note="TIS weight passed in as vllm_is_ratio")
+    else:
+        h, wt = leaves
+        if name == "ref_eager":
+            return Prepared(
+                lambda: _finish(ref_ftis_loss(h @ wt.t(), tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts
+            )
+        if name == "ref_compile":
+            fn = _compiled_ref(case)
+            return Prepared(lambda: _finish(fn(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
+        if name == "ftis_loss":
+            return Prepared(
+                lambda: _finish(ftis_loss(h @ wt.t(), tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts
+            )
+        if name == "ftis_linear_loss":
+            fll = _ftis_linear_loss()
+            return Prepared(lambda: _finish(fll(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
+        if name == "liger_chunked":
+            from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss
+
+            module = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, epsilon_low=0.2, epsilon_high=0.2,
+                                              loss_type="grpo", temperature=1.0)  # fmt: skip
+            w, fmask = inputs["is_weight"], mask.float()
+            return Prepared(
+                lambda: _finish(module(h, wt, tok, fmask, adv, vllm_is_ratio=w)[0], leaves, mode),
+                None,
+                opts,
+                note="TIS weight passed in as vllm_is_ratio; its forward also computes the gradients",
+            )
+    raise ValueError(f"unknown implementation {name!r} for the {case.family} family")

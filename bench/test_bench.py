@@ -1,0 +1,237 @@
+"""pytest-benchmark suite: `pytest bench/` (add --benchmark-disable for a one-call smoke run).
+
+Every implementation of `bench.impls` on the cases of `workload.TEST_CASES` (tiny on CPU, one
+real shape on CUDA), fwd and fwd+bwd: the loss must agree with the eager reference's before it is
+timed, and the timed function synchronises the device itself (pytest-benchmark's `pedantic`
+with the in-place variants restored, untimed, before each round). Plus the checks that keep the
+benchmark honest: the peak-memory method sees a known allocation, Liger-Kernel is configured to
+the same work (same loss and gradient as `ftis_loss`), the roofline model, and the report and
+plots drawn from records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from bench import measure, plot, report
+from bench.impls import IMPLS, MODES, liger_version, prepare, unavailable
+from bench.run import finish_record, measure_ceilings, measure_one, reference_loss
+from bench.workload import FTIS_OPTIONS, TEST_CASES, TIS_OPTIONS, Case, make_inputs
+
+DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=[pytest.mark.cuda,
+                                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+]  # fmt: skip
+# Relative agreement of an implementation's loss with the eager fp32 reference, by input dtype.
+LOSS_RTOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+def _params():
+    for dev in DEVICES:
+        device = dev.values[0]
+        for case in TEST_CASES[device]:
+            for impl in IMPLS[case.family]:
+                for mode in MODES:
+                    yield pytest.param(device, case, impl, mode, marks=dev.marks,
+                                       id=f"{device}-{case.family}-{impl}-{mode}")  # fmt: skip
+
+
+_INPUTS: dict = {}
+
+
+def _inputs(case: Case, device: torch.device) -> dict:
+    key = (case, device.type)
+    if key not in _INPUTS:
+        _INPUTS.clear()  # one case's inputs alive at a time (the CUDA case is gigabytes)
+        _INPUTS[key] = make_inputs(case, device)
+    return _INPUTS[key]
+
+
+@pytest.mark.parametrize("device,case,impl,mode", list(_params()))
+def test_implementation_agrees_with_reference_then_is_timed(benchmark, device, case, impl, mode):
+    device = torch.device(device)
+    reason = unavailable(impl, case.family, mode, device)
+    if reason is not None:
+        pytest.skip(reason)
+    inputs = _inputs(case, device)
+    prep = prepare(impl, case, inputs, mode)
+    if prep.restore is not None:
+        prep.restore()
+    loss = float(prep.run())
+    expected = reference_loss(case, inputs, FTIS_OPTIONS if impl == "ftis_loss_filter" else TIS_OPTIONS)
+    rtol = LOSS_RTOL[case.dtype] * (10 if case.family == "linear" else 1)
+    assert abs(loss - expected) <= rtol * (abs(expected) + 1e-2), (impl, mode, loss, expected)
+
+    def timed():
+        out = prep.run()
+        measure.sync(device)  # inside the timed function, or only the launches are timed
+        return out
+
+    def setup():
+        if prep.restore is not None:
+            prep.restore()
+
+    benchmark.extra_info.update(case=case.label, impl=impl, mode=mode, device=measure.device_name(device))
+    benchmark.pedantic(timed, setup=setup, rounds=5 if device.type == "cuda" else 3, warmup_rounds=1)
+
+
+_PEAK_PROBE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from bench import measure
+    device = torch.device(sys.argv[1])
+    n = 64 << 20
+    def fn():
+        x = torch.ones(n, dtype=torch.uint8, device=device)  # touched, so resident
+        return float(x[-1])
+    fn()  # a warm-up whose memory a caching malloc could hand back unseen
+    print(json.dumps(measure.peak_extra_bytes(fn, device)))
+    """
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_peak_memory_method_sees_a_known_allocation(device):
+    if device == "cpu" and not measure.cpu_rss_supported():
+        pytest.skip("no resettable RSS high-water mark on this system")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(measure.REPO))
+    out = subprocess.run([sys.executable, "-c", _PEAK_PROBE, device], env=env, cwd=measure.REPO,
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    peak = json.loads(out.stdout.strip().splitlines()[-1])
+    # RSS is read in KiB pages and a few of the baseline's may be released meanwhile: within 3%.
+    assert 0.97 * (64 << 20) <= peak <= 1.10 * (64 << 20), peak / 2**20
+
+
+_LIGER_PROBE = textwrap.dedent(
+    """
+    import json, torch
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    from ftis_kernels import ftis_loss
+    from bench.impls import prepare
+    from bench.workload import TIS_OPTIONS, Case, make_inputs
+    device = torch.device(DEVICE)
+    case = Case("logits", 3, 7, 1000, "float32")
+    inputs = make_inputs(case, device)
+    B, T, V = case.B, case.T, case.V
+    tok, gen, adv, mask = inputs["tokens"], inputs["gen_logprobs"], inputs["advantages"], inputs["mask"]
+    x = inputs["logits"].detach().clone().requires_grad_(True)
+    ours = ftis_loss(x, tok, gen, adv, mask, **TIS_OPTIONS)[0]
+    g_ours = torch.autograd.grad(ours, x)[0]
+    lx = torch.zeros(B, T + 1, V, device=device)
+    lx[:, :T] = inputs["logits"]
+    lx.requires_grad_(True)
+    liger = triton_grpo_loss(lx, None, None, tok, adv, mask, temperature=1.0, beta=0.0, eps_low=0.2,
+                             eps_high=0.2, inplace=False, loss_type="grpo", reduce=True,
+                             vllm_is_ratio=inputs["is_weight"])[0]
+    g_liger = torch.autograd.grad(liger, lx)[0]
+    wired = [float(prepare(n, case, inputs, "fwd+bwd").run()) for n in ("ftis_loss", "liger_triton")]
+    print(json.dumps({
+        "loss": [float(ours), float(liger)],
+        "grad_err": float((g_ours - g_liger[:, :T]).norm() / g_ours.norm()),
+        "grad_last_row": float(g_liger[:, T].abs().max()),
+        "wired": wired,
+    }))
+    """
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_liger_triton_is_configured_to_the_same_work(device):
+    """Liger's Triton GRPO loss with the TIS weight passed in as vllm_is_ratio gives our TIS loss
+    and gradient (on CPU through Triton's interpreter, in a subprocess: it must be set before
+    Triton decorates any kernel)."""
+    if liger_version() is None:
+        pytest.skip("liger-kernel not installed")
+    env = dict(os.environ, PYTHONPATH=str(measure.REPO))
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    code = _LIGER_PROBE.replace("DEVICE", repr(device))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=measure.REPO, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    (ours, liger), (w_ours, w_liger) = res["loss"], res["wired"]
+    assert abs(ours - liger) <= 1e-5 * (abs(ours) + 1e-2)
+    assert abs(w_ours - w_liger) <= 1e-5 * (abs(w_ours) + 1e-2)  # the bench's own wiring
+    assert res["grad_err"] <= 1e-5 and res["grad_last_row"] == 0.0
+
+
+def test_liger_chunked_is_configured_to_the_same_work():
+    """Liger's chunked fused-linear GRPO loss (PyTorch, so it runs on CPU too) with the TIS weight
+    passed in gives the loss and gradients of ftis_linear_loss-equivalent reference."""
+    if liger_version() is None:
+        pytest.skip("liger-kernel not installed")
+    from ref import ref_ftis_loss
+
+    case = Case("linear", 2, 16, 512, "float32", H=32)
+    inputs = make_inputs(case, torch.device("cpu"))
+    grads = {}
+    for name in ("ref_eager", "liger_chunked"):
+        prep = prepare(name, case, inputs, "fwd+bwd")
+        h = inputs["hidden"].detach().requires_grad_(True)
+        w = inputs["weight"].detach().requires_grad_(True)
+        if name == "ref_eager":
+            loss = ref_ftis_loss(h @ w.t(), inputs["tokens"], inputs["gen_logprobs"], inputs["advantages"],
+                                 inputs["mask"], **TIS_OPTIONS)[0]  # fmt: skip
+        else:
+            from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss
+
+            module = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo", compiled=False)
+            loss = module(h, w, inputs["tokens"], inputs["mask"].float(), inputs["advantages"],
+                          vllm_is_ratio=inputs["is_weight"])[0]  # fmt: skip
+        grads[name] = (float(loss), *torch.autograd.grad(loss, [h, w]), float(prep.run()))
+    (l1, gh1, gw1, r1), (l2, gh2, gw2, r2) = grads["ref_eager"], grads["liger_chunked"]
+    assert abs(l1 - l2) <= 1e-4 * (abs(l1) + 1e-2)
+    assert abs(r1 - r2) <= 1e-4 * (abs(r1) + 1e-2)
+    torch.testing.assert_close(gh2, gh1, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gw2, gw1, rtol=1e-4, atol=1e-6)
+
+
+def test_roofline_model_counts_three_passes_over_the_logits_with_backward():
+    case = Case("logits", 2, 8, 1000, "bfloat16")
+    fwd, fb = measure.work_model(case, "fwd"), measure.work_model(case, "fwd+bwd")
+    logits_bytes = 2 * 8 * 1000 * 2
+    assert fb["bytes"] - fwd["bytes"] == 2 * logits_bytes
+    assert fwd["bytes"] >= logits_bytes and fwd["flops"] == 0
+    lin = Case("linear", 2, 8, 1000, "bfloat16", H=64)
+    assert measure.work_model(lin, "fwd+bwd")["flops"] == 3 * measure.work_model(lin, "fwd")["flops"]
+    # 1 GB at 1000 GB/s is 1 ms; a matmul term only counts where it is the larger one.
+    assert measure.roofline_ms({"bytes": 1e9, "flops": 0}, 1000.0, None) == pytest.approx(1.0)
+    assert measure.roofline_ms({"bytes": 1e9, "flops": 2e12}, 1000.0, 1.0) == pytest.approx(2000.0)
+
+
+def test_report_and_plots_are_drawn_from_records(tmp_path):
+    device = torch.device("cpu")
+    case = Case("logits", 2, 16, 256, "float32")
+    inputs = make_inputs(case, device)
+    meta = measure.metadata(device)
+    ceilings = {"copy_GBps": 10.0, "matmul_TFLOPs": {"bfloat16": 1.0, "float32": 0.1}}
+    reps = {"warmup": 1, "min_reps": 2, "max_reps": 2, "min_time_s": 0.0}
+    records = []
+    for impl in ("ref_eager", "ftis_loss"):
+        for mode in MODES:
+            raw = measure_one(case, impl, mode, device, inputs, reps)
+            raw["loss_ref"] = reference_loss(case, inputs, TIS_OPTIONS)
+            records.append(finish_record(raw, case, impl, mode, ceilings, meta))
+    results = {"meta": meta, "ceilings": ceilings, "records": records}
+    for r in records:
+        for key in ("device_name", "torch", "triton", "commit", "date"):
+            assert r[key] == meta[key]
+        assert r["loss_rel_err"] < 1e-4 and r["roofline_fraction"] > 0
+    md = report.markdown(json.loads(json.dumps(results)))
+    assert f"| {case.label} | ftis_loss |" in md and meta["commit"] in md
+    paths = plot.plot_all(results, tmp_path)
+    assert [p.name for p in paths] == ["logits.png"] and paths[0].stat().st_size > 10_000
+
+
+def test_ceilings_are_measured_on_this_device():
+    c = measure_ceilings(torch.device("cpu"))
+    assert c["copy_GBps"] > 0.1 and c["matmul_TFLOPs"]["float32"] > 0
