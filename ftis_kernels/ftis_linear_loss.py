@@ -36,9 +36,9 @@ from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_values, check_tensor
 
-# With chunk_size=None, a chunk holds at most this many logits (2^26: 128 MiB in bf16, 256 MiB in
-# fp32, i.e. 441 rows of Qwen2.5's 151,936-token vocabulary).
-AUTO_CHUNK_ELEMENTS = 1 << 26
+# With chunk_size=None, a chunk holds at most this many logits (2^25: 64 MiB in bf16, 128 MiB in
+# fp32, i.e. 220 rows of Qwen2.5's 151,936-token vocabulary; still a GEMM of 100 GFLOP at H=1536).
+AUTO_CHUNK_ELEMENTS = 1 << 25
 
 _FORWARD = {"triton": logp_lse.logp_lse_fwd, "torch": logp_lse.logp_lse_fwd_torch}
 _BACKWARD = {"triton": logp_lse.logits_bwd, "torch": logp_lse.logits_bwd_torch}
@@ -93,11 +93,15 @@ def linear_logp_lse(
     logp = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
     lse = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
     for b, t in _chunks(rows, chunk_size):
-        logits = _chunk_logits(hidden[b, t], weight, bias)
-        chunk_logp, chunk_lse = _FORWARD[backend](logits[None], tokens[b, t][None], None, temperature)
-        logp[b, t] = chunk_logp[0]
-        lse[b, t] = chunk_lse[0]
+        logp[b, t], lse[b, t] = _chunk_forward(hidden[b, t], weight, bias, tokens[b, t], temperature, backend)
     return logp, lse
+
+
+def _chunk_forward(h, weight, bias, tokens, temperature, backend):
+    # One function per chunk so that its logits are freed before the next chunk allocates its own.
+    logits = _chunk_logits(h, weight, bias)
+    chunk_logp, chunk_lse = _FORWARD[backend](logits[None], tokens[None], None, temperature)
+    return chunk_logp[0], chunk_lse[0]
 
 
 def linear_grads(
@@ -130,23 +134,26 @@ def linear_grads(
     rows = live.nonzero(as_tuple=True) if bool(live.any()) else None
     if rows is not None and any(needs):
         for b, t in _chunks(rows, chunk_size):
-            h = hidden[b, t]
-            logits = _chunk_logits(h, weight, bias)[None]
-            # In place: the chunk's logits become their gradient.
-            dlogits = _BACKWARD[backend](
-                logits, tokens[b, t][None], lse[b, t][None], coef[b, t][None], temperature, logits
-            )[0]
-            if need_h:
-                grad_hidden[b, t] = dlogits @ weight
-            if need_w:
-                _accumulate_grad_weight(grad_weight, dlogits, h)
-            if need_b:
-                grad_bias += dlogits.sum(dim=0, dtype=f32)
+            _chunk_backward(hidden[b, t], weight, bias, tokens[b, t], lse[b, t], coef[b, t], temperature,
+                            backend, grad_hidden, (b, t), grad_weight, grad_bias)  # fmt: skip
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(weight.dtype)
     return grad_hidden, grad_weight, grad_bias
+
+
+def _chunk_backward(h, weight, bias, tokens, lse, coef, temperature, backend, grad_hidden, rows,
+                    grad_weight, grad_bias) -> None:  # fmt: skip
+    logits = _chunk_logits(h, weight, bias)[None]
+    # In place: the chunk's logits become their gradient.
+    dlogits = _BACKWARD[backend](logits, tokens[None], lse[None], coef[None], temperature, logits)[0]
+    if grad_hidden is not None:
+        grad_hidden[rows] = dlogits @ weight
+    if grad_weight is not None:
+        _accumulate_grad_weight(grad_weight, dlogits, h)
+    if grad_bias is not None:
+        grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
 
 
 def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,318 @@
+"""Peak memory of `ftis_linear_loss` forward + backward against materialising the logits.
+
+Three implementations of the same loss and gradients (hidden, weight) at Qwen2.5-1.5B's lm-head
+shape (V = 151,936, H = 1536), B * T tokens in samples of T = 1024, every token a completion token
+and no filter (every row carries a gradient: the worst case for the chunked op):
+
+- "ftis_linear_loss": this library's chunked op, the logits never exist.
+- "ftis_loss": logits = hidden @ weight.T materialised once, then the fused row op.
+- "reference": logits materialised, then `ref.ref_ftis_loss` (plain PyTorch, fp32 log-softmax,
+  autograd): what a GRPO trainer without fused kernels does.
+
+Memory is measured, not estimated. On CUDA: `torch.cuda.max_memory_allocated` above the inputs,
+in process. On CPU: one subprocess per measurement; its resident-set high-water mark (VmHWM,
+reset through /proc/self/clear_refs once the inputs exist, after a small warm-up run) is read
+after forward + backward. The worker runs with a fixed glibc mmap threshold (64 KiB), so that
+freed blocks go back to the OS and RSS follows the live tensors (what stays cached, e.g. BLAS
+packing buffers, is counted against the op). It also runs under an address-space limit, so a
+configuration that does not fit fails with an allocation error instead of waking the OOM killer;
+such points are extrapolated from a least-squares affine fit of the measured ones (peak memory
+of every implementation is affine in B * T) and marked "extrapolated".
+
+"extra" = peak above the inputs minus the gradients returned (grad_hidden + grad_weight, the same
+for every implementation): the op's working memory. It is compared to the fp32 logits,
+B * T * V * 4 bytes.
+
+    python -m bench.linear_memory                  # CPU sweep, 1k..16k tokens, fp32
+    python -m bench.linear_memory --plot-only      # redraw the PNG from the JSON
+
+`measure_one` measures one configuration and is what a benchmark suite imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+IMPLS = ("ftis_linear_loss", "ftis_loss", "reference")
+VOCAB, HIDDEN, SEQ = 151_936, 1536, 1024
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A CPU worker may use at most this much address space (the machine is shared).
+CPU_ADDRESS_LIMIT = 19 << 30
+
+
+def _inputs(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    B, T = max(1, n_tokens // SEQ), min(SEQ, n_tokens)
+    hidden = torch.randn(B, T, hidden_size, generator=gen).to(device=device, dtype=dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.02).to(device=device, dtype=dtype)
+    tokens = torch.randint(0, vocab, (B, T), generator=gen).to(device)
+    gen_logprobs = (-torch.rand(B, T, generator=gen) * 12.0 - 0.1).to(device)
+    advantages = torch.randn(B, generator=gen).to(device)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    return hidden, weight, tokens, gen_logprobs, advantages
+
+
+def _run(impl: str, inputs, chunk_size: Optional[int]) -> None:
+    """Forward + backward of one implementation; every row carries a gradient (filter=None)."""
+    from ftis_kernels import ftis_linear_loss, ftis_loss
+    from ref.ftis import ref_ftis_loss
+
+    hidden, weight, tokens, gen_logprobs, advantages = inputs
+    if impl == "ftis_linear_loss":
+        loss, _ = ftis_linear_loss(hidden, weight, tokens, gen_logprobs, advantages, filter=None,
+                                   chunk_size=chunk_size)  # fmt: skip
+    elif impl == "ftis_loss":
+        loss, _ = ftis_loss(hidden @ weight.t(), tokens, gen_logprobs, advantages, filter=None)
+    else:
+        loss, _ = ref_ftis_loss(hidden @ weight.t(), tokens, gen_logprobs, advantages, filter=None)
+    loss.backward()
+
+
+def _proc_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _measure_here(impl: str, n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype,
+                  device: torch.device, chunk_size: Optional[int]) -> dict:  # fmt: skip
+    """Measures in this process: CUDA allocator peak, or the CPU resident-set high-water mark."""
+    # Warm up first: imports, kernel libraries and autograd threads must not count as the op's.
+    _run(impl, _inputs(8, 64, 16, dtype, device), chunk_size)
+    inputs = _inputs(n_tokens, vocab, hidden_size, dtype, device)
+    hidden, weight = inputs[0], inputs[1]
+    grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+        base = _proc_kib("VmRSS") * 1024
+    start = time.perf_counter()
+    _run(impl, inputs, chunk_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        peak = _proc_kib("VmHWM") * 1024 - base
+    return dict(peak_bytes=peak, grad_bytes=grad_bytes, seconds=time.perf_counter() - start)
+
+
+def measure_one(
+    impl: str,
+    n_tokens: int,
+    *,
+    vocab: int = VOCAB,
+    hidden_size: int = HIDDEN,
+    dtype: str = "float32",
+    device: str = "cpu",
+    chunk_size: Optional[int] = None,
+) -> dict:
+    """Peak memory of forward + backward of `impl` (one of IMPLS) on `n_tokens` tokens.
+
+    Returns a record: impl, n_tokens, vocab, hidden, dtype, device, status ("measured" or "oom"),
+    peak_bytes (above the inputs), grad_bytes (grad_hidden + grad_weight), extra_bytes
+    (peak - grads), fp32_logits_bytes, extra_pct_of_fp32_logits, seconds (one untimed-quality run).
+    On CPU the measurement runs in a fresh subprocess (Triton's interpreter off: the torch path).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    record = dict(impl=impl, n_tokens=n_tokens, vocab=vocab, hidden=hidden_size, dtype=dtype,
+                  device=device, chunk_size=chunk_size)  # fmt: skip
+    if device.startswith("cuda"):
+        try:
+            result = _measure_here(impl, n_tokens, vocab, hidden_size, DTYPES[dtype],
+                                   torch.device(device), chunk_size)  # fmt: skip
+        except torch.OutOfMemoryError:
+            result = None
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        # A fixed mmap threshold turns off glibc's adaptive one, under which freed blocks of up to
+        # 32 MiB stay in the heap: RSS then follows the live tensors instead of the malloc cache.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
+        args = [sys.executable, "-m", "bench.linear_memory", "--worker", json.dumps(record)]
+        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode == 0:
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+        elif "can't allocate memory" in proc.stderr or "MemoryError" in proc.stderr:
+            result = None
+        else:
+            raise RuntimeError(f"worker failed for {record}:\n{proc.stderr[-4000:]}")
+    logits_bytes = n_tokens * vocab * 4
+    if result is None:
+        return {**record, "status": "oom", "fp32_logits_bytes": logits_bytes}
+    extra = result["peak_bytes"] - result["grad_bytes"]
+    return {**record, **result, "status": "measured", "extra_bytes": extra,
+            "fp32_logits_bytes": logits_bytes, "extra_pct_of_fp32_logits": 100.0 * extra / logits_bytes}  # fmt: skip
+
+
+def _worker(record_json: str) -> None:
+    record = json.loads(record_json)
+    resource.setrlimit(resource.RLIMIT_AS, (CPU_ADDRESS_LIMIT, CPU_ADDRESS_LIMIT))
+    result = _measure_here(record["impl"], record["n_tokens"], record["vocab"], record["hidden"],
+                           DTYPES[record["dtype"]], torch.device("cpu"), record["chunk_size"])  # fmt: skip
+    print(json.dumps(result))
+
+
+def _extrapolate(records: list[dict]) -> list[dict]:
+    """Replaces "oom" records by a least-squares affine fit of that implementation's measured
+    peak over n_tokens (needs two measured points), marked status="extrapolated"."""
+    out = []
+    for rec in records:
+        if rec["status"] != "oom":
+            out.append(rec)
+            continue
+        pts = [(r["n_tokens"], r["peak_bytes"], r["grad_bytes"]) for r in records
+               if r["impl"] == rec["impl"] and r["status"] == "measured"]  # fmt: skip
+        if len(pts) < 2:
+            out.append(rec)
+            continue
+        n = len(pts)
+        mx = sum(p[0] for p in pts) / n
+        my = sum(p[1] for p in pts) / n
+        slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sum((p[0] - mx) ** 2 for p in pts)
+        peak = my + slope * (rec["n_tokens"] - mx)
+        grad = rec["n_tokens"] * rec["hidden"] * DTYPES[rec["dtype"]].itemsize + rec["vocab"] * rec["hidden"] * DTYPES[rec["dtype"]].itemsize
+        extra = peak - grad
+        out.append({**rec, "status": "extrapolated", "peak_bytes": int(peak), "grad_bytes": grad,
+                    "extra_bytes": int(extra),
+                    "extra_pct_of_fp32_logits": 100.0 * extra / rec["fp32_logits_bytes"],
+                    "fit": f"affine least squares over n_tokens={[p[0] for p in pts]}"})  # fmt: skip
+    return out
+
+
+def _metadata(device: str) -> dict:
+    import triton
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return "unknown"
+
+    meta = dict(
+        date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=git("rev-parse", "HEAD"),
+        dirty=bool(git("status", "--porcelain", "--", "ftis_kernels", "bench/linear_memory.py")),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        machine=platform.node(),
+        processor=platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        memory_total_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        device=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        method=("torch.cuda.max_memory_allocated above the inputs" if device.startswith("cuda")
+                else "subprocess per measurement (MALLOC_MMAP_THRESHOLD_=65536), VmHWM after "
+                     "/proc/self/clear_refs, above the inputs' RSS"),
+    )  # fmt: skip
+    return meta
+
+
+def plot(path: Path) -> Path:
+    """Draws extra memory against B * T from the JSON at `path`; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gib = float(1 << 30)
+    ns = sorted({r["n_tokens"] for r in data["records"]})
+    ax.plot(ns, [n * data["config"]["vocab"] * 4 / gib for n in ns], "k:", label="fp32 logits (B*T*V*4)")
+    for impl in IMPLS:
+        recs = sorted((r for r in data["records"] if r["impl"] == impl and "extra_bytes" in r),
+                      key=lambda r: r["n_tokens"])  # fmt: skip
+        if not recs:
+            continue
+        line = ax.plot([r["n_tokens"] for r in recs], [r["extra_bytes"] / gib for r in recs], "-", label=impl)[0]
+        ext = [r for r in recs if r["status"] == "extrapolated"]
+        ax.plot([r["n_tokens"] for r in ext], [r["extra_bytes"] / gib for r in ext], "o",
+                mfc="none", color=line.get_color())  # fmt: skip
+        meas = [r for r in recs if r["status"] == "measured"]
+        ax.plot([r["n_tokens"] for r in meas], [r["extra_bytes"] / gib for r in meas], "o", color=line.get_color())
+    meta, cfg = data["meta"], data["config"]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("B * T tokens")
+    ax.set_ylabel("extra memory, fwd + bwd (GiB)")
+    ax.set_title(f"V={cfg['vocab']}, H={cfg['hidden']}, {cfg['dtype']}, {meta['device']} "
+                 f"(hollow: extrapolated)\n{meta['date_utc']} {meta['commit'][:8]} torch {meta['torch']}",
+                 fontsize=9)  # fmt: skip
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    parser.add_argument("--tokens", default="1024,2048,4096,8192,16384")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args.worker)
+        return
+    device_tag = "cpu" if args.device == "cpu" else "cuda"
+    out = args.out or RESULTS / f"linear_memory_{device_tag}.json"
+    if not args.plot_only:
+        records: list[dict] = []
+        for impl in args.impls.split(","):
+            failed = False
+            for n in (int(x) for x in args.tokens.split(",")):
+                # Memory grows with n: once a size does not fit, larger ones are not attempted.
+                rec = (measure_one(impl, n, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size)
+                       if not failed else dict(impl=impl, n_tokens=n, vocab=VOCAB, hidden=HIDDEN, dtype=args.dtype,
+                                               device=args.device, chunk_size=args.chunk_size, status="oom",
+                                               fp32_logits_bytes=n * VOCAB * 4))  # fmt: skip
+                failed = rec["status"] == "oom"
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+        data = dict(meta=_metadata(args.device),
+                    config=dict(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, dtype=args.dtype, chunk_size=args.chunk_size,
+                                options="defaults with filter=None (every row carries a gradient)",
+                                cpu_address_limit_bytes=CPU_ADDRESS_LIMIT if device_tag == "cpu" else None),
+                    records=_extrapolate(records))  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1) + "\n")
+    print(plot(out))
+
+
+if __name__ == "__main__":
+    main()
