@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
-    max_examples=30,
+    max_examples=60,
     deadline=None,
     derandomize=True,
     print_blob=True,
