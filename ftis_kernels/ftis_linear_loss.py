@@ -12,8 +12,9 @@ accumulate grad_hidden and grad_weight (fp32 accumulation). Rows without gradien
 filtered, zero advantage) are skipped in both passes, so their hidden states may hold anything.
 
 Extra memory is one chunk of logits (c * V in the hidden dtype, plus an fp32 upcast of it in the
-backward for bf16/fp16 weights on CPU), an fp32 grad_weight accumulator when the weight is not
-fp32, and O(B * T) per-token scalars: nothing grows with B * T * V.
+backward for bf16/fp16 weights on CPU, plus the CPU row passes' fp32 scratch), an fp32
+grad_weight accumulator when the weight is not fp32, and O(B * T) per-token scalars: nothing
+grows with B * T * V (`bench/linear_memory.py` measures it).
 
 This is the "cuBLAS matmul per chunk + the row kernels" design. The matmul itself is torch's
 (cuBLAS on GPU, oneDNN/MKL on CPU); only the row passes are Triton. Fusing the log-sum-exp into a
@@ -130,10 +131,8 @@ def linear_grads(
     if need_w:
         grad_weight = torch.zeros(weight.shape, dtype=f32, device=weight.device)
     grad_bias = torch.zeros(weight.shape[0], dtype=f32, device=weight.device) if need_b else None
-    live = coef != 0
-    rows = live.nonzero(as_tuple=True) if bool(live.any()) else None
-    if rows is not None and any(needs):
-        for b, t in _chunks(rows, chunk_size):
+    if any(needs):
+        for b, t in _chunks((coef != 0).nonzero(as_tuple=True), chunk_size):
             _chunk_backward(hidden[b, t], weight, bias, tokens[b, t], lse[b, t], coef[b, t], temperature,
                             backend, grad_hidden, (b, t), grad_weight, grad_bias)  # fmt: skip
     if grad_weight is not None:
