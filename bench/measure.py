@@ -200,7 +200,9 @@ def metadata(device: torch.device) -> dict:
     from bench.impls import liger_version
 
     commit = _git("rev-parse", "HEAD")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "ftis_kernels", "ref", "bench"))
+    # Dirty = the code the benchmark runs differs from the commit (not the driver, docs or tests).
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ":(glob)ftis_kernels/*.py",
+                      "ftis_kernels/kernels", "ref", ":(glob)bench/*.py"))  # fmt: skip
     return {
         "device": device.type,
         "device_name": device_name(device),

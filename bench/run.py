@@ -187,6 +187,13 @@ def run(args) -> dict:
     reps = {"warmup": args.warmup, "min_reps": args.min_reps, "max_reps": args.max_reps, "min_time_s": args.min_time_s}
     start = time.monotonic()
     records = []
+
+    def save() -> dict:
+        results = {"meta": meta, "ceilings": ceilings, "workload": TIS_OPTIONS,
+                   "elapsed_s": time.monotonic() - start, "records": records}  # fmt: skip
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        return results
+
     for case, names in plan:
         inputs = None
         ref_cache: dict = {}
@@ -204,8 +211,8 @@ def run(args) -> dict:
                     if inputs is None:
                         inputs = make_inputs(case, device)
                     raw = measure_in_process(case, impl, mode, device, inputs, reps, ref_cache)
-                rec = finish_record(raw, case, impl, mode, ceilings, meta)
-                records.append(rec)
+                records.append(finish_record(raw, case, impl, mode, ceilings, meta))
+                save()  # after every record: a run killed by a time limit keeps what it measured
                 t = raw.get("time_ms", {}).get("median")
                 log.info("%-24s %-20s %-7s %s", case.label, impl, mode,
                          f"{t:9.3f} ms  peak {raw['peak_extra_bytes'] / 2**20:9.1f} MiB"
@@ -214,9 +221,7 @@ def run(args) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    results = {"meta": meta, "ceilings": ceilings, "workload": TIS_OPTIONS, "elapsed_s": time.monotonic() - start,
-               "records": records}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    results = save()
     from bench import plot, report
 
     (out / "results.md").write_text(report.markdown(results))
