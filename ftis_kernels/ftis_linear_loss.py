@@ -11,10 +11,10 @@ kernel overwrites them with dlogits = coef * (onehot - softmax) / temperature, a
 accumulate grad_hidden and grad_weight (fp32 accumulation). Rows without gradient (masked,
 filtered, zero advantage) are skipped in both passes, so their hidden states may hold anything.
 
-Extra memory is one chunk of logits (c * V in the hidden dtype, plus an fp32 upcast of it in the
-backward for bf16/fp16 weights on CPU, plus the CPU row passes' fp32 scratch), an fp32
-grad_weight accumulator when the weight is not fp32, and O(B * T) per-token scalars: nothing
-grows with B * T * V (`bench/linear_memory.py` measures it).
+Extra memory is one chunk of logits (c * V in the hidden dtype, plus the CPU row passes' fp32
+scratch), for bf16/fp16 weights an fp32 grad_weight accumulator and one fp32 partial product of
+GRAD_WEIGHT_BLOCK_V vocabulary rows, and O(B * T) per-token scalars: nothing grows with
+B * T * V (`bench/linear_memory.py` measures it).
 
 This is the "cuBLAS matmul per chunk + the row kernels" design. The matmul itself is torch's
 (cuBLAS on GPU, oneDNN/MKL on CPU); only the row passes are Triton. Fusing the log-sum-exp into a
@@ -41,6 +41,10 @@ from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_val
 # fp32, i.e. 220 rows of Qwen2.5's 151,936-token vocabulary; still a GEMM of 100 GFLOP at H=1536).
 AUTO_CHUNK_ELEMENTS = 1 << 25
 
+# Vocabulary rows per fp32 partial product of grad_weight when the weight is bf16/fp16
+# (8192 x H x 4 bytes: 48 MiB at H = 1536).
+GRAD_WEIGHT_BLOCK_V = 8192
+
 _FORWARD = {"triton": logp_lse.logp_lse_fwd, "torch": logp_lse.logp_lse_fwd_torch}
 _BACKWARD = {"triton": logp_lse.logits_bwd, "torch": logp_lse.logits_bwd_torch}
 
@@ -63,15 +67,20 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
-    """acc (V, H) fp32 += dlogits.T @ h with fp32 accumulation across chunks."""
+    """acc (V, H) fp32 += dlogits.T @ h, with fp32 accumulation across chunks."""
     if dlogits.dtype == torch.float32:
         acc.addmm_(dlogits.t(), h)
-    elif dlogits.is_cuda:
-        # cuBLAS half-precision GEMM with an fp32 result: no rounding of the chunk's partial sum.
-        acc.add_(torch.mm(dlogits.t(), h, out_dtype=torch.float32))
-    else:
-        # CPU half-precision GEMMs return their dtype; upcast the chunk instead (chunk-bounded).
-        acc.addmm_(dlogits.t().float(), h.float())
+        return
+    # No GEMM accumulates bf16/fp16 products into an fp32 tensor in place, and a whole (V, H) fp32
+    # product per chunk would be as large as the accumulator: go a block of vocabulary at a time.
+    for v0 in range(0, acc.shape[0], GRAD_WEIGHT_BLOCK_V):
+        block = slice(v0, v0 + GRAD_WEIGHT_BLOCK_V)
+        if dlogits.is_cuda:
+            # cuBLAS half-precision GEMM with an fp32 result: the chunk's partial sum is not rounded.
+            acc[block].add_(torch.mm(dlogits[:, block].t(), h, out_dtype=torch.float32))
+        else:
+            # CPU half-precision GEMMs return their dtype: upcast the block instead.
+            acc[block].addmm_(dlogits[:, block].t().float(), h.float())
 
 
 def linear_logp_lse(

@@ -33,9 +33,11 @@ SCALAR_METRICS = ("filtered_frac", "kl_mean", "clip_frac", "is_weight_mean", "is
 
 @pytest.fixture(autouse=True)
 def small_vocab_blocks(monkeypatch):
-    """Vocabulary blocks of 64 so that the tests' small V still exercise the multi-block loop."""
+    """Small vocabulary blocks so that the tests' small V still exercise the multi-block loops
+    (the row kernels and the bf16/fp16 grad_weight accumulation)."""
     monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 64)
     monkeypatch.setattr(logp_lse, "CPU_CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(linear_module, "GRAD_WEIGHT_BLOCK_V", 16)
 
 
 def implementations(device: torch.device) -> list[str]:
