@@ -18,7 +18,7 @@ import logging
 import math
 import struct
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -30,6 +30,18 @@ _HEADER = struct.Struct("<qiiff")
 HEADER_BYTES = _HEADER.size  # 24
 BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob
 HOSTILE_KINDS = ("forged_logprobs", "flipped_rewards", "random_tokens")
+
+
+class SwarmError(RuntimeError):
+    """A collective failed or timed out: some peer node died or stopped answering."""
+
+
+def collective(phase: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Run the collective `fn`; any failure becomes a SwarmError naming `phase`."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # gloo/nccl raise RuntimeError or DistBackendError subclasses
+        raise SwarmError(f"during {phase}: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass
@@ -132,8 +144,10 @@ def exchange(
     """Send `samples` to every node and receive theirs (one all_gather of lengths, one of bytes).
 
     Returns (valid samples from the other nodes, in rank order; drop reasons; bytes this node sent).
-    A peer payload longer than `max_samples` records of `max_tokens` tokens is cut at that cap (the
-    cut record is then dropped), so a peer cannot make the others allocate without bound.
+    `max_samples` and `max_tokens` must be the same on every node (they come from the shared run
+    configuration, checked at start-up): they fix the buffer width every node computes. A peer
+    payload longer than `max_samples` records of `max_tokens` tokens is cut at that cap (the cut
+    record is then dropped), so a peer cannot make the others allocate without bound.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     payload = pack(samples)

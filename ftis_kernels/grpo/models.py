@@ -81,11 +81,14 @@ def warm_up(
     batch_size: int,
     seed: int,
     operations: Sequence[str],
+    gsm8k_format: float = 1.0,
 ) -> float:
     """Supervised next-token training on worked answers ('7+5=12. #### 12<eos>'); returns last loss.
 
     Only completion tokens are scored. Problems come from the train split restricted to
-    `operations`, drawn from `seed`: the node's expertise.
+    `operations`, drawn from `seed`; a share `gsm8k_format` of the answers ends in GSM8K's
+    '#### x', the rest in 'The answer is x.', like a base model that only sometimes follows the
+    format. Together they are the node's expertise.
     """
     if steps <= 0:
         return math.nan
@@ -102,7 +105,8 @@ def warm_up(
             index = _WARMUP_INDEX_BASE + rng.randrange(1 << 30)
             problem = task.problem(make_prompt_id("train", index), operations=operations)
             prompt = tokenizer(format_prompt(problem.question))["input_ids"]
-            target = tokenizer(task.target(problem))["input_ids"] + [tokenizer.eos_token_id]
+            styled = task.target(problem, gsm8k_format=rng.random() < gsm8k_format)
+            target = tokenizer(styled)["input_ids"] + [tokenizer.eos_token_id]
             rows.append(prompt + target)
             labels.append([-100] * len(prompt) + target)
         width = max(len(r) for r in rows)

@@ -1,6 +1,6 @@
 """One node of the swarm, as started by torchrun: set up, then generate, exchange, train each round.
 
-Every collective goes through `_collective`, so a peer that dies or falls silent surfaces as a
+Every collective goes through `collective`, so a peer that dies or falls silent surfaces as a
 `SwarmError` naming the phase (after at most `timeout_s`, the process group's timeout), and the
 node stops with a clear message and exit code 3 instead of hanging.
 """
@@ -14,7 +14,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,9 @@ import yaml
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
-from ftis_kernels.grpo.exchange import Sample, exchange, make_hostile
+from ftis_kernels.grpo.exchange import (
+    Sample, SwarmError, collective, exchange, make_hostile,
+)
 from ftis_kernels.grpo.models import apply_lora, build_model, load_pretrained, warm_up
 from ftis_kernels.grpo.report import plot_curves, read_metrics, summary_table
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
@@ -41,17 +43,6 @@ METRIC_KEYS = (
     "samples_trained", "samples_received", "dropped", "seconds",
 )
 _INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped")
-
-
-class SwarmError(RuntimeError):
-    """A collective failed or timed out: some peer node died or stopped answering."""
-
-
-def _collective(phase: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:  # gloo/nccl raise RuntimeError or DistBackendError subclasses
-        raise SwarmError(f"during {phase}: {type(exc).__name__}: {exc}") from exc
 
 
 class Problems:
@@ -116,21 +107,26 @@ class Node:
         self.vocab_size = min(len(self.tokenizer), self.model.get_input_embeddings().num_embeddings)
         self.check_vocabulary()
 
-    def check_vocabulary(self) -> None:
-        """All nodes must share one token -> id map, or exchanged token ids mean nothing."""
-        if len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
-            raise ValueError(f"node {self.rank}: tokenizer has {len(self.tokenizer)} tokens but "
-                             f"the model only {self.model.get_input_embeddings().num_embeddings}")
-        mine = torch.frombuffer(bytearray(vocab_fingerprint(self.tokenizer).encode()),
-                                dtype=torch.uint8)
+    def _agree(self, what: str, fingerprint: str) -> None:
+        """SystemExit unless every node reports the same `fingerprint` (a hex digest)."""
+        mine = torch.frombuffer(bytearray(fingerprint[:64].ljust(64).encode()), dtype=torch.uint8)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        _collective("the vocabulary check", dist.all_gather, everyone, mine)
-        prints = [bytes(t.tolist()).decode() for t in everyone]
+        collective(f"the {what} check", dist.all_gather, everyone, mine)
+        prints = [bytes(t.tolist()).decode(errors="replace").strip() for t in everyone]
         if len(set(prints)) > 1:
             detail = ", ".join(f"node {i} ({self.cfg.node(i).name}): {p[:12]}"
                                for i, p in enumerate(prints))
-            raise SystemExit(f"vocabulary mismatch, refusing to start: every node must use the "
-                             f"same tokenizer (fingerprints {detail})")
+            raise SystemExit(f"{what} mismatch, refusing to start: every node must use the "
+                             f"same {what} (fingerprints {detail})")
+
+    def check_vocabulary(self) -> None:
+        """All nodes must share one token -> id map, or exchanged token ids mean nothing; and one
+        run configuration, which fixes the exchange's buffer sizes."""
+        if len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
+            raise ValueError(f"node {self.rank}: tokenizer has {len(self.tokenizer)} tokens but "
+                             f"the model only {self.model.get_input_embeddings().num_embeddings}")
+        self._agree("configuration", self.cfg.fingerprint())
+        self._agree("vocabulary", vocab_fingerprint(self.tokenizer))
         log.info("node %d (%s): vocabulary of %d tokens shared by all %d nodes", self.rank,
                  self.spec.name, len(self.tokenizer), self.world)
 
@@ -147,7 +143,7 @@ class Node:
             loss = warm_up(self.model, self.tokenizer, self.problems.arith,
                            steps=spec.warmup_steps, lr=spec.warmup_lr,
                            batch_size=cfg.warmup_batch, seed=spec.init_seed,
-                           operations=spec.warmup_ops)
+                           operations=spec.warmup_ops, gsm8k_format=spec.warmup_format)
             log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
                      spec.name, spec.warmup_steps, time.time() - t0, loss)
         if spec.lora:
@@ -173,7 +169,7 @@ class Node:
         checkpoint.save_node(self.ckpt, self.rank, completed, self.model, self.optimizer,
                              self.sampler, {"config": self.cfg.fingerprint(),
                                             "name": self.spec.name})
-        _collective("the checkpoint barrier", dist.barrier)
+        collective("the checkpoint barrier", dist.barrier)
         if self.rank == 0:
             checkpoint.mark_latest(self.ckpt, completed)
 
@@ -195,7 +191,6 @@ class Node:
                 temperature=self.cfg.temperature, eos_id=self.tokenizer.eos_token_id,
                 pad_id=self.tokenizer.pad_token_id, generator=self.sampler, greedy=greedy,
             )
-            tokens, logprobs = tokens.cpu(), logprobs.cpu()
             for i, pid in enumerate(ids):
                 n = int(lengths[i])
                 text = self.tokenizer.decode(tokens[i, :n], skip_special_tokens=True)
@@ -224,7 +219,7 @@ class Node:
         rewards = torch.tensor([r for _, _, r in done], dtype=torch.float32).view(P, per_prompt)
         if horizontal:
             swarm = [torch.empty_like(rewards) for _ in range(N)]
-            _collective("the reward exchange", dist.all_gather, swarm, rewards)
+            collective("the reward exchange", dist.all_gather, swarm, rewards)
             advantages = horizontal_advantages(torch.stack(swarm))[self.rank]
         else:
             advantages = vertical_advantages(rewards)
@@ -246,7 +241,7 @@ class Node:
         if cfg.loss != "on-policy":
             hostile_gen = torch.Generator().manual_seed(cfg.seed * 104729 + round_ * 31 + self.rank)
             outgoing = make_hostile(own, self.spec.hostile, self.vocab_size, hostile_gen)
-            received, drops, sent = _collective(
+            received, drops, sent = collective(
                 "the sample exchange", exchange, outgoing, vocab_size=self.vocab_size,
                 max_tokens=cfg.max_new_tokens, max_samples=len(own), prompt_ok=self.problems.known,
             )
@@ -267,7 +262,7 @@ class Node:
     def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
         vec = torch.tensor([float(metrics[k]) for k in METRIC_KEYS], dtype=torch.float64)
         everyone = [torch.empty_like(vec) for _ in range(self.world)]
-        _collective("the metrics gather", dist.all_gather, everyone, vec)
+        collective("the metrics gather", dist.all_gather, everyone, vec)
         rows = []
         for node, v in enumerate(everyone):
             row: dict[str, Any] = dict(round=round_, node=node, name=self.cfg.node(node).name,
@@ -298,7 +293,7 @@ class Node:
                 bar = tqdm(total=cfg.rounds, initial=start, desc=f"GRPO {cfg.loss}", unit="round")
         for round_ in range(start, cfg.rounds):
             if self.world > 1:
-                _collective(f"the start barrier of round {round_}", _barrier, cfg.timeout_s)
+                collective(f"the start barrier of round {round_}", _barrier, cfg.timeout_s)
             metrics = self.run_round(round_)
             rows = self.gather_rows(round_, metrics)
             if self.rank == 0:
@@ -364,7 +359,7 @@ def run_worker(cfg: RunConfig) -> int:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     try:
         Node(cfg, rank, world, device).run()
-        _collective("the final barrier", dist.barrier)
+        collective("the final barrier", dist.barrier)
     except SwarmError as exc:
         log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
                   "answering; stopping. Continue from the last checkpoint with --resume.",

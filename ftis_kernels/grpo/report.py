@@ -19,8 +19,15 @@ def _by_node(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return {k: sorted(v, key=lambda r: r["round"]) for k, v in sorted(nodes.items())}
 
 
+def _smooth(values: list[float], k: int) -> list[float]:
+    """Trailing moving average over up to k values."""
+    return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1])
+            for i in range(len(values))]
+
+
 def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
-    """curves.png: reward_mean, acc_id and acc_ood per node against the round."""
+    """curves.png: reward_mean (thin: per round, thick: 5-round mean), acc_id and acc_ood per
+    node against the round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,10 +36,15 @@ def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for node, series in _by_node(rows).items():
         label = f"{node}: {series[0].get('name', '')}"
-        for ax, key in zip(axes, ("reward_mean", "acc_id", "acc_ood")):
+        color = f"C{node % 10}"
+        rounds = [r["round"] for r in series]
+        reward = [r["reward_mean"] for r in series]
+        axes[0].plot(rounds, reward, color=color, alpha=0.3, lw=0.8)
+        axes[0].plot(rounds, _smooth(reward, 5), color=color, lw=2, label=label)
+        for ax, key in zip(axes[1:], ("acc_id", "acc_ood")):
             pts = [(r["round"], r[key]) for r in series if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="." if key != "reward_mean" else None, label=label)
+                ax.plot(*zip(*pts), color=color, marker=".", label=label)
     mode = rows[0]["mode"] if rows else ""
     for ax, title in zip(axes, ("train reward (sampled)", "accuracy, in-distribution (greedy)",
                                 "accuracy, out-of-distribution (greedy)")):
@@ -54,20 +66,26 @@ def _fmt(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
-def _first_last(series: list[dict[str, Any]], key: str) -> tuple[Any, Any]:
+def _first_last(series: list[dict[str, Any]], key: str, k: int) -> tuple[Any, Any]:
+    """Means of the first and of the last k recorded values (reward is noisy round to round)."""
     vals = [r[key] for r in series if r.get(key) is not None]
-    return (vals[0], vals[-1]) if vals else (None, None)
+    if not vals:
+        return None, None
+    k = max(1, min(k, len(vals) // 2))
+    return sum(vals[:k]) / k, sum(vals[-k:]) / k
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    """Per node: first -> last reward and accuracies, mean KL / filtered share, traffic, time."""
-    head = ("node", "name", "rounds", "reward", "acc_id", "acc_ood", "kl_mean", "filtered",
+    """Per node: first -> last reward (5-round means) and accuracies (first and last evaluation),
+    mean KL and filtered share, traffic, time per round."""
+    head = ("node", "name", "rounds", "reward (5-round mean)", "acc_id", "acc_ood", "kl_mean",
+            "filtered",
             "MB_sent", "B/token", "s/round")
     lines = []
     for node, series in _by_node(rows).items():
         cells = [str(node), series[0].get("name", ""), str(len(series))]
-        for key in ("reward_mean", "acc_id", "acc_ood"):
-            a, b = _first_last(series, key)
+        for key, k in (("reward_mean", 5), ("acc_id", 1), ("acc_ood", 1)):
+            a, b = _first_last(series, key, k)
             cells.append(f"{_fmt(a)} -> {_fmt(b)}")
         n = len(series)
         tokens = sum(r["tokens_sent"] for r in series)

@@ -46,13 +46,15 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one completion per prompt from softmax(logits / temperature), no top-k/top-p.
 
-    Returns tokens (B, L) int64 (pad after the end), logprobs (B, L) float32 (log-probability of
-    each sampled token under the sampling distribution, 0 after the end) and lengths (B,) int64.
+    Returns CPU tensors: tokens (B, L) int64 (pad after the end), logprobs (B, L) float32 (the
+    log-probability of each sampled token under the sampling distribution, 0 after the end) and
+    lengths (B,) int64.
     A completion ends with its EOS token (included) or after `max_new_tokens` tokens.
     """
     was_training = model.training
     model.eval()
-    ids, mask = left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B = ids.shape[0]
     position = (mask.cumsum(dim=1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True,
@@ -60,16 +62,17 @@ def sample(
     cache_name = _cache_name(model)
     past, logits = _cache_of(out), out.logits[:, -1]
     next_pos = position[:, -1:] + 1
-    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long)
-    logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32)
-    lengths = torch.zeros(B, dtype=torch.long)
-    done = torch.zeros(B, dtype=torch.bool)
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         if greedy:
             tok = logp.argmax(dim=-1)
         else:
-            tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+            # Drawn on the CPU so that one CPU generator (checkpointed) drives every device.
+            tok = torch.multinomial(logp.exp().cpu(), 1, generator=generator)[:, 0].to(device)
         live = ~done
         tokens[live, t] = tok[live]
         logprobs[live, t] = logp.gather(1, tok[:, None])[:, 0][live]
@@ -77,14 +80,14 @@ def sample(
         done |= tok == eos_id
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
                     use_cache=True, **{cache_name: past})
         past, logits = _cache_of(out), out.logits[:, -1]
         next_pos = next_pos + 1
     model.train(was_training)
     width = max(int(lengths.max()), 1)
-    return tokens[:, :width], logprobs[:, :width], lengths
+    return tokens[:, :width].cpu(), logprobs[:, :width].cpu(), lengths.cpu()
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = ADVANTAGE_EPS) -> torch.Tensor:

@@ -118,14 +118,17 @@ class ArithmeticTask:
         sentences.append(f"How many {item} does {name} have now?")
         return Problem(prompt_id, " ".join(sentences), " ".join(work), str(total))
 
-    def target(self, problem: Problem) -> str:
-        """The supervised completion for warm-up: worked steps then '#### answer'."""
-        return f"{problem.solution} #### {problem.answer}"
+    def target(self, problem: Problem, *, gsm8k_format: bool = True) -> str:
+        """A supervised completion for warm-up: worked steps then '#### answer' (GSM8K's format),
+        or, with gsm8k_format=False, 'The answer is answer.', which the strict reward rejects."""
+        if gsm8k_format:
+            return f"{problem.solution} #### {problem.answer}"
+        return f"{problem.solution} The answer is {problem.answer}."
 
     def vocabulary_text(self) -> list[str]:
         """Every word and symbol a generated problem or answer can contain."""
         words = list(NAMES) + list(NAMES.values()) + list(ITEMS)
-        words += "Q A has gives away gets more How many does have now ? . + - = ####".split()
+        words += "Q A The answer is has gives away gets more How many does have now ? . + - = ####".split()
         return words
 
 
