@@ -110,24 +110,42 @@ REDUCTION_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(REDUCTION_CASES))
-def test_without_is_and_filter_each_step_loss_and_the_weights_equal_trl_grpo(case, model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def trl_runs(model_dir, tmp_path_factory):
+    """Plain TRL's run of each case, done once for both F-TIS ops: case -> (weights, steps)."""
+    runs = {}
+
+    def run(case):
+        if case not in runs:
+            options, rollout = _case(case)
+            trainer, steps = _train(trl.GRPOTrainer, trl.GRPOConfig, model_dir, tmp_path_factory.mktemp("trl"),
+                                    rollout_func=rollout, **options)  # fmt: skip
+            runs[case] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, steps)
+        return runs[case]
+
+    return run
+
+
+def _case(case):
     options = dict(REDUCTION_CASES[case])
     peer_tokens = options.pop("peer_tokens", None)
+    rollout = None if peer_tokens is None else PeerRollout(_tokenizer(), seed=1, max_new_tokens=peer_tokens)
+    return options, rollout
 
-    def rollout():
-        return None if peer_tokens is None else PeerRollout(_tokenizer(), seed=1, max_new_tokens=peer_tokens)
 
-    trl_trainer, trl_steps = _train(trl.GRPOTrainer, trl.GRPOConfig, model_dir, tmp_path / "trl",
-                                    rollout_func=rollout(), **options)  # fmt: skip
-    ftis_trainer, ftis_steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path / "ftis",
-                                      rollout_func=rollout(), is_mode="none", filter=None, **options)  # fmt: skip
+@pytest.mark.parametrize("ftis_op", ["ftis_loss", "ftis_linear_loss"])
+@pytest.mark.parametrize("case", list(REDUCTION_CASES))
+def test_without_is_and_filter_each_step_loss_and_the_weights_equal_trl_grpo(case, ftis_op, model_dir, tmp_path,
+                                                                               trl_runs):  # fmt: skip
+    trl_weights, trl_steps = trl_runs(case)
+    options, rollout = _case(case)
+    ftis_trainer, ftis_steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, rollout_func=rollout,
+                                      is_mode="none", filter=None, ftis_op=ftis_op, **options)  # fmt: skip
 
     assert len(ftis_steps) == len(trl_steps) >= 2
     for step, ((trl_ids, _, trl_loss), (ftis_ids, _, ftis_loss)) in enumerate(zip(trl_steps, ftis_steps)):
         assert torch.equal(trl_ids, ftis_ids), f"micro-step {step}: the two trainers saw different batches"
         assert abs(ftis_loss - trl_loss) <= LOSS_TOL, f"micro-step {step}: F-TIS {ftis_loss!r} vs TRL {trl_loss!r}"
-    trl_weights = dict(trl_trainer.model.named_parameters())
     for name, weight in ftis_trainer.model.named_parameters():
         err = (weight - trl_weights[name]).abs().max().item()
         assert err <= WEIGHT_TOL, f"{name}: weights after 2 steps differ by {err:.3e}"
@@ -163,13 +181,14 @@ class PeerRollout:
         return out
 
 
-def test_ftis_metrics_are_logged_and_pi_gen_is_the_rollout_logprobs(model_dir, tmp_path):
+@pytest.mark.parametrize("ftis_op", ["ftis_loss", "ftis_linear_loss"])
+def test_ftis_metrics_are_logged_and_pi_gen_is_the_rollout_logprobs(ftis_op, model_dir, tmp_path):
     # With g = 0 every off-policy sample (KL > 0) counts as far off-policy, so the paper's filter
     # zeroes exactly the samples with A <= 0: the logged fraction must be theirs. Had pi_gen been
     # the trainer's own logprobs (KL = 0), nothing would be filtered.
     trainer, steps = _train(
         FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, rollout_func=PeerRollout(_tokenizer(), seed=1),
-        is_mode="tis", is_cap=2.0, filter="negative_offpolicy", kl_threshold=0.0, loss_type="grpo",
+        is_mode="tis", is_cap=2.0, filter="negative_offpolicy", kl_threshold=0.0, loss_type="grpo", ftis_op=ftis_op,
     )  # fmt: skip
     logged = [entry for entry in trainer.state.log_history if "loss" in entry and "train_loss" not in entry]
     assert len(logged) == len(steps) == 2
@@ -182,6 +201,16 @@ def test_ftis_metrics_are_logged_and_pi_gen_is_the_rollout_logprobs(model_dir, t
         assert 0 < entry["ftis/is_weight_mean"] <= 2.0
         assert entry["ftis/is_weight_mean"] != pytest.approx(1.0, abs=1e-3)
         assert 0 <= entry["ftis/is_truncated_frac"] <= 1
+
+
+@pytest.mark.parametrize("ftis_op", ["ftis_loss", "ftis_linear_loss"])
+def test_on_policy_batches_take_pi_gen_as_pi_theta_at_the_sampling_temperature(ftis_op, model_dir, tmp_path):
+    # TRL generated with this very model and kept no logprobs: pi_gen = pi_theta, so w = 1 and
+    # KL = 0 exactly, and even at g = 0 the off-policy filter removes nothing.
+    trainer, steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, max_steps=1, temperature=0.7,
+                            is_mode="vis", filter="offpolicy", kl_threshold=0.0, ftis_op=ftis_op)  # fmt: skip
+    entry = next(e for e in trainer.state.log_history if "ftis/kl_mean" in e)
+    assert entry["ftis/kl_mean"] == 0 and entry["ftis/filtered_frac"] == 0 and entry["ftis/is_weight_mean"] == 1
 
 
 REFUSED = [
@@ -233,3 +262,11 @@ def test_importing_ftis_kernels_does_not_import_trl():
     code = "import sys, ftis_kernels, ftis_kernels.integrations; assert 'trl' not in sys.modules, 'trl imported'"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_trl_example_script_runs():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the user's default CPU path
+    result = subprocess.run([sys.executable, "examples/trl_grpo.py", "--steps", "5"], cwd=root, env=env,
+                            check=True, capture_output=True, text=True)  # fmt: skip
+    assert "step   5  reward" in result.stdout, result.stdout

@@ -42,6 +42,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_loss import ftis_loss
+from ftis_kernels.integrations.hf import lm_head_inputs
 from ftis_kernels.options import LOSS_TYPES, FTISOptions
 
 TESTED_TRL = ">=1.16,<1.17"
@@ -79,10 +80,10 @@ class FTISGRPOConfig(GRPOConfig):
     kl_estimator: str = field(default="k3", metadata={"help": "'k1', 'k2' or 'k3' (per token, then reduced)."})
     kl_reduction: str = field(default="sum", metadata={"help": "'sum' or 'mean' over the completion tokens."})
     ftis_op: str = field(
-        default="ftis_loss",
+        default="ftis_linear_loss",
         metadata={
-            "help": "'ftis_loss' (from the completion logits of the model's forward) or 'ftis_linear_loss' "
-            "(fused with the lm-head, never materialising the logits)."
+            "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never materialised; "
+            "single-process) or 'ftis_loss' (from the completion logits of the model's forward)."
         },
     )
     vllm_importance_sampling_correction: bool = field(
@@ -159,6 +160,10 @@ class FTISGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         if self._is_vlm:
             raise ValueError("processing_class: FTISGRPOTrainer supports text-only causal LMs, got a processor")
+        if args.ftis_op == "ftis_linear_loss" and self.accelerator.num_processes > 1:
+            _refuse("ftis_op", args.ftis_op,
+                    "it runs the decoder outside the distributed wrapper, so is single-process only; "
+                    "use ftis_op='ftis_loss' with several processes")  # fmt: skip
         if self.aux_loss_enabled:
             _refuse("router_aux_loss_coef", self.router_aux_loss_coef,
                     "F-TIS adds no MoE load-balancing loss; set router_aux_loss_coef=0.0")  # fmt: skip
@@ -166,9 +171,16 @@ class FTISGRPOTrainer(GRPOTrainer):
     def _policy_head(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> Callable:
         """The F-TIS op bound to the policy's completion positions: `head(tokens, gen, adv, mask,
         old, ref, **options)`. Row t of what it scores predicts completion token t."""
+        if self.args.ftis_op == "ftis_loss":
+            with self.accelerator.autocast():
+                out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
+                            use_cache=False)  # fmt: skip
+            return functools.partial(ftis_loss, out.logits[:, :-1])
+        # Every completion column, so that the columns are TRL's; the loss mask goes to the op.
+        columns = torch.ones(input_ids.shape[0], T, dtype=torch.bool, device=input_ids.device)
         with self.accelerator.autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1, use_cache=False)
-        return functools.partial(ftis_loss, out.logits[:, :-1])
+            x = lm_head_inputs(self.accelerator.unwrap_model(model), input_ids, attention_mask, columns)
+        return functools.partial(ftis_linear_loss, x.hidden, x.weight, bias=x.bias)
 
     def _compute_loss(self, model, inputs):
         completion_ids = inputs["completion_ids"]
@@ -190,18 +202,27 @@ class FTISGRPOTrainer(GRPOTrainer):
             unscored = torch.isnan(sampling) & mask
             if unscored.any():
                 # Tokens vLLM could not score: no correction there (w = 1, no KL), as in TRL.
-                fallback = old if old is not None else _current_logprobs(head, completion_ids, advantages, mask)
+                fallback = old if old is not None else self._current_logprobs(head, completion_ids, advantages, mask)
                 gen = torch.where(unscored, fallback, sampling)
         elif old is not None:
             gen = old
         else:
-            gen = _current_logprobs(head, completion_ids, advantages, mask)
+            gen = self._current_logprobs(head, completion_ids, advantages, mask)
         loss, metrics = head(completion_ids, gen, advantages, mask, old, ref, **self.ftis.as_kwargs())
 
         mode = "train" if self.model.training else "eval"
         loss = loss * self._trl_scale(mode, mask, T, inputs)
         self._log_ftis_metrics(mode, metrics, mask, ref)
         return loss
+
+    def _current_logprobs(self, head: Callable, tokens, advantages, mask) -> torch.Tensor:
+        """log pi_theta(tokens) at the loss's temperature, detached, from the same op and inputs
+        as the loss, so that log pi_theta / pi_gen is exactly 0: w = 1, KL = 0."""
+        with torch.no_grad():
+            neutral = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+            _, metrics = head(tokens, neutral, advantages, mask, is_mode="none", filter=None,
+                              temperature=self.ftis.temperature)  # fmt: skip
+        return metrics["logp"]
 
     def _trl_scale(self, mode: str, mask: torch.Tensor, T: int, inputs) -> Any:
         """Factor that turns the op's reduction into TRL's (`GRPOTrainer._compute_loss`)."""
@@ -230,10 +251,3 @@ class FTISGRPOTrainer(GRPOTrainer):
         for name, value in zip(names, gathered):
             self._metrics[mode][name].append(value)
 
-
-def _current_logprobs(head: Callable, tokens, advantages, mask) -> torch.Tensor:
-    """log pi_theta(tokens), detached, from the same op (so log pi_theta / pi_gen is exactly 0)."""
-    with torch.no_grad():
-        neutral = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        _, metrics = head(tokens, neutral, advantages, mask, is_mode="none", filter=None)
-    return metrics["logp"]
