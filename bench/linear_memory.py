@@ -51,8 +51,12 @@ RESULTS = REPO / "bench" / "results"
 IMPLS = ("ftis_linear_loss", "ftis_loss", "reference")
 VOCAB, HIDDEN, SEQ = 151_936, 1536, 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# A CPU worker may use at most this much address space (the machine is shared).
-CPU_ADDRESS_LIMIT = 19 << 30
+# The code a measurement depends on: "dirty" in a record means one of these differed from commit.
+MEASURED_PATHS = ("ftis_kernels/ftis_linear_loss.py", "ftis_kernels/ftis_loss.py", "ftis_kernels/kernels",
+                  "ftis_kernels/per_sample.py", "ftis_kernels/validate.py", "ref", "bench/linear_memory.py")
+# A CPU worker may use at most this much address space (the machine is shared: a configuration
+# that needs more fails with an allocation error and is extrapolated).
+CPU_ADDRESS_LIMIT = 16 << 30
 
 
 def _inputs(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
@@ -155,7 +159,8 @@ def measure_one(
         # A fixed mmap threshold turns off glibc's adaptive one, under which freed blocks of up to
         # 32 MiB stay in the heap: RSS then follows the live tensors instead of the malloc cache.
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-        args = [sys.executable, "-m", "bench.linear_memory", "--worker", json.dumps(record)]
+        job = dict(record, address_limit=CPU_ADDRESS_LIMIT)
+        args = [sys.executable, "-m", "bench.linear_memory", "--worker", json.dumps(job)]
         proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode == 0:
             result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -163,6 +168,8 @@ def measure_one(
             result = None
         else:
             raise RuntimeError(f"worker failed for {record}:\n{proc.stderr[-4000:]}")
+    if device == "cpu":
+        record["address_limit"] = CPU_ADDRESS_LIMIT
     logits_bytes = n_tokens * vocab * 4
     if result is None:
         return {**record, "status": "oom", "fp32_logits_bytes": logits_bytes}
@@ -173,7 +180,7 @@ def measure_one(
 
 def _worker(record_json: str) -> None:
     record = json.loads(record_json)
-    resource.setrlimit(resource.RLIMIT_AS, (CPU_ADDRESS_LIMIT, CPU_ADDRESS_LIMIT))
+    resource.setrlimit(resource.RLIMIT_AS, (record["address_limit"], record["address_limit"]))
     result = _measure_here(record["impl"], record["n_tokens"], record["vocab"], record["hidden"],
                            DTYPES[record["dtype"]], torch.device("cpu"), record["chunk_size"])  # fmt: skip
     print(json.dumps(result))
@@ -218,7 +225,7 @@ def _metadata(device: str) -> dict:
     meta = dict(
         date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=git("rev-parse", "HEAD"),
-        dirty=bool(git("status", "--porcelain", "--", "ftis_kernels", "bench/linear_memory.py")),
+        dirty=bool(git("status", "--porcelain", "--", *MEASURED_PATHS)),
         torch=torch.__version__,
         triton=triton.__version__,
         python=platform.python_version(),
@@ -258,7 +265,8 @@ def plot(path: Path) -> Path:
                 mfc="none", color=line.get_color())  # fmt: skip
         meas = [r for r in recs if r["status"] == "measured"]
         ax.plot([r["n_tokens"] for r in meas], [r["extra_bytes"] / gib for r in meas], "o", color=line.get_color())
-    meta, cfg = data["meta"], data["config"]
+    cfg = data["config"]
+    meta = max((r["run"] for r in data["records"]), key=lambda m: m["date_utc"])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("B * T tokens")
@@ -292,7 +300,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     device_tag = "cpu" if args.device == "cpu" else "cuda"
     out = args.out or RESULTS / f"linear_memory_{device_tag}.json"
     if not args.plot_only:
-        records: list[dict] = []
+        run = _metadata(args.device)
+        config = dict(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, dtype=args.dtype, chunk_size=args.chunk_size,
+                      options="defaults with filter=None (every row carries a gradient)")  # fmt: skip
+        # Earlier measurements of the same configuration are kept unless measured again.
+        old = json.loads(out.read_text()) if out.exists() else {}
+        measurements = old.get("measurements", []) if old.get("config") == config else []
         for impl in args.impls.split(","):
             failed = False
             for n in (int(x) for x in args.tokens.split(",")):
@@ -300,17 +313,15 @@ def main(argv: Optional[list[str]] = None) -> None:
                 rec = (measure_one(impl, n, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size)
                        if not failed else dict(impl=impl, n_tokens=n, vocab=VOCAB, hidden=HIDDEN, dtype=args.dtype,
                                                device=args.device, chunk_size=args.chunk_size, status="oom",
+                                               note="not attempted: a smaller size did not fit",
                                                fp32_logits_bytes=n * VOCAB * 4))  # fmt: skip
                 failed = rec["status"] == "oom"
-                records.append(rec)
+                rec["run"] = run
+                measurements = [m for m in measurements if (m["impl"], m["n_tokens"]) != (impl, n)] + [rec]
                 print(json.dumps(rec), flush=True)
-        data = dict(meta=_metadata(args.device),
-                    config=dict(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, dtype=args.dtype, chunk_size=args.chunk_size,
-                                options="defaults with filter=None (every row carries a gradient)",
-                                cpu_address_limit_bytes=CPU_ADDRESS_LIMIT if device_tag == "cpu" else None),
-                    records=_extrapolate(records))  # fmt: skip
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(data, indent=1) + "\n")
+                data = dict(config=config, measurements=measurements, records=_extrapolate(measurements))
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(data, indent=1) + "\n")
     print(plot(out))
 
 
