@@ -1,0 +1,110 @@
+"""End to end through the real launcher: `python -m ftis_kernels.grpo` starts torchrun itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ("round", "node", "mode", "reward_mean", "acc_id", "acc_ood", "kl_mean",
+            "filtered_frac", "clip_frac", "is_weight_mean", "tokens_sent", "bytes_sent", "seconds")
+SMOKE = dict(rounds=4, nodes=2, prompts=2, group=4)  # the smoke preset's shape
+
+
+def ftis_grpo(*args: str, timeout: float = 240) -> tuple[int, str, float]:
+    """Run the CLI as a user would; returns (exit code, combined output, wall seconds)."""
+    env = dict(os.environ, FTIS_LOG_LEVEL="INFO")
+    # conftest turns the Triton interpreter on for this process; the driver on CPU should take
+    # ftis_loss's PyTorch path, as a user's run does.
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "ftis_kernels.grpo", "--no-progress", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return sorted(({k: v for k, v in r.items() if k != "seconds"} for r in rows),
+                  key=lambda r: (r["round"], r["node"]))
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    rc, log, seconds = ftis_grpo("--preset", "smoke", "--out", str(out))
+    assert rc == 0, log[-4000:]
+    return out, log, seconds
+
+
+def test_smoke_preset_runs_two_gloo_nodes_through_torchrun(smoke):
+    out, log, seconds = smoke
+    assert seconds < 120, f"smoke preset took {seconds:.0f}s"
+    rows = rows_of(out)
+    assert len(rows) == SMOKE["rounds"] * SMOKE["nodes"]
+    assert {(r["round"], r["node"]) for r in rows} == {(i, n) for i in range(4) for n in range(2)}
+    per_node = SMOKE["prompts"] * SMOKE["group"]
+    for r in rows:
+        assert all(k in r for k in REQUIRED), sorted(r)
+        assert r["mode"] == "f-tis" and 0.0 <= r["reward_mean"] <= 1.0
+        # The exchange sent every sample of the round: 8 bytes per token + a 24-byte header each.
+        assert r["bytes_sent"] == 8 * r["tokens_sent"] + 24 * per_node
+        assert r["samples_received"] == per_node and r["dropped"] == 0
+        assert r["samples_trained"] == 2 * per_node
+        assert r["is_weight_mean"] > 0 and r["kl_mean"] >= 0
+    assert rows[0]["acc_id"] is not None and rows[-1]["acc_ood"] is not None
+    assert (out / "curves.png").stat().st_size > 10_000
+    assert json.loads((out / "ckpt" / "latest.json").read_text()) == {"round": 4}
+    for node in range(2):
+        ckpt = out / "ckpt" / f"node{node}" / "round_00004"
+        assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.pt",
+                                                    "rng.pt", "state.json"}
+    assert (out / "tokenizer" / "tokenizer.json").exists()
+    assert "reward" in (out / "summary.txt").read_text() and "tiny-lora" in log
+    assert "vocabulary of" in log and "LoRA" in log
+
+
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(smoke, tmp_path):
+    full, _, _ = smoke
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--rounds", "2")
+    assert rc == 0, log[-4000:]
+    assert len(rows_of(tmp_path)) == 4
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--rounds", "4",
+                           "--resume")
+    assert rc == 0, log[-4000:]
+    assert "resumed after round 2" in log and "warm-up of" not in log
+    assert comparable(rows_of(tmp_path)) == comparable(rows_of(full))
+
+
+def test_dead_node_stops_the_swarm_with_a_clear_error_and_resume_continues(smoke, tmp_path):
+    rc, log, seconds = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--timeout", "20",
+                                 "--set", "nodes.1.fail_at_round=3", timeout=180)
+    assert rc != 0
+    assert "fault injection" in log and "the swarm stopped" in log and "--resume" in log
+    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text()) == {"round": 2}
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--resume")
+    assert rc == 0, log[-4000:]
+    assert comparable(rows_of(tmp_path)) == comparable(rows_of(smoke[0]))
+
+
+def test_nodes_with_different_vocabularies_refuse_to_start(tmp_path):
+    from ftis_kernels.grpo.models import build_model
+    from ftis_kernels.grpo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(["alien", "words"])
+    build_model("tiny", tok, seed=0).save_pretrained(tmp_path / "alien")
+    tok.save_pretrained(tmp_path / "alien")
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path / "run"),
+                           "--set", f"nodes.1.model={tmp_path / 'alien'}", timeout=120)
+    assert rc != 0
+    assert "vocabulary mismatch, refusing to start" in log

@@ -1,0 +1,294 @@
+"""Unit tests of the GRPO driver's pieces: task, tokenizer, advantages, wire format, batch layout."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftis_kernels.grpo.config import build_config
+from ftis_kernels.grpo.exchange import (
+    BYTES_PER_TOKEN, HEADER_BYTES, Sample, make_hostile, pack, record_bytes, unpack,
+)
+from ftis_kernels.grpo.models import build_model
+from ftis_kernels.grpo.rollout import (
+    ADVANTAGE_EPS, horizontal_advantages, left_pad, sample, vertical_advantages,
+)
+from ftis_kernels.grpo.task import (
+    ArithmeticTask, extract_answer, format_prompt, load_jsonl, make_prompt_id, reward,
+    split_prompt_id,
+)
+from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
+from ftis_kernels.grpo.train import build_batch, completion_logits, grpo_update
+from ftis_kernels.options import FTISOptions
+
+TASK = ArithmeticTask(seed=0)
+TOKENIZER = build_tokenizer(TASK.vocabulary_text())
+V = len(TOKENIZER)
+
+
+def _samples(n: int, source: int = 1, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L = int(torch.randint(1, 9, (1,), generator=g))
+        out.append(Sample(
+            prompt_id=make_prompt_id("train", 1000 * seed + i), source=source,
+            tokens=torch.randint(0, V, (L,), generator=g, dtype=torch.int32),
+            logprobs=-torch.rand(L, generator=g) * 5,
+            reward=float(i % 2), advantage=float(torch.randn(1, generator=g).float()),
+        ))
+    return out
+
+
+def _same(a: Sample, b: Sample) -> bool:
+    return (a.prompt_id == b.prompt_id and a.source == b.source
+            and torch.equal(a.tokens.to(torch.int32), b.tokens)
+            and torch.equal(a.logprobs.float(), b.logprobs)
+            and struct.pack("<f", a.reward) == struct.pack("<f", b.reward)
+            and struct.pack("<f", a.advantage) == struct.pack("<f", b.advantage))
+
+
+# -- task and tokenizer ---------------------------------------------------------------------------
+def test_generator_is_deterministic_and_splits_differ():
+    a, b = ArithmeticTask(0), ArithmeticTask(0)
+    ids = [make_prompt_id(s, i) for s in ("train", "test", "ood") for i in range(20)]
+    assert [a.problem(i) for i in ids] == [b.problem(i) for i in ids]
+    assert ArithmeticTask(1).problem(ids[0]) != a.problem(ids[0])
+    ood_steps = [a.problem(make_prompt_id("ood", i)).solution.count("=") for i in range(50)]
+    id_steps = [a.problem(make_prompt_id("test", i)).solution.count("=") for i in range(50)]
+    assert min(ood_steps) >= 3 and max(id_steps) <= 2
+    assert split_prompt_id(make_prompt_id("ood", 123)) == ("ood", 123)
+
+
+def test_worked_answers_are_correct_and_reward_is_strict():
+    for i in range(50):
+        p = TASK.problem(make_prompt_id("ood", i))
+        *_, last = p.solution.split()
+        assert last.split("=")[1].rstrip(".") == p.answer
+        assert reward(TASK.target(p), p) == 1.0
+    p = TASK.problem(make_prompt_id("test", 0))
+    wrong = str(int(p.answer) + 1)
+    assert reward(f"#### {wrong}", p) == 0.0
+    assert reward(p.answer, p) == 0.0  # no '####': no answer
+    assert reward(f"#### {p.answer} and more", p) == 0.0
+    assert extract_answer("x #### 1,200") == "1200"
+
+
+def test_tokenizer_round_trips_task_text_and_fingerprints_vocabulary():
+    for i in range(20):
+        p = TASK.problem(make_prompt_id("ood", i))
+        text = format_prompt(p.question) + TASK.target(p)
+        ids = TOKENIZER(text)["input_ids"]
+        assert TOKENIZER.unk_token_id not in ids
+        assert TOKENIZER.decode(ids) == text
+    assert vocab_fingerprint(TOKENIZER) == vocab_fingerprint(build_tokenizer(TASK.vocabulary_text()))
+    assert vocab_fingerprint(TOKENIZER) != vocab_fingerprint(build_tokenizer(["other"]))
+
+
+def test_jsonl_loader_reads_gsm8k_and_math500(tmp_path):
+    gsm = tmp_path / "gsm8k.jsonl"
+    gsm.write_text(json.dumps({"question": "2+2?", "answer": "2+2=4\n#### 4"}) + "\n")
+    math500 = tmp_path / "math500.jsonl"
+    math500.write_text(json.dumps({"problem": "1+1?", "answer": "2", "level": 1}) + "\n")
+    (g,) = load_jsonl(str(gsm), "train")
+    (m,) = load_jsonl(str(math500), "ood")
+    assert (g.question, g.answer, g.solution) == ("2+2?", "4", "2+2=4")
+    assert (m.question, m.answer) == ("1+1?", "2")
+    assert reward("so #### 4", g) == 1.0 and reward("#### 2", m) == 1.0
+    assert g.prompt_id != m.prompt_id
+
+
+# -- advantages -----------------------------------------------------------------------------------
+def test_vertical_advantages_match_hand_computed_values():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    # group 0: mean 0.5, unbiased std sqrt(1/3); group 1: mean 0.75, std 0.5; group 2: all equal.
+    s0 = math.sqrt(1 / 3) + ADVANTAGE_EPS
+    s1 = 0.5 + ADVANTAGE_EPS
+    expected = torch.tensor([[0.5 / s0, -0.5 / s0, -0.5 / s0, 0.5 / s0],
+                             [0.25 / s1, 0.25 / s1, 0.25 / s1, -0.75 / s1],
+                             [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(vertical_advantages(rewards), expected)
+
+
+def test_horizontal_advantages_normalise_over_the_swarm_group():
+    # 2 nodes, 2 shared prompts, 2 completions each per node.
+    swarm = torch.tensor([[[1.0, 0.0], [1.0, 1.0]],   # node 0
+                          [[0.0, 0.0], [0.0, 1.0]]])  # node 1
+    # prompt 0's group [1, 0, 0, 0]: mean 0.25, unbiased std 0.5;
+    # prompt 1's group [1, 1, 0, 1]: mean 0.75, unbiased std 0.5.
+    s = 0.5 + ADVANTAGE_EPS
+    expected = torch.tensor([[[0.75 / s, -0.25 / s], [0.25 / s, 0.25 / s]],
+                             [[-0.25 / s, -0.25 / s], [-0.75 / s, 0.25 / s]]])
+    got = horizontal_advantages(swarm)
+    torch.testing.assert_close(got, expected)
+    # Not the same as normalising each node's share on its own (the horizontal bias).
+    assert not torch.allclose(got[0], vertical_advantages(swarm[0]))
+
+
+def test_advantages_refuse_groups_of_one():
+    with pytest.raises(ValueError, match="rewards"):
+        vertical_advantages(torch.ones(3, 1))
+
+
+# -- the wire format ------------------------------------------------------------------------------
+def test_pack_unpack_round_trips_exactly_and_counts_8_bytes_per_token_plus_header():
+    samples = _samples(12)
+    payload = pack(samples)
+    n_tokens = sum(s.n_tokens for s in samples)
+    assert len(payload) == BYTES_PER_TOKEN * n_tokens + HEADER_BYTES * len(samples)
+    assert (BYTES_PER_TOKEN, HEADER_BYTES) == (8, 24)
+    assert record_bytes(5) == 24 + 40
+    back, drops = unpack(payload, sender=1, vocab_size=V, max_tokens=8)
+    assert drops == []
+    assert len(back) == len(samples) and all(_same(a, b) for a, b in zip(samples, back))
+
+
+@pytest.mark.parametrize("corrupt, reason", [
+    (lambda s: s.tokens.__setitem__(-1, V), "token id"),
+    (lambda s: s.tokens.__setitem__(0, -1), "token id"),
+    (lambda s: s.logprobs.__setitem__(-1, 0.5), "logprob > 0"),
+    (lambda s: s.logprobs.__setitem__(0, float("nan")), "non-finite logprob"),
+    (lambda s: s.logprobs.__setitem__(-1, -float("inf")), "non-finite logprob"),
+    (lambda s: setattr(s, "reward", float("inf")), "non-finite reward"),
+    (lambda s: setattr(s, "advantage", float("nan")), "non-finite reward"),
+    (lambda s: setattr(s, "source", 0), "source field"),
+    (lambda s: setattr(s, "prompt_id", 7 << 48), "unknown prompt"),
+])
+def test_malformed_peer_sample_is_dropped_with_a_reason(corrupt, reason):
+    samples = _samples(3)
+    corrupt(samples[1])
+    task = ArithmeticTask(0)
+
+    def known(pid):
+        try:
+            task.problem(pid)
+        except ValueError:
+            return False
+        return True
+
+    got, drops = unpack(pack(samples), sender=1, vocab_size=V, max_tokens=8, prompt_ok=known)
+    assert [s.prompt_id for s in got] == [samples[0].prompt_id, samples[2].prompt_id]
+    assert len(drops) == 1 and reason in drops[0] and "sample 1 from node 1" in drops[0]
+
+
+def test_untrustworthy_lengths_end_the_parse_without_raising():
+    samples = _samples(3)
+    payload = bytearray(pack(samples))
+    first = record_bytes(samples[0].n_tokens)
+    struct.pack_into("<i", payload, first + 12, 10_000)  # sample 1 claims 10k tokens
+    got, drops = unpack(bytes(payload), sender=1, vocab_size=V, max_tokens=8)
+    assert len(got) == 1 and "outside [1, 8]" in drops[0]
+    got, drops = unpack(pack(samples)[:-3], sender=1, vocab_size=V, max_tokens=8)
+    assert len(got) == 2 and "runs past the payload" in drops[0]
+    got, drops = unpack(pack(samples) + b"\x01\x02", sender=1, vocab_size=V, max_tokens=8)
+    assert len(got) == 3 and "truncated header" in drops[0]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.binary(max_size=400))
+def test_arbitrary_peer_bytes_never_raise(payload):
+    got, drops = unpack(payload, sender=1, vocab_size=V, max_tokens=8)
+    for s in got:
+        assert 1 <= s.n_tokens <= 8 and int(s.tokens.min()) >= 0 and int(s.tokens.max()) < V
+        assert bool(torch.isfinite(s.logprobs).all()) and float(s.logprobs.max()) <= 0
+
+
+def test_hostile_hook_forges_what_it_says():
+    honest = _samples(4)
+    g = torch.Generator().manual_seed(0)
+    forged = make_hostile(honest, "forged_logprobs", V, g)
+    assert all(float(s.logprobs.max()) > -0.01 for s in forged)
+    flipped = make_hostile(honest, "flipped_rewards", V, g)
+    assert [s.reward for s in flipped] == [1 - s.reward for s in honest]
+    assert [s.advantage for s in flipped] == [-s.advantage for s in honest]
+    rand = make_hostile(honest, "random_tokens", V, g)
+    assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(rand, honest))
+    assert make_hostile(honest, None, V, g) is honest
+    with pytest.raises(ValueError, match="hostile"):
+        make_hostile(honest, "nice", V, g)
+
+
+# -- generation and training ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_model("tiny", TOKENIZER, seed=0)
+
+
+def _prompt(pid: int) -> list[int]:
+    return TOKENIZER(format_prompt(TASK.problem(pid).question))["input_ids"]
+
+
+def test_sampled_logprobs_are_the_training_forward_logprobs(tiny_model):
+    """Own samples: the loss's log pi_theta (shifted logits of the padded batch) equals the
+    sampling logprobs, so w = 1 and KL = 0 on a node's own data."""
+    pids = [make_prompt_id("train", i) for i in range(6)]  # prompts of different lengths
+    g = torch.Generator().manual_seed(0)
+    tokens, logprobs, lengths = sample(tiny_model, [_prompt(p) for p in pids], max_new_tokens=10,
+                                       temperature=0.7, eos_id=TOKENIZER.eos_token_id,
+                                       pad_id=TOKENIZER.pad_token_id, generator=g)
+    assert len({len(_prompt(p)) for p in pids}) > 1
+    samples = [Sample(p, 0, tokens[i, : lengths[i]].to(torch.int32), logprobs[i, : lengths[i]],
+                      0.0, 0.0) for i, p in enumerate(pids)]
+    batch = build_batch(samples, _prompt, TOKENIZER.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        logits = completion_logits(tiny_model, batch)
+    logp = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, batch["tokens"][..., None])[..., 0]
+    m = batch["mask"]
+    torch.testing.assert_close(logp[m], batch["gen_logprobs"][m], atol=2e-5, rtol=0)
+    assert bool((batch["gen_logprobs"][m] < 0).all())
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient():
+    opts = FTISOptions.for_variant("f-tis")
+    pids = [make_prompt_id("train", i) for i in range(5)]
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for i, p in enumerate(pids):
+        L = 3 + i
+        samples.append(Sample(p, 0, torch.randint(3, V, (L,), generator=g, dtype=torch.int32),
+                              -torch.rand(L, generator=g) * 3, float(i % 2), float(i) - 2.0))
+    grads = []
+    for micro in (5, 2):
+        model = build_model("tiny", TOKENIZER, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        grpo_update(model, opt, samples, _prompt, opts, micro_batch=micro,
+                    pad_id=TOKENIZER.pad_token_id, grad_clip=1e9, device=torch.device("cpu"))
+        grads.append(torch.cat([(b - p.detach()).flatten()
+                                for b, p in zip(before, model.parameters())]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_left_pad_right_aligns_prompts():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+# -- configuration --------------------------------------------------------------------------------
+def test_config_layers_preset_file_and_flags(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('rounds = 9\nloss = "nois"\n')
+    cfg = build_config("smoke", str(f), {"loss": "tis"}, ("nodes.1.hostile=random_tokens",), 3)
+    assert (cfg.rounds, cfg.loss, len(cfg.nodes)) == (9, "tis", 3)
+    assert cfg.nodes[1].hostile == "random_tokens" and cfg.nodes[2].lora is False
+    assert cfg.ftis_options() == FTISOptions.for_variant("tis", temperature=cfg.temperature)
+    onp = build_config("smoke", overrides={"loss": "on-policy"}).ftis_options()
+    assert (onp.is_mode, onp.filter) == ("none", None)
+    y = tmp_path / "run.yaml"
+    y.write_text("collab: horizontal\ngroup_size: 6\n")
+    with pytest.raises(ValueError, match="group_size"):
+        build_config("smoke", str(y), n_nodes=4).validate(4)
+    with pytest.raises(ValueError, match="unknown keys"):
+        build_config(sets=("lossy=1",))
+    a = build_config("smoke")
+    b = build_config("smoke", overrides={"rounds": 99, "timeout_s": 5},
+                     sets=("nodes.1.fail_at_round=2",))
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint() != build_config("smoke", overrides={"loss": "nois"}).fingerprint()
