@@ -164,7 +164,7 @@ def _chunk_backward(h, weight, bias, tokens, lse, coef, temperature, backend, gr
         grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
 
 
-def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tuple[torch.Tensor, ...]:
     """(b, t) int64 index tensors of the completion positions, in row-major order."""
     if mask is None:
         pos = torch.arange(B * T, device=device)
@@ -291,7 +291,7 @@ def _backward(ctx, grad_loss, *_):
 _ftis_linear_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_linear_inputs(hidden: object, weight: object, bias: object, chunk_size: object) -> tuple[int, int, int, int]:
+def _check_linear_inputs(hidden: object, weight: object, bias: object, chunk_size: object) -> tuple[int, ...]:
     """Shapes, dtypes and devices of hidden, weight, bias and chunk_size; returns (B, T, H, V)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or min(hidden.shape) < 1:
         raise ValueError(f"hidden: expected a (B, T, H) tensor with B, T, H >= 1, got "
@@ -307,7 +307,8 @@ def _check_linear_inputs(hidden: object, weight: object, bias: object, chunk_siz
     check_tensor("weight", weight, (V, H), (hidden.dtype,), hidden.device)
     if bias is not None:
         check_tensor("bias", bias, (V,), (hidden.dtype,), hidden.device)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    bad_chunk = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    if chunk_size is not None and bad_chunk:
         raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
     return B, T, H, V
 

@@ -73,7 +73,9 @@ def make_linear_case(B, T, H, V, *, seed=0, exact=True, with_bias=True, mask="ra
         m = torch.rand(B, T, generator=g) < 0.75
         m[0] = False
     old = (logp + 0.25 * torch.randn(B, T, generator=g, dtype=torch.float64)).float() if with_old else None
-    ref = (logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0).float() if with_ref else None
+    ref = None
+    if with_ref:
+        ref = (logp + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0).float()
     move = lambda x: None if x is None else x.to(device)  # noqa: E731
     return dict(hidden=hidden.to(device), weight=weight.to(device), bias=move(bias),
                 rows=tuple(move(x) for x in (tokens, gen, adv, m, old, ref)))  # fmt: skip
@@ -301,7 +303,8 @@ def test_torch_compile_fullgraph_matches_eager(device):
     want, want_kl = step(hidden, weight, bias)
     got, got_kl = compiled(hidden, weight, bias)
     assert torch.equal(got, want) and torch.equal(got_kl, want_kl)
-    for g, w in zip(torch.autograd.grad(got, [hidden, weight, bias]), torch.autograd.grad(want, [hidden, weight, bias])):
+    leaves = [hidden, weight, bias]
+    for g, w in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
         assert torch.equal(g, w)
 
 

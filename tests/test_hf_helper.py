@@ -141,21 +141,25 @@ def test_several_active_adapters_are_summed():
 def test_disabled_and_merged_adapters_are_the_base_layer():
     model = with_lora(tiny_qwen2())
     data = batch()
-    with model.disable_adapter():
+
+    def head_logits_match_model_logits() -> torch.Tensor:
         x = lm_head_inputs(model, *data[:3])
-        assert x.hidden.shape[-1] == 32
-        want = model(input_ids=data[0], attention_mask=data[1]).logits
-        numerics.assert_close("logits", x.hidden @ x.weight.T, want[:, START - 1 : L - 1], numerics.Tol(1e-5, 1e-5))
+        assert x.hidden.shape[-1] == 32  # no LoRA columns: the base layer alone
+        want = model(input_ids=data[0], attention_mask=data[1]).logits[:, START - 1 : L - 1]
+        numerics.assert_close("logits", x.hidden @ x.weight.T, want, numerics.Tol(1e-5, 1e-5))
+        return want
+
+    with model.disable_adapter():
+        base = head_logits_match_model_logits()
     model.merge_adapter()
-    x = lm_head_inputs(model, *data[:3])
-    assert x.hidden.shape[-1] == 32
-    want = model(input_ids=data[0], attention_mask=data[1]).logits
-    numerics.assert_close("logits", x.hidden @ x.weight.T, want[:, START - 1 : L - 1], numerics.Tol(1e-5, 1e-5))
+    merged = head_logits_match_model_logits()
+    assert not torch.allclose(base, merged)  # the merged adapter is in the weight
 
 
 def test_modules_to_save_lm_head_follows_the_trained_copy():
     model = tiny_qwen2(tied=False)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    model = peft.get_peft_model(model, config)
     head = model.base_model.model.lm_head
     with torch.no_grad():
         head.modules_to_save["default"].weight.add_(0.5)

@@ -97,7 +97,7 @@ def _lora_layer_cls():
     return LoraLayer
 
 
-def linear_head(head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+def linear_head(head: nn.Module, hidden: torch.Tensor) -> tuple:
     """The lm-head `head` applied to `hidden` (..., H) as one linear map: returns (hidden',
     weight, bias) with head(hidden) == hidden' @ weight.T + bias (see the module docstring)."""
     head = _active_module(head)
@@ -105,7 +105,8 @@ def linear_head(head: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, to
     if lora_cls is not None and isinstance(head, lora_cls):
         return _lora_linear_head(head, hidden)
     if not isinstance(head, nn.Linear):
-        raise ValueError(f"model: expected an nn.Linear lm-head (or a LoRA-wrapped one), got {type(head).__name__}")
+        raise ValueError(f"model: expected an nn.Linear lm-head (or a LoRA-wrapped one), "
+                         f"got {type(head).__name__}")  # fmt: skip
     return hidden.to(head.weight.dtype), head.weight, head.bias
 
 
@@ -172,10 +173,12 @@ def lm_head_inputs(
     sequence; its states are taken at columns start - 1 .. L - 2 (one predicts the next token).
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids: expected a (B, L) tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+        raise ValueError(f"input_ids: expected a (B, L) tensor, "
+                         f"got {getattr(input_ids, 'shape', input_ids)!r}")  # fmt: skip
     B, L = input_ids.shape
     if attention_mask is not None and tuple(attention_mask.shape) != (B, L):
-        raise ValueError(f"attention_mask: expected shape ({B}, {L}) or None, got {tuple(attention_mask.shape)}")
+        raise ValueError(f"attention_mask: expected shape ({B}, {L}) or None, "
+                         f"got {tuple(attention_mask.shape)}")  # fmt: skip
     if not isinstance(completion_mask, torch.Tensor) or completion_mask.dim() != 2 \
             or completion_mask.shape[0] != B or not 1 <= completion_mask.shape[1] <= L:  # fmt: skip
         raise ValueError(f"completion_mask: expected a (B, L) or (B, C <= L) tensor with B={B}, L={L}, "
