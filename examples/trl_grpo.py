@@ -8,7 +8,7 @@ differently initialised "peer" model. F-TIS takes pi_gen from those logprobs, we
 by min(pi_theta / pi_gen, is_cap) and filters negative-advantage samples that are too far
 off-policy; TRL logs its ftis/* metrics next to its own.
 
-Run: pip install 'ftis-kernels[trl]' && python examples/trl_grpo.py [--variant f-tis] [--steps 30]
+Run: pip install 'ftis-kernels[trl]' && python examples/trl_grpo.py [--variant f-tis] [--steps 20]
 """
 
 import argparse
@@ -88,7 +88,7 @@ class HalfFromPeer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variant", default="f-tis", choices=sorted(VARIANTS))
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     cli = parser.parse_args()
 
     tokenizer = make_tokenizer()
@@ -97,7 +97,7 @@ def main() -> None:
         output_dir=tempfile.mkdtemp(prefix="ftis-trl-"), max_steps=cli.steps, learning_rate=3e-3,
         per_device_train_batch_size=16, num_generations=8, max_completion_length=8, temperature=1.0,
         loss_type="grpo", beta=0.0, epsilon=0.2, **VARIANTS[cli.variant], is_cap=2.0, kl_threshold=50.0,
-        logging_steps=5, seed=0, use_cpu=True, bf16=False, activation_checkpointing=False, report_to="none",
+        logging_steps=5, seed=0, use_cpu=True, bf16=False, report_to="none",
         save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
     rollout = HalfFromPeer(tokenizer, make_model(len(tokenizer), seed=1).eval(), args.num_generations,

@@ -21,6 +21,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 trl = pytest.importorskip("trl")
 
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 
 import torch  # noqa: E402
@@ -33,6 +34,9 @@ from ftis_kernels.integrations.trl import FTISGRPOConfig, FTISGRPOTrainer  # noq
 PROMPTS = ["1+2=", "3+4=", "5+1=", "2+2=", "7+1=", "4+4=", "9+0=", "6+3="]
 LOSS_TOL = 1e-5  # fp32, per step
 WEIGHT_TOL = 1e-6  # after 2 SGD steps at lr 0.5: gradients agree to ~1e-6
+# transformers 5 renamed gradient_checkpointing (TRL turns it on by default; off is faster here).
+CHECKPOINTING = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                     if name in {f.name for f in dataclasses.fields(trl.GRPOConfig)})  # fmt: skip
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -73,9 +77,9 @@ def _train(trainer_cls, config_cls, model_dir, out_dir, rollout_func=None, **ove
     options = dict(
         output_dir=str(out_dir), per_device_train_batch_size=8, num_generations=4,
         max_completion_length=8, max_steps=2, logging_steps=1, learning_rate=0.5, optim="sgd",
-        seed=0, use_cpu=True, bf16=False, activation_checkpointing=False, report_to="none",
-        save_strategy="no", disable_tqdm=True,
+        seed=0, use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
+    options[CHECKPOINTING] = False
     options.update(overrides)
     trainer = trainer_cls(
         model=model_dir, reward_funcs=_vowel_reward, args=config_cls(**options),
@@ -211,6 +215,25 @@ def test_on_policy_batches_take_pi_gen_as_pi_theta_at_the_sampling_temperature(f
                             is_mode="vis", filter="offpolicy", kl_threshold=0.0, ftis_op=ftis_op)  # fmt: skip
     entry = next(e for e in trainer.state.log_history if "ftis/kl_mean" in e)
     assert entry["ftis/kl_mean"] == 0 and entry["ftis/filtered_frac"] == 0 and entry["ftis/is_weight_mean"] == 1
+
+
+class UnscoredRollout(PeerRollout):
+    """A generator that could not score its tokens: TRL turns a None logprob into NaN."""
+
+    def __call__(self, prompts, trainer):
+        out = super().__call__(prompts, trainer)
+        out["logprobs"] = [[None] * len(lp) for lp in out["logprobs"]]
+        return out
+
+
+def test_rollout_tokens_without_a_logprob_get_no_correction(model_dir, tmp_path):
+    # As in TRL's vLLM path, a token the generator could not score is not corrected: pi_gen falls
+    # back to pi_old (here the current policy), so w = 1 and KL = 0 instead of a NaN loss.
+    trainer, steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, max_steps=1,
+                            rollout_func=UnscoredRollout(_tokenizer(), seed=1), filter="offpolicy",
+                            kl_threshold=0.0)  # fmt: skip
+    entry = next(e for e in trainer.state.log_history if "ftis/kl_mean" in e)
+    assert math.isfinite(steps[0][2]) and entry["ftis/kl_mean"] == 0 and entry["ftis/is_weight_mean"] == 1
 
 
 REFUSED = [

@@ -22,30 +22,35 @@ dr_grpo's max_completion_length), so with is_mode="none" and filter=None the los
 TRL options that would change the loss in a way F-TIS cannot reproduce are refused with a
 ValueError naming them, at config and at trainer construction.
 
-Tested with trl 1.16 (TESTED_TRL).
+Tested with trl 1.11 to 1.16 (TESTED_TRL); other versions get a warning at import.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 try:
+    import trl
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "ftis_kernels.integrations.trl needs TRL: pip install 'ftis-kernels[trl]'"
-    ) from err
+    raise ImportError("ftis_kernels.integrations.trl needs TRL: pip install 'ftis-kernels[trl]'") from err
 
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import lm_head_inputs
 from ftis_kernels.options import LOSS_TYPES, FTISOptions
 
-TESTED_TRL = ">=1.16,<1.17"
+TESTED_TRL = ">=1.11,<1.17"
+if Version(trl.__version__) not in SpecifierSet(TESTED_TRL):
+    warnings.warn(f"ftis_kernels.integrations.trl is tested with trl{TESTED_TRL}, found trl {trl.__version__}",
+                  stacklevel=2)  # fmt: skip
 FTIS_OPS = ("ftis_linear_loss", "ftis_loss")
 LOGGED_METRICS = ("kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_frac", "clip_frac")
 
