@@ -129,15 +129,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The README's main job: three heterogeneous nodes, a few minutes on CPU. Their warm-ups
     # differ in length, operations and how often they use GSM8K's '#### x' answer format.
     "demo": dict(
-        rounds=70, prompts_per_node=8, group_size=8, max_new_tokens=28, eval_size=64,
+        rounds=80, prompts_per_node=8, group_size=8, max_new_tokens=28, eval_size=64,
         eval_every=5, ckpt_every=10, micro_batch=64,
         nodes=[
             dict(name="tiny-add", arch="tiny", init_seed=0, warmup_steps=500,
-                 warmup_ops=["add"], warmup_format=0.4, lr=5e-4),
-            dict(name="small", arch="small", init_seed=1, warmup_steps=250, warmup_format=0.3,
-                 lr=3e-4),
+                 warmup_ops=["add"], warmup_format=0.4, lr=3e-4),
+            dict(name="small", arch="small", init_seed=1, warmup_steps=300, warmup_format=0.3,
+                 lr=2e-4),
             dict(name="tiny-lora", arch="tiny", init_seed=2, warmup_steps=500,
-                 warmup_format=0.5, lora=True, lr=2e-3),
+                 warmup_format=0.5, lora=True, lr=1e-3),
         ],
     ),
 }

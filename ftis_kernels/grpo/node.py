@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -364,6 +365,11 @@ def run_worker(cfg: RunConfig) -> int:
         log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
                   "answering; stopping. Continue from the last checkpoint with --resume.",
                   rank, exc)
-        return EXIT_SWARM
+        # A gloo group whose peer died can abort in its C++ teardown at interpreter exit, which
+        # would replace this exit code by SIGABRT: leave without running destructors.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_SWARM)
     dist.destroy_process_group()
     return 0
