@@ -54,7 +54,8 @@ def plot_family(results: dict, family: str, path: Path) -> bool:
                         ys.append(max(r["peak_extra_bytes"], 1) / MiB)
                 if xs:
                     err = [lo, hi] if key == "time" else None
-                    ax.bar(xs, ys, width, yerr=err, label=impl, capsize=2)
+                    # One colour per implementation across all four panels.
+                    ax.bar(xs, ys, width, yerr=err, label=impl, capsize=2, color=f"C{i % 10}")
             if key == "time":
                 for j, label in enumerate(labels):
                     r = next((r for r in recs if r["mode"] == mode and r["case"]["label"] == label), None)
@@ -68,9 +69,11 @@ def plot_family(results: dict, family: str, path: Path) -> bool:
             ax.set_title(f"{mode}: {'median time, p20-p80' if key == 'time' else 'peak memory over inputs'}",
                          fontsize=10)  # fmt: skip
             ax.grid(axis="y", alpha=0.3, which="both")
-    axes[0][0].legend(fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i % 10}") for i in range(len(impls))]
+    handles.append(plt.Line2D([0], [0], color="black", linewidth=2))
+    fig.legend(handles, [*impls, "roofline"], loc="lower center", ncol=min(len(impls) + 1, 8), fontsize=8)
     fig.suptitle(_title(results, family), fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
