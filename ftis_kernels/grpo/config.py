@@ -130,7 +130,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # differ in length, operations and how often they use GSM8K's '#### x' answer format.
     "demo": dict(
         rounds=80, prompts_per_node=8, group_size=8, max_new_tokens=28, eval_size=64,
-        eval_every=5, ckpt_every=10, micro_batch=64,
+        eval_every=5, ckpt_every=10, micro_batch=64, temperature=0.8,
         nodes=[
             dict(name="tiny-add", arch="tiny", init_seed=0, warmup_steps=500,
                  warmup_ops=["add"], warmup_format=0.4, lr=3e-4),
