@@ -27,7 +27,7 @@ rewards = (completion % 2 == 0).float().mean(dim=1)  # any per-sample reward; he
 advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)  # group-relative (GRPO)
 
 for step in range(5):
-    logits = policy(torch.cat([prompt, completion], dim=1)).logits[:, P - 1 : -1]  # [:, t] scores completion[:, t]
+    logits = policy(torch.cat([prompt, completion], dim=1)).logits[:, P - 1 : -1]  # scores completion
     loss, metrics = ftis_loss(logits, completion, gen_logprobs, advantages,
                               is_mode="tis", is_cap=2.0, filter="negative_offpolicy", kl_threshold=50.0)
     optimizer.zero_grad()

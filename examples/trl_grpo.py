@@ -50,8 +50,8 @@ def digit_share(completions, **kwargs) -> list[float]:
 
 
 @torch.no_grad()
-def sample_group(model, prompt_ids, n, max_new_tokens, temperature, generator):
-    """n completions of one prompt and their per-token logprobs under `model`, cut after <eos>."""
+def sample_group(model, prompt_ids, n, max_new_tokens, temperature, generator, eos_id):
+    """n completions of one prompt and their per-token logprobs under `model`, cut after eos_id."""
     ids = torch.tensor(prompt_ids).expand(n, -1)
     steps = []
     for _ in range(max_new_tokens):
@@ -60,7 +60,7 @@ def sample_group(model, prompt_ids, n, max_new_tokens, temperature, generator):
         steps.append(logp.gather(1, token))
         ids = torch.cat([ids, token], dim=1)
     completions, logprobs = ids[:, len(prompt_ids):].tolist(), torch.cat(steps, dim=1).tolist()
-    ends = [c.index(1) + 1 if 1 in c else len(c) for c in completions]
+    ends = [c.index(eos_id) + 1 if eos_id in c else len(c) for c in completions]
     return [c[:e] for c, e in zip(completions, ends)], [lp[:e] for lp, e in zip(logprobs, ends)]
 
 
@@ -78,7 +78,8 @@ class HalfFromPeer:
             model = trainer.model if (g // self.group_size) % 2 == 0 else self.peer
             prompt_ids = self.tokenizer(prompts[g])["input_ids"]
             completions, logprobs = sample_group(model, prompt_ids, self.group_size, self.max_new_tokens,
-                                                 self.temperature, self.generator)  # fmt: skip
+                                                 self.temperature, self.generator,
+                                                 self.tokenizer.eos_token_id)  # fmt: skip
             out["prompt_ids"] += [prompt_ids] * self.group_size
             out["completion_ids"] += completions
             out["logprobs"] += logprobs
@@ -104,7 +105,8 @@ def main() -> None:
                            args.max_completion_length, args.temperature)  # fmt: skip
     trainer = FTISGRPOTrainer(
         model=make_model(len(tokenizer), seed=0), reward_funcs=digit_share, args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer, rollout_func=rollout,
+        train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+        rollout_func=rollout,
     )  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # the summary below replaces TRL's raw log dicts
     trainer.train()

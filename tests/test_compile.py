@@ -100,8 +100,9 @@ def test_compiled_training_step_has_one_graph_and_no_graph_break(op, device):
     explanation = torch._dynamo.explain(STEP_FNS[op])(TinyLM().to(device), _batch(device))
     custom_ops = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes
                   if "ftis_kernels" in str(node.target)]  # fmt: skip
-    print(f"\n{op}: graph_count={explanation.graph_count} graph_break_count={explanation.graph_break_count} "
-          f"op_count={explanation.op_count} break_reasons={explanation.break_reasons} custom_ops={custom_ops}")
+    print(f"\n{op}: graph_count={explanation.graph_count} "
+          f"graph_break_count={explanation.graph_break_count} op_count={explanation.op_count} "
+          f"break_reasons={explanation.break_reasons} custom_ops={custom_ops}")
     # A break after the last op leaves one graph and a count of 0, but still a reason.
     assert explanation.graph_break_count == 0 and not explanation.break_reasons, explanation.break_reasons
     assert explanation.graph_count == 1

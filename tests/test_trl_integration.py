@@ -122,8 +122,9 @@ def trl_runs(model_dir, tmp_path_factory):
     def run(case):
         if case not in runs:
             options, rollout = _case(case)
-            trainer, steps = _train(trl.GRPOTrainer, trl.GRPOConfig, model_dir, tmp_path_factory.mktemp("trl"),
-                                    rollout_func=rollout, **options)  # fmt: skip
+            out_dir = tmp_path_factory.mktemp("trl")
+            trainer, steps = _train(trl.GRPOTrainer, trl.GRPOConfig, model_dir, out_dir, rollout_func=rollout,
+                                    **options)  # fmt: skip
             runs[case] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, steps)
         return runs[case]
 
@@ -139,17 +140,19 @@ def _case(case):
 
 @pytest.mark.parametrize("ftis_op", ["ftis_loss", "ftis_linear_loss"])
 @pytest.mark.parametrize("case", list(REDUCTION_CASES))
-def test_without_is_and_filter_each_step_loss_and_the_weights_equal_trl_grpo(case, ftis_op, model_dir, tmp_path,
-                                                                               trl_runs):  # fmt: skip
+def test_without_is_and_filter_each_step_loss_and_the_weights_equal_trl_grpo(
+    case, ftis_op, model_dir, tmp_path, trl_runs
+):
     trl_weights, trl_steps = trl_runs(case)
     options, rollout = _case(case)
-    ftis_trainer, ftis_steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, rollout_func=rollout,
-                                      is_mode="none", filter=None, ftis_op=ftis_op, **options)  # fmt: skip
+    ftis_trainer, ftis_steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path,
+                                      rollout_func=rollout, is_mode="none", filter=None, ftis_op=ftis_op,
+                                      **options)  # fmt: skip
 
     assert len(ftis_steps) == len(trl_steps) >= 2
     for step, ((trl_ids, _, trl_loss), (ftis_ids, _, ftis_loss)) in enumerate(zip(trl_steps, ftis_steps)):
         assert torch.equal(trl_ids, ftis_ids), f"micro-step {step}: the two trainers saw different batches"
-        assert abs(ftis_loss - trl_loss) <= LOSS_TOL, f"micro-step {step}: F-TIS {ftis_loss!r} vs TRL {trl_loss!r}"
+        assert abs(ftis_loss - trl_loss) <= LOSS_TOL, f"micro-step {step}: {ftis_loss!r} vs TRL {trl_loss!r}"
     for name, weight in ftis_trainer.model.named_parameters():
         err = (weight - trl_weights[name]).abs().max().item()
         assert err <= WEIGHT_TOL, f"{name}: weights after 2 steps differ by {err:.3e}"
@@ -192,7 +195,8 @@ def test_ftis_metrics_are_logged_and_pi_gen_is_the_rollout_logprobs(ftis_op, mod
     # the trainer's own logprobs (KL = 0), nothing would be filtered.
     trainer, steps = _train(
         FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, rollout_func=PeerRollout(_tokenizer(), seed=1),
-        is_mode="tis", is_cap=2.0, filter="negative_offpolicy", kl_threshold=0.0, loss_type="grpo", ftis_op=ftis_op,
+        is_mode="tis", is_cap=2.0, filter="negative_offpolicy", kl_threshold=0.0, loss_type="grpo",
+        ftis_op=ftis_op,
     )  # fmt: skip
     logged = [entry for entry in trainer.state.log_history if "loss" in entry and "train_loss" not in entry]
     assert len(logged) == len(steps) == 2
@@ -211,10 +215,12 @@ def test_ftis_metrics_are_logged_and_pi_gen_is_the_rollout_logprobs(ftis_op, mod
 def test_on_policy_batches_take_pi_gen_as_pi_theta_at_the_sampling_temperature(ftis_op, model_dir, tmp_path):
     # TRL generated with this very model and kept no logprobs: pi_gen = pi_theta, so w = 1 and
     # KL = 0 exactly, and even at g = 0 the off-policy filter removes nothing.
-    trainer, steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, max_steps=1, temperature=0.7,
-                            is_mode="vis", filter="offpolicy", kl_threshold=0.0, ftis_op=ftis_op)  # fmt: skip
+    trainer, steps = _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, max_steps=1,
+                            temperature=0.7, is_mode="vis", filter="offpolicy", kl_threshold=0.0,
+                            ftis_op=ftis_op)  # fmt: skip
     entry = next(e for e in trainer.state.log_history if "ftis/kl_mean" in e)
-    assert entry["ftis/kl_mean"] == 0 and entry["ftis/filtered_frac"] == 0 and entry["ftis/is_weight_mean"] == 1
+    assert entry["ftis/kl_mean"] == 0 and entry["ftis/is_weight_mean"] == 1
+    assert entry["ftis/filtered_frac"] == 0
 
 
 class UnscoredRollout(PeerRollout):
@@ -265,7 +271,8 @@ def test_config_refuses_trl_weightings_that_ftis_replaces(tmp_path):
                        use_bias_correction_kl=True)  # fmt: skip
     args = FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     assert not args.vllm_importance_sampling_correction and not args.use_bias_correction_kl
-    assert FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", filter="none").filter is None
+    cli_none = FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", filter="none")
+    assert cli_none.filter is None
 
 
 def test_trainer_refuses_at_construction_a_config_changed_after_validation(model_dir, tmp_path):
@@ -282,7 +289,7 @@ def test_trainer_refuses_at_construction_a_config_changed_after_validation(model
 
 
 def test_importing_ftis_kernels_does_not_import_trl():
-    code = "import sys, ftis_kernels, ftis_kernels.integrations; assert 'trl' not in sys.modules, 'trl imported'"
+    code = "import sys, ftis_kernels, ftis_kernels.integrations; assert 'trl' not in sys.modules, 'trl'"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 

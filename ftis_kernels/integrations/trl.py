@@ -49,8 +49,8 @@ from ftis_kernels.options import LOSS_TYPES, FTISOptions
 
 TESTED_TRL = ">=1.11,<1.17"
 if Version(trl.__version__) not in SpecifierSet(TESTED_TRL):
-    warnings.warn(f"ftis_kernels.integrations.trl is tested with trl{TESTED_TRL}, found trl {trl.__version__}",
-                  stacklevel=2)  # fmt: skip
+    warnings.warn(f"ftis_kernels.integrations.trl is tested with trl{TESTED_TRL}, "
+                  f"found trl {trl.__version__}", stacklevel=2)  # fmt: skip
 FTIS_OPS = ("ftis_linear_loss", "ftis_loss")
 LOGGED_METRICS = ("kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_frac", "clip_frac")
 
@@ -68,7 +68,7 @@ class FTISGRPOConfig(GRPOConfig):
 
     is_mode: str = field(
         default="tis",
-        metadata={"help": "F-TIS importance weight: 'none' (w = 1), 'vis' (pi_theta / pi_gen), 'tis' (capped)."},
+        metadata={"help": "IS weight: 'none' (w = 1), 'vis' (pi_theta / pi_gen), 'tis' (capped at is_cap)."},
     )
     is_level: str = field(
         default="token", metadata={"help": "'token' or 'sequence' (w = exp(mean_t log pi_theta / pi_gen))."}
@@ -81,8 +81,8 @@ class FTISGRPOConfig(GRPOConfig):
             "'negative_or_offpolicy', 'negative', 'offpolicy', or None ('none' on the command line)."
         },
     )
-    kl_threshold: float = field(default=50.0, metadata={"help": "g, the per-sample KL(pi_theta || pi_gen) threshold."})
-    kl_estimator: str = field(default="k3", metadata={"help": "'k1', 'k2' or 'k3' (per token, then reduced)."})
+    kl_threshold: float = field(default=50.0, metadata={"help": "g, the KL(pi_theta || pi_gen) threshold."})
+    kl_estimator: str = field(default="k3", metadata={"help": "'k1', 'k2' or 'k3', per token."})
     kl_reduction: str = field(default="sum", metadata={"help": "'sum' or 'mean' over the completion tokens."})
     ftis_op: str = field(
         default="ftis_linear_loss",
@@ -93,7 +93,7 @@ class FTISGRPOConfig(GRPOConfig):
     )
     vllm_importance_sampling_correction: bool = field(
         default=False,
-        metadata={"help": "Must stay False: F-TIS's weight replaces TRL's vLLM importance-sampling correction."},
+        metadata={"help": "Must stay False: F-TIS's weight replaces TRL's vLLM importance sampling."},
     )
     use_bias_correction_kl: bool = field(
         default=False,
@@ -127,7 +127,8 @@ def check_trl_options(args: GRPOConfig) -> None:
         _refuse("loss_type", args.loss_type, f"F-TIS reduces its loss as one of {LOSS_TYPES}")
     if args.importance_sampling_level != "token":
         _refuse("importance_sampling_level", args.importance_sampling_level,
-                "the PPO ratio is per token in F-TIS; for a sequence-level IS weight set is_level='sequence'")  # fmt: skip
+                "the PPO ratio is per token in F-TIS; for a sequence-level IS weight, "
+                "set is_level='sequence'")  # fmt: skip
     if args.delta is not None:
         _refuse("delta", args.delta, "F-TIS clips the PPO ratio to [1 - epsilon, 1 + epsilon_high] only")
     if args.off_policy_mask_threshold is not None:
@@ -164,7 +165,8 @@ class FTISGRPOTrainer(GRPOTrainer):
         self.ftis = args.ftis_options()
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         if self._is_vlm:
-            raise ValueError("processing_class: FTISGRPOTrainer supports text-only causal LMs, got a processor")
+            raise ValueError("processing_class: FTISGRPOTrainer supports text-only causal LMs, "
+                             "got a multimodal processor")
         if args.ftis_op == "ftis_linear_loss" and self.accelerator.num_processes > 1:
             _refuse("ftis_op", args.ftis_op,
                     "it runs the decoder outside the distributed wrapper, so is single-process only; "
@@ -192,11 +194,13 @@ class FTISGRPOTrainer(GRPOTrainer):
         B, T = completion_ids.shape
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
-        mask = mask.bool()
+        mask = inputs["completion_mask"].bool()
+        if "tool_mask" in inputs:  # tool outputs inside a completion are not the policy's tokens
+            mask = mask & inputs["tool_mask"].bool()
         advantages = inputs["advantages"]
         if advantages.dim() != 1:
-            raise ValueError(f"advantages: expected one per completion, shape ({B},), got {tuple(advantages.shape)}")
+            raise ValueError(f"advantages: expected one per completion, shape ({B},), "
+                             f"got {tuple(advantages.shape)}")
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps") if self.ftis.beta > 0 else None
 
@@ -207,7 +211,9 @@ class FTISGRPOTrainer(GRPOTrainer):
             unscored = torch.isnan(sampling) & mask
             if unscored.any():
                 # Tokens vLLM could not score: no correction there (w = 1, no KL), as in TRL.
-                fallback = old if old is not None else self._current_logprobs(head, completion_ids, advantages, mask)
+                fallback = old
+                if fallback is None:
+                    fallback = self._current_logprobs(head, completion_ids, advantages, mask)
                 gen = torch.where(unscored, fallback, sampling)
         elif old is not None:
             gen = old
