@@ -10,11 +10,17 @@ logging. The loss of each micro-batch is `ftis_loss` on the completion logits, o
 
     pi_gen  = the generator's sampling logprobs when TRL has them (the vLLM path, or a custom
               `rollout_func`, which is how another node's completions and logprobs come in),
-              else TRL's old logprobs, else the current policy (detached): TRL generated the
-              batch with this very model, so w = 1 and KL = 0;
+              else TRL's old logprobs, else the current policy (detached, from one extra
+              gradient-free pass of the op): TRL generated the batch with this very model, so
+              w = 1 and KL = 0;
     pi_old  = TRL's old logprobs when it computed them (num_iterations > 1, or generation not
               aligned with optimiser steps), else stop_grad(current), as in TRL;
     ref     = TRL's reference logprobs when beta > 0.
+
+pi_gen must be the distribution the tokens were sampled from: with a vLLM server, start it with
+`--logprobs-mode processed_logprobs` (after temperature and top-p/top-k), as TRL asks for its own
+correction. Without generator logprobs, top_p/top_k/min_p/repetition_penalty are ignored in pi_gen,
+as TRL ignores them in its ratio.
 
 TRL's loss_type, beta, epsilon, epsilon_high and temperature keep their meaning, and the loss is
 scaled exactly as TRL scales it (gradient accumulation; dapo's generation-batch token count;
