@@ -1,6 +1,10 @@
 """Integrations with training frameworks, each in its own module and imported on demand.
 
-`ftis_kernels.integrations.trl` (needs the `trl` extra) holds `FTISGRPOConfig` and
-`FTISGRPOTrainer`. Nothing here is imported by `import ftis_kernels`, and this package imports
-none of its modules, so the core never pulls in a training framework.
+- `ftis_kernels.integrations.hf`: `lm_head_inputs`, the completion hidden states and the lm-head
+  of a Hugging Face causal LM (peft-aware), the inputs of `ftis_linear_loss`.
+- `ftis_kernels.integrations.trl` (needs the `trl` extra): `FTISGRPOConfig` and `FTISGRPOTrainer`,
+  TRL's GRPOTrainer with the F-TIS loss.
+
+Nothing here is imported by `import ftis_kernels`, and this package imports none of its modules,
+so the core never pulls in a training framework.
 """
