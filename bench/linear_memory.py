@@ -23,7 +23,9 @@ of every implementation is affine in B * T) and marked "extrapolated".
 for every implementation): the op's working memory. It is compared to the fp32 logits,
 B * T * V * 4 bytes.
 
-    python -m bench.linear_memory                  # CPU sweep, 1k..16k tokens, fp32
+    python -m bench.linear_memory                  # CPU sweep, 1k..16k tokens, fp32 (about 40 min
+                                                   # on 2 cores): bench/results/linear_memory_cpu.json
+    python -m bench.linear_memory --device cuda --dtype bfloat16   # on a GPU (in process)
     python -m bench.linear_memory --plot-only      # redraw the PNG from the JSON
 
 `measure_one` measures one configuration and is what a benchmark suite imports.
@@ -175,7 +177,8 @@ def measure_one(
         return {**record, "status": "oom", "fp32_logits_bytes": logits_bytes}
     extra = result["peak_bytes"] - result["grad_bytes"]
     return {**record, **result, "status": "measured", "extra_bytes": extra,
-            "fp32_logits_bytes": logits_bytes, "extra_pct_of_fp32_logits": 100.0 * extra / logits_bytes}  # fmt: skip
+            "fp32_logits_bytes": logits_bytes,
+            "extra_pct_of_fp32_logits": 100.0 * extra / logits_bytes}  # fmt: skip
 
 
 def _worker(record_json: str) -> None:
@@ -204,7 +207,8 @@ def _extrapolate(records: list[dict]) -> list[dict]:
         my = sum(p[1] for p in pts) / n
         slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sum((p[0] - mx) ** 2 for p in pts)
         peak = my + slope * (rec["n_tokens"] - mx)
-        grad = rec["n_tokens"] * rec["hidden"] * DTYPES[rec["dtype"]].itemsize + rec["vocab"] * rec["hidden"] * DTYPES[rec["dtype"]].itemsize
+        # grad_hidden + grad_weight, in the inputs' dtype
+        grad = (rec["n_tokens"] + rec["vocab"]) * rec["hidden"] * DTYPES[rec["dtype"]].itemsize
         extra = peak - grad
         out.append({**rec, "status": "extrapolated", "peak_bytes": int(peak), "grad_bytes": grad,
                     "extra_bytes": int(extra),
@@ -259,12 +263,14 @@ def plot(path: Path) -> Path:
                       key=lambda r: r["n_tokens"])  # fmt: skip
         if not recs:
             continue
-        line = ax.plot([r["n_tokens"] for r in recs], [r["extra_bytes"] / gib for r in recs], "-", label=impl)[0]
+        xs, ys = [r["n_tokens"] for r in recs], [r["extra_bytes"] / gib for r in recs]
+        line = ax.plot(xs, ys, "-", label=impl)[0]
         ext = [r for r in recs if r["status"] == "extrapolated"]
         ax.plot([r["n_tokens"] for r in ext], [r["extra_bytes"] / gib for r in ext], "o",
                 mfc="none", color=line.get_color())  # fmt: skip
         meas = [r for r in recs if r["status"] == "measured"]
-        ax.plot([r["n_tokens"] for r in meas], [r["extra_bytes"] / gib for r in meas], "o", color=line.get_color())
+        ax.plot([r["n_tokens"] for r in meas], [r["extra_bytes"] / gib for r in meas], "o",
+                color=line.get_color())  # fmt: skip
     cfg = data["config"]
     meta = max((r["run"] for r in data["records"]), key=lambda m: m["date_utc"])
     ax.set_xscale("log", base=2)
