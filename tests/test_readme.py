@@ -1,4 +1,4 @@
-"""The README's code runs as written."""
+"""The README's code runs as written (```python blocks; ```py marks fragments)."""
 
 import re
 from pathlib import Path

@@ -5,7 +5,7 @@ import triton.language as tl
 
 # Start value of a running maximum. Finite on purpose: with -inf, a row whose first block is all
 # -inf would compute exp(-inf - -inf) = nan when it rescales its running sum.
-NEG_BIG: tl.constexpr = -3.0e38
+NEG_BIG = tl.constexpr(-3.0e38)
 
 
 @triton.jit
