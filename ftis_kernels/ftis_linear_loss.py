@@ -31,8 +31,14 @@ from typing import Iterator, Optional
 
 import torch
 
-from ftis_kernels.ftis_loss import METRIC_NAMES, select_backend
-from ftis_kernels.kernels import logp_lse
+from ftis_kernels.ftis_loss import (
+    _BACKWARD,
+    _FORWARD,
+    METRIC_NAMES,
+    fake_forward_outputs,
+    option_args,
+    select_backend,
+)
 from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_values, check_tensor
@@ -45,8 +51,6 @@ AUTO_CHUNK_ELEMENTS = 1 << 25
 # (8192 x H x 4 bytes: 48 MiB at H = 1536).
 GRAD_WEIGHT_BLOCK_V = 8192
 
-_FORWARD = {"triton": logp_lse.logp_lse_fwd, "torch": logp_lse.logp_lse_fwd_torch}
-_BACKWARD = {"triton": logp_lse.logits_bwd, "torch": logp_lse.logits_bwd_torch}
 
 
 def auto_chunk_size(V: int) -> int:
@@ -219,18 +223,7 @@ def _ftis_linear_loss_fwd(
 
 @_ftis_linear_loss_fwd.register_fake
 def _(hidden, weight, bias, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
-    B, T, _ = hidden.shape
-    scalar = hidden.new_empty((), dtype=torch.float32)
-    per_token = hidden.new_empty((B, T), dtype=torch.float32)
-    return (
-        scalar,  # loss
-        per_token,  # logp
-        hidden.new_empty((B,), dtype=torch.float32),  # kl
-        hidden.new_empty((B,), dtype=torch.bool),  # filtered
-        *(torch.empty_like(scalar) for _ in range(5)),  # scalar metrics
-        torch.empty_like(per_token),  # lse
-        torch.empty_like(per_token),  # coef
-    )
+    return fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1])
 
 
 @torch.library.custom_op("ftis_kernels::ftis_linear_loss_bwd", mutates_args=())
@@ -375,10 +368,7 @@ def ftis_linear_loss(
         hidden, weight, bias, tokens, gen_logprobs.detach(), advantages.detach(), mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
-        opt.is_mode, opt.is_level, float(opt.is_cap), opt.filter, float(opt.kl_threshold),
-        opt.kl_estimator, opt.kl_reduction, float(opt.epsilon),
-        None if opt.epsilon_high is None else float(opt.epsilon_high), float(opt.beta),
-        float(opt.temperature), opt.loss_type,
+        *option_args(opt),
         auto_chunk_size(V) if chunk_size is None else int(chunk_size), backend,
     )  # fmt: skip
     return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}

@@ -89,20 +89,35 @@ def _ftis_loss_fwd(
     return (result.loss, *(result.metrics[name] for name in METRIC_NAMES), lse, result.coef)
 
 
-@_ftis_loss_fwd.register_fake
-def _(logits, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
-    B, T, _ = logits.shape
-    scalar = logits.new_empty((), dtype=torch.float32)
-    per_token = logits.new_empty((B, T), dtype=torch.float32)
+def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
+    """Shape-only outputs of a forward op of this library (loss, metrics, lse, coef), on the
+    device of `like`; shared by `ftis_loss` and `ftis_linear_loss`."""
+    scalar = like.new_empty((), dtype=torch.float32)
+    per_token = like.new_empty((B, T), dtype=torch.float32)
     return (
         scalar,  # loss
         per_token,  # logp
-        logits.new_empty((B,), dtype=torch.float32),  # kl
-        logits.new_empty((B,), dtype=torch.bool),  # filtered
+        like.new_empty((B,), dtype=torch.float32),  # kl
+        like.new_empty((B,), dtype=torch.bool),  # filtered
         *(torch.empty_like(scalar) for _ in range(5)),  # scalar metrics
         torch.empty_like(per_token),  # lse
         torch.empty_like(per_token),  # coef
     )
+
+
+def option_args(opt: FTISOptions) -> tuple:
+    """The options unpacked in the custom ops' schema order, as plain Python scalars."""
+    return (
+        opt.is_mode, opt.is_level, float(opt.is_cap), opt.filter, float(opt.kl_threshold),
+        opt.kl_estimator, opt.kl_reduction, float(opt.epsilon),
+        None if opt.epsilon_high is None else float(opt.epsilon_high), float(opt.beta),
+        float(opt.temperature), opt.loss_type,
+    )  # fmt: skip
+
+
+@_ftis_loss_fwd.register_fake
+def _(logits, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
+    return fake_forward_outputs(logits, logits.shape[0], logits.shape[1])
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
@@ -218,9 +233,6 @@ def ftis_loss(
         logits, tokens, gen_logprobs.detach(), advantages.detach(), mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
-        opt.is_mode, opt.is_level, float(opt.is_cap), opt.filter, float(opt.kl_threshold),
-        opt.kl_estimator, opt.kl_reduction, float(opt.epsilon),
-        None if opt.epsilon_high is None else float(opt.epsilon_high), float(opt.beta),
-        float(opt.temperature), opt.loss_type, bool(inplace_backward), backend,
+        *option_args(opt), bool(inplace_backward), backend,
     )  # fmt: skip
     return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}
