@@ -106,23 +106,3 @@ def check_row_values(
     for (name, expected, _), is_bad in zip(bad, flags):
         if is_bad:
             _fail(name, expected, "values outside that")
-
-
-def validate_row_inputs(
-    B: int,
-    T: int,
-    V: int,
-    device: torch.device,
-    tokens: object,
-    gen_logprobs: object,
-    advantages: object,
-    mask: object,
-    old_logprobs: object,
-    ref_logprobs: object,
-    beta: float,
-) -> Optional[torch.Tensor]:
-    """`check_row_tensors` then `check_row_values`. Returns the mask as a bool tensor, or None."""
-    check_row_tensors(B, T, device, tokens, gen_logprobs, advantages, mask, old_logprobs,
-                      ref_logprobs, beta)  # fmt: skip
-    check_row_values(V, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    return None if mask is None else mask != 0
