@@ -11,6 +11,7 @@ from unittest import mock
 import torch
 
 from ftis_kernels import ftis_loss
+from ftis_kernels.kernels import logp_lse
 from ref import ref_ftis_loss
 
 ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")  # the module, not the function
@@ -102,3 +103,11 @@ def run_ref(case: Case, compute_dtype: torch.dtype, **opts):
     loss, metrics = ref_ftis_loss(x, *case.inputs, compute_dtype=compute_dtype, **opts)
     (grad,) = torch.autograd.grad(loss, x)
     return loss, metrics, grad
+
+
+def implementations(device: torch.device) -> list[str]:
+    """The internal paths runnable here: Triton (compiled on CUDA, interpreted on CPU) and torch."""
+    names = ["torch"]
+    if device.type == "cuda" or logp_lse.triton_is_interpreted():
+        names.insert(0, "triton")
+    return names

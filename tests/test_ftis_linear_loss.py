@@ -23,6 +23,7 @@ from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse
 from ref import ref_ftis_loss
 from tests import numerics
+from tests.cases import implementations
 from tests.test_ftis_loss import options
 
 linear_module = importlib.import_module("ftis_kernels.ftis_linear_loss")  # the module, not the function
@@ -38,13 +39,6 @@ def small_vocab_blocks(monkeypatch):
     monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 64)
     monkeypatch.setattr(logp_lse, "CPU_CHUNK_ELEMENTS", 256)
     monkeypatch.setattr(linear_module, "GRAD_WEIGHT_BLOCK_V", 16)
-
-
-def implementations(device: torch.device) -> list[str]:
-    names = ["torch"]
-    if device.type == "cuda" or logp_lse.triton_is_interpreted():
-        names.insert(0, "triton")
-    return names
 
 
 def make_linear_case(B, T, H, V, *, seed=0, exact=True, with_bias=True, mask="random", gen_spread=1.0,

@@ -14,7 +14,7 @@ from ftis_kernels import ftis_loss
 from ftis_kernels.kernels import logp_lse
 from ftis_kernels.options import FILTERS, IS_LEVELS, IS_MODES, KL_ESTIMATORS, KL_REDUCTIONS, LOSS_TYPES
 from tests import numerics
-from tests.cases import Case, backend, ftis_loss_module, make_case, run_op, run_ref
+from tests.cases import Case, backend, ftis_loss_module, implementations, make_case, run_op, run_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SCALAR_METRICS = ("filtered_frac", "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac")
@@ -25,14 +25,6 @@ def small_vocab_blocks(monkeypatch):
     """Vocabulary blocks of 64 so that the tests' small V still exercise the multi-block loop."""
     monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 64)
     monkeypatch.setattr(logp_lse, "CPU_CHUNK_ELEMENTS", 256)
-
-
-def implementations(device: torch.device) -> list[str]:
-    """The internal paths runnable here: Triton (compiled on CUDA, interpreted on CPU) and torch."""
-    names = ["torch"]
-    if device.type == "cuda" or logp_lse.triton_is_interpreted():
-        names.insert(0, "triton")
-    return names
 
 
 def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
