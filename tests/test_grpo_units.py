@@ -282,7 +282,10 @@ def test_config_layers_preset_file_and_flags(tmp_path):
     onp = build_config("smoke", overrides={"loss": "on-policy"}).ftis_options()
     assert (onp.is_mode, onp.filter) == ("none", None)
     y = tmp_path / "run.yaml"
-    y.write_text("collab: horizontal\ngroup_size: 6\n")
+    y.write_text("collab: horizontal\ngroup_size: 6\nis_cap: 2E0\nnodes:\n  - {lr: 3e-4}\n")
+    from_yaml = build_config("smoke", str(y), sets=("nodes.0.warmup_lr=1e-3", "epsilon=.25"))
+    assert (from_yaml.nodes[0].lr, from_yaml.nodes[0].warmup_lr) == (3e-4, 1e-3)
+    assert (from_yaml.is_cap, from_yaml.epsilon, from_yaml.group_size) == (2.0, 0.25, 6)
     with pytest.raises(ValueError, match="group_size"):
         build_config("smoke", str(y), n_nodes=4).validate(4)
     with pytest.raises(ValueError, match="unknown keys"):

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -114,6 +115,26 @@ class RunConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: `3e-4` and `1E5` are numbers, not strings
+    (YAML 1.1, which PyYAML follows, demands a dot and a signed exponent: `3.0e-4`)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                 |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                 |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                 |[-+]?\.(?:inf|Inf|INF)
+                 |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # End to end in well under 2 minutes on 2 CPU cores.
     "smoke": dict(
@@ -169,7 +190,7 @@ def load_file(path: str) -> dict[str, Any]:
             import tomli as tomllib
 
         return tomllib.loads(text)
-    return yaml.safe_load(text) or {}
+    return _yaml(text) or {}
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -190,12 +211,7 @@ def apply_set(d: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ValueError(f"--set: expected key=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
-    value = yaml.safe_load(raw)
-    if isinstance(value, str):  # YAML 1.1 reads '1e-4' as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
+    value = _yaml(raw)
     parts = key.split(".")
     target: Any = d
     for part in parts[:-1]:
