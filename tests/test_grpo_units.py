@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ftis_kernels.grpo.config import build_config
 from ftis_kernels.grpo.exchange import (
-    BYTES_PER_TOKEN, HEADER_BYTES, Sample, make_hostile, pack, record_bytes, unpack,
+    BYTES_PER_TOKEN, HEADER_BYTES, RANDOM_TOKENS_ADVANTAGE, Sample, make_hostile, pack, record_bytes, unpack,
 )
 from ftis_kernels.grpo.models import build_model
 from ftis_kernels.grpo.rollout import (
@@ -203,12 +203,17 @@ def test_hostile_hook_forges_what_it_says():
     honest = _samples(4)
     g = torch.Generator().manual_seed(0)
     forged = make_hostile(honest, "forged_logprobs", V, g)
-    assert all(float(s.logprobs.max()) > -0.01 for s in forged)
+    assert all(bool((s.logprobs == 0).all()) for s in forged)
     flipped = make_hostile(honest, "flipped_rewards", V, g)
     assert [s.reward for s in flipped] == [1 - s.reward for s in honest]
     assert [s.advantage for s in flipped] == [-s.advantage for s in honest]
     rand = make_hostile(honest, "random_tokens", V, g)
     assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(rand, honest))
+    assert all((s.reward, s.advantage) == (1.0, RANDOM_TOKENS_ADVANTAGE) for s in rand)
+    for kind in ("forged_logprobs", "flipped_rewards", "random_tokens"):  # all well formed
+        hostile = make_hostile(honest, kind, V, g)
+        got, drops = unpack(pack(hostile), sender=hostile[0].source, vocab_size=V, max_tokens=64)
+        assert len(got) == len(hostile) and not drops
     assert make_hostile(honest, None, V, g) is honest
     with pytest.raises(ValueError, match="hostile"):
         make_hostile(honest, "nice", V, g)
@@ -295,3 +300,60 @@ def test_config_layers_preset_file_and_flags(tmp_path):
                      sets=("nodes.1.fail_at_round=2",))
     assert a.fingerprint() == b.fingerprint()
     assert a.fingerprint() != build_config("smoke", overrides={"loss": "nois"}).fingerprint()
+
+
+# -- node-side defences and the warm-up cache (no process group needed) --------------------------
+def _bare_node(tmp_path, **overrides):
+    from ftis_kernels.grpo.node import Node
+
+    cfg = build_config("smoke", overrides=dict(out=str(tmp_path / "run"), **overrides))
+    node = Node(cfg, 0, 2, torch.device("cpu"))
+    node.tokenizer = build_tokenizer(node.problems.arith.vocabulary_text())
+    return node
+
+
+def test_verify_rewards_drops_false_claims_and_keeps_true_ones(tmp_path):
+    node = _bare_node(tmp_path, verify_rewards=True)
+    task, tok = node.problems.arith, node.tokenizer
+    pid = make_prompt_id("train", 3)
+    problem = task.problem(pid)
+    right = torch.tensor(tok(task.target(problem))["input_ids"], dtype=torch.int32)
+    wrong = torch.tensor(tok(task.target(problem, gsm8k_format=False))["input_ids"],
+                         dtype=torch.int32)
+    lp = lambda t: torch.full((t.numel(),), -0.5)  # noqa: E731
+    honest = [Sample(pid, 1, right, lp(right), 1.0, 0.7), Sample(pid, 1, wrong, lp(wrong), 0.0, -0.7)]
+    kept, drops = node.verify(honest)
+    assert kept == honest and drops == []
+    g = torch.Generator().manual_seed(0)
+    for kind in ("flipped_rewards", "random_tokens"):
+        kept, drops = node.verify(make_hostile(honest, kind, len(tok), g))
+        assert kept == [] if kind == "flipped_rewards" else len(kept) <= 1
+        assert all("claimed reward" in d for d in drops) and len(drops) == 2 - len(kept)
+    forged = make_hostile(honest, "forged_logprobs", len(tok), g)
+    assert node.verify(forged) == (forged, [])  # logprobs cannot be checked by rescoring
+
+
+def test_warmup_cache_gives_the_fresh_warmup_weights_and_keys_on_the_recipe(tmp_path, monkeypatch):
+    from ftis_kernels.grpo import node as node_module
+
+    cache = tmp_path / "cache"
+    fresh = _bare_node(tmp_path, warmup_cache=str(cache))
+    fresh.spec.warmup_steps = 3
+    fresh.model = build_model("tiny", fresh.tokenizer, fresh.cfg.init_seed(0))
+    fresh.warm_up()
+    files = list(cache.iterdir())
+    assert len(files) == 1 and files[0].suffix == ".pt"
+    again = _bare_node(tmp_path, warmup_cache=str(cache))
+    again.spec.warmup_steps = 3
+    again.model = build_model("tiny", again.tokenizer, again.cfg.init_seed(0))
+    with monkeypatch.context() as m:
+        m.setattr(node_module, "warm_up", lambda *a, **k: pytest.fail("cache not used"))
+        again.warm_up()  # loads the file, trains nothing
+    a, b = fresh.model.state_dict(), again.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = _bare_node(tmp_path, warmup_cache=str(cache), seed=1)  # another seed, another key
+    other.spec.warmup_steps = 3
+    other.model = build_model("tiny", other.tokenizer, other.cfg.init_seed(0))
+    other.warm_up()
+    assert len(list(cache.iterdir())) == 2
+    assert other.cfg.init_seed(0) == fresh.cfg.init_seed(0) + 1000

@@ -22,7 +22,8 @@ from ftis_kernels.options import VARIANTS, FTISOptions
 COLLABS = ("vertical", "horizontal")
 LOSSES = ("on-policy",) + tuple(VARIANTS)
 # Fields that may change between a run and its --resume.
-RESUMABLE = ("rounds", "out", "resume", "timeout_s", "progress", "threads", "eval_every", "ckpt_every")
+RESUMABLE = ("rounds", "out", "resume", "timeout_s", "progress", "threads", "eval_every", "ckpt_every",
+             "warmup_cache")
 
 
 @dataclass
@@ -32,7 +33,7 @@ class NodeSpec:
     name: str = "node"
     arch: str = "tiny"  # a preset architecture (models.ARCHS), used when `model` is None
     model: Optional[str] = None  # local Hugging Face checkpoint folder instead of a preset
-    init_seed: int = 0
+    init_seed: int = 0  # the model's initial weights and warm-up draw from init_seed + 1000 * seed
     warmup_steps: int = 200  # supervised warm-up of a preset model: its "expertise"
     warmup_ops: list[str] = field(default_factory=lambda: ["add", "sub"])
     warmup_lr: float = 3e-3
@@ -72,6 +73,8 @@ class RunConfig:
     warmup_batch: int = 32
     task: str = "arith"  # arith | jsonl
     data: dict[str, str] = field(default_factory=dict)  # jsonl: {"train":..., "test":..., "ood":...}
+    verify_rewards: bool = False  # rescore each received completion; drop it if its reward lies
+    warmup_cache: Optional[str] = None  # folder of warmed-up weights, reused by identical warm-ups
     timeout_s: float = 120.0  # collective / barrier timeout: how long to wait for a silent peer
     threads: int = 0  # torch threads per node; 0 = cores / nodes
     progress: bool = True
@@ -80,6 +83,10 @@ class RunConfig:
 
     def node(self, rank: int) -> NodeSpec:
         return self.nodes[rank % len(self.nodes)]
+
+    def init_seed(self, rank: int) -> int:
+        """Seed of node `rank`'s initial weights, warm-up data and LoRA init: `--seed` moves all."""
+        return self.node(rank).init_seed + 1000 * self.seed
 
     def ftis_options(self) -> FTISOptions:
         """The loss options of this run (on-policy = plain GRPO: no IS weight, no filter)."""

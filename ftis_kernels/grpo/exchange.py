@@ -30,6 +30,9 @@ _HEADER = struct.Struct("<qiiff")
 HEADER_BYTES = _HEADER.size  # 24
 BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob
 HOSTILE_KINDS = ("forged_logprobs", "flipped_rewards", "random_tokens")
+# The advantage a "random_tokens" peer claims: a correct answer in a group where about one in
+# five is correct ((1 - 0.2) / sqrt(0.2 * 0.8) = 2).
+RANDOM_TOKENS_ADVANTAGE = 2.0
 
 
 class SwarmError(RuntimeError):
@@ -182,9 +185,11 @@ def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
                  generator: torch.Generator) -> list[Sample]:
     """What a hostile node sends instead of `samples` (hook for robustness experiments).
 
-    kind: None (honest) | "forged_logprobs" (claims near-certainty, log pi_gen ~ 0) |
-    "flipped_rewards" (reward 1 - r, advantage negated) | "random_tokens" (uniform token ids).
-    The node itself still trains on its honest samples.
+    kind: None (honest) | "forged_logprobs" (claims certainty: log pi_gen = 0 at every token) |
+    "flipped_rewards" (reward 1 - r, advantage negated) | "random_tokens" (uniform token ids sold
+    as correct: reward 1 and advantage `RANDOM_TOKENS_ADVANTAGE`). Every kind is well formed on
+    the wire, so the receiver's parser accepts it; only `verify_rewards` (the receiver rescoring
+    the completion) or the loss can catch it. The node itself still trains on its honest samples.
     """
     if kind is None:
         return samples
@@ -194,11 +199,12 @@ def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
     for s in samples:
         tokens, logprobs, rew, adv = s.tokens, s.logprobs, s.reward, s.advantage
         if kind == "forged_logprobs":
-            logprobs = torch.full_like(logprobs, -1e-3)
+            logprobs = torch.zeros_like(logprobs)
         elif kind == "flipped_rewards":
             rew, adv = 1.0 - rew, -adv
         else:
             tokens = torch.randint(0, vocab_size, tokens.shape, generator=generator,
                                    dtype=torch.int32)
+            rew, adv = 1.0, RANDOM_TOKENS_ADVANTAGE
         out.append(Sample(s.prompt_id, s.source, tokens, logprobs, rew, adv))
     return out

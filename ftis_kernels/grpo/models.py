@@ -9,10 +9,13 @@ local Hugging Face causal LM and its tokenizer instead.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import random
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -62,13 +65,23 @@ def load_pretrained(path: str):
     return model, tokenizer
 
 
-def apply_lora(model, r: int, alpha: float):
-    """Wrap `model` in a peft LoRA adapter on every linear layer; only the adapter trains."""
+def apply_lora(model, r: int, alpha: float, seed: int = 0):
+    """Wrap `model` in a peft LoRA adapter on every linear layer; only the adapter trains.
+    The adapter's random init (its A matrices) draws from `seed`."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
                         task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def warmup_cache_file(cache_dir: str, arch: str, **warmup: Any) -> Path:
+    """Where the weights after a warm-up are cached: a file named by the hash of everything the
+    warm-up depends on (`warmup`: the architecture's init seed, steps, lr, data, vocabulary...)."""
+    key = json.dumps(dict(arch=arch, version=1, **warmup), sort_keys=True)
+    return Path(cache_dir) / f"{arch}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
 def warm_up(

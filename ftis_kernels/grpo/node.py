@@ -26,7 +26,9 @@ from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
 from ftis_kernels.grpo.exchange import (
     Sample, SwarmError, collective, exchange, make_hostile,
 )
-from ftis_kernels.grpo.models import apply_lora, build_model, load_pretrained, warm_up
+from ftis_kernels.grpo.models import (
+    apply_lora, build_model, load_pretrained, warm_up, warmup_cache_file,
+)
 from ftis_kernels.grpo.report import plot_curves, read_metrics, summary_table
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
 from ftis_kernels.grpo.task import (
@@ -103,7 +105,7 @@ class Node:
                 raise ValueError(f"node {self.rank}: preset models know only the built-in task's "
                                  f"vocabulary; give `model: PATH` for task {self.cfg.task!r}")
             self.tokenizer = build_tokenizer(self.problems.arith.vocabulary_text())
-            self.model = build_model(spec.arch, self.tokenizer, spec.init_seed)
+            self.model = build_model(spec.arch, self.tokenizer, self.cfg.init_seed(self.rank))
         self.model.to(self.device)
         self.vocab_size = min(len(self.tokenizer), self.model.get_input_embeddings().num_embeddings)
         self.check_vocabulary()
@@ -140,15 +142,10 @@ class Node:
             if start is None:
                 raise SystemExit(f"--resume: no complete checkpoint under {self.ckpt}")
         elif spec.model is None:
-            t0 = time.time()
-            loss = warm_up(self.model, self.tokenizer, self.problems.arith,
-                           steps=spec.warmup_steps, lr=spec.warmup_lr,
-                           batch_size=cfg.warmup_batch, seed=spec.init_seed,
-                           operations=spec.warmup_ops, gsm8k_format=spec.warmup_format)
-            log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
-                     spec.name, spec.warmup_steps, time.time() - t0, loss)
+            self.warm_up()
         if spec.lora:
-            self.model = apply_lora(self.model, spec.lora_r, spec.lora_alpha)
+            self.model = apply_lora(self.model, spec.lora_r, spec.lora_alpha,
+                                    seed=self.cfg.init_seed(self.rank))
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
         n_train = sum(p.numel() for p in params)
@@ -165,6 +162,30 @@ class Node:
         else:
             self.save(0)
         return start
+
+    def warm_up(self) -> None:
+        """The preset model's supervised warm-up, or its weights from `warmup_cache`."""
+        cfg, spec, t0 = self.cfg, self.spec, time.time()
+        recipe = dict(steps=spec.warmup_steps, lr=spec.warmup_lr, batch_size=cfg.warmup_batch,
+                      seed=cfg.init_seed(self.rank), operations=list(spec.warmup_ops),
+                      gsm8k_format=spec.warmup_format)
+        cached = None
+        if cfg.warmup_cache:
+            cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
+                                       vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
+            if cached.exists():
+                self.model.load_state_dict(torch.load(cached, weights_only=True))
+                log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name,
+                         cached)
+                return
+        loss = warm_up(self.model, self.tokenizer, self.problems.arith, **recipe)
+        log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
+                 spec.name, spec.warmup_steps, time.time() - t0, loss)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+            torch.save(self.model.state_dict(), tmp)
+            os.replace(tmp, cached)
 
     def save(self, completed: int) -> None:
         checkpoint.save_node(self.ckpt, self.rank, completed, self.model, self.optimizer,
@@ -246,6 +267,9 @@ class Node:
                 "the sample exchange", exchange, outgoing, vocab_size=self.vocab_size,
                 max_tokens=cfg.max_new_tokens, max_samples=len(own), prompt_ok=self.problems.known,
             )
+        if cfg.verify_rewards and received:
+            received, lies = self.verify(received)
+            drops += lies
         stats = grpo_update(self.model, self.optimizer, own + received, self.prompt_tokens,
                             self.options, micro_batch=cfg.micro_batch,
                             pad_id=self.tokenizer.pad_token_id, grad_clip=cfg.grad_clip,
@@ -258,6 +282,24 @@ class Node:
             samples_trained=len(own) + len(received), samples_received=len(received),
             dropped=len(drops), seconds=time.time() - t0, **stats,
         )
+
+    def verify(self, received: list[Sample]) -> tuple[list[Sample], list[str]]:
+        """Rescore each received completion with the task's reward; drop the ones whose claimed
+        reward differs (a peer lying about rewards). Logprobs cannot be checked this way."""
+        kept, drops = [], []
+        for s in received:
+            text = self.tokenizer.decode(s.tokens.tolist(), skip_special_tokens=True)
+            true = reward(text, self.problems.problem(s.prompt_id))
+            if true != s.reward:
+                drops.append(f"node {s.source}: claimed reward {s.reward:g}, completion scores "
+                             f"{true:g}")
+            else:
+                kept.append(s)
+        for reason in drops[:3]:
+            log.warning("dropped peer sample: %s", reason)
+        if len(drops) > 3:
+            log.warning("dropped %d more peer samples with false rewards", len(drops) - 3)
+        return kept, drops
 
     # -- bookkeeping --------------------------------------------------------------------------
     def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict[str, Any]]:

@@ -1,0 +1,1 @@
+"""The F-TIS claims study (see study.py and README.md)."""
