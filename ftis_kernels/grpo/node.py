@@ -7,6 +7,7 @@ node stops with a clear message and exit code 3 instead of hanging.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -169,23 +170,29 @@ class Node:
         recipe = dict(steps=spec.warmup_steps, lr=spec.warmup_lr, batch_size=cfg.warmup_batch,
                       seed=cfg.init_seed(self.rank), operations=list(spec.warmup_ops),
                       gsm8k_format=spec.warmup_format)
-        cached = None
-        if cfg.warmup_cache:
-            cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
-                                       vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
+        if not cfg.warmup_cache:
+            self._warm_up(recipe, t0)
+            return
+        cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
+                                   vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        # One process warms up, the others (runs started at once) wait for its file.
+        with open(cached.with_name(cached.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             if cached.exists():
                 self.model.load_state_dict(torch.load(cached, weights_only=True))
                 log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name,
                          cached)
                 return
-        loss = warm_up(self.model, self.tokenizer, self.problems.arith, **recipe)
-        log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
-                 spec.name, spec.warmup_steps, time.time() - t0, loss)
-        if cached is not None:
-            cached.parent.mkdir(parents=True, exist_ok=True)
+            self._warm_up(recipe, t0)
             tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
             torch.save(self.model.state_dict(), tmp)
             os.replace(tmp, cached)
+
+    def _warm_up(self, recipe: dict[str, Any], t0: float) -> None:
+        loss = warm_up(self.model, self.tokenizer, self.problems.arith, **recipe)
+        log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
+                 self.spec.name, self.spec.warmup_steps, time.time() - t0, loss)
 
     def save(self, completed: int) -> None:
         checkpoint.save_node(self.ckpt, self.rank, completed, self.model, self.optimizer,
