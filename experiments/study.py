@@ -11,9 +11,9 @@ A cell id is `study/group/variant/sS` (S = seed). Studies:
   collab   the size pair under F-TIS, horizontal (vertical is the pairs cell)
   g        the size pair under F-TIS with g = 5, 10, 100 (g = 50 is the pairs cell)
   badpeer  configs/badpeer (the size pair + a third node) under NoIS and F-TIS, the third node
-           honest or hostile (forged_logprobs, flipped_rewards, random_tokens), and F-TIS with
-           the receivers rescoring rewards (verify_rewards); the baseline without the third node
-           is the pairs cell
+           honest or hostile (forged_logprobs, flipped_rewards, random_tokens, malformed), and
+           F-TIS with the receivers rescoring rewards (verify_rewards) against the well-formed
+           attacks; the baseline without the third node is the pairs cell
 `run` skips cells whose run finished (delete the cell's folder to redo it), then writes
 `results/cells.jsonl` (one row per cell and node), `results/curves.jsonl` (per-round series),
 `results/tables.md`, the plots, and the README's table section.
@@ -42,7 +42,8 @@ SEEDS = (0, 1, 2)
 PAIRS = ("size", "expertise", "lora")
 MODES = ("on-policy", "nois", "f-vis", "f-tis")
 G_VALUES = (5, 10, 50, 100)
-ATTACKS = ("honest", "forged_logprobs", "flipped_rewards", "random_tokens")
+ATTACKS = ("honest", "forged_logprobs", "flipped_rewards", "random_tokens", "malformed")
+WELL_FORMED = ATTACKS[1:4]  # what the parser accepts: the verify_rewards cells
 # The smallest configuration: one cell, a few rounds, a short warm-up (the CI test's scale).
 SMOKE_FLAGS = ("--rounds", "3", "--set", "eval_size=8", "--set", "eval_every=2",
                "--set", "eval_max_new_tokens=16", "--set", "max_new_tokens=12",
@@ -97,7 +98,7 @@ def cells(scale: str) -> list[Cell]:
                 if attack != "honest":
                     flags += ["--set", f"nodes.2.hostile={attack}"]
                 out.append(Cell("badpeer", mode, attack, seed, "badpeer", flags))
-        for attack in ATTACKS[1:]:
+        for attack in WELL_FORMED:
             out.append(Cell("badpeer", "f-tis+verify", attack, seed, "badpeer",
                             ["--loss", "f-tis", "--set", f"nodes.2.hostile={attack}",
                              "--set", "verify_rewards=true"]))
@@ -180,7 +181,8 @@ def collect(todo: list[Cell], work: Path, extra: tuple[str, ...]):
                 acc_id=evals[-1]["acc_id"], acc_ood=evals[-1]["acc_ood"],
                 acc_id_start=evals[0]["acc_id"], acc_ood_start=evals[0]["acc_ood"],
                 acc_id_early=early[0]["acc_id"], early_round=early[0]["round"],
-                reward_early=_mean(reward[:third]), reward_late=_mean(reward[len(series) - third:]),
+                reward_early=_mean(reward[:third]), reward_mid=_mean(reward[third:len(series) - third]),
+                reward_late=_mean(reward[len(series) - third:]),
                 reward_last5=_mean(reward[-5:]),
                 kl_mean=_mean([m["kl_mean"] for m in series]),
                 filtered_frac=_mean([m["filtered_frac"] for m in series]),
@@ -275,8 +277,9 @@ def tables(rows: list[dict], scale: str) -> str:
         parts.append("")
     bad = _select(rows, study="badpeer")
     if bad:
-        parts.append("### 4. Bad peers (honest nodes' final acc_id; the third node's samples "
-                     "received, dropped and filtered)\n")
+        parts.append("### 4. Bad peers (the honest nodes' final acc_id; the samples they received "
+                     "from both peers and dropped; filtered share and IS weight over all they "
+                     "trained on)\n")
         parts.append("| mode | third node | tiny acc_id | small acc_id | dropped / received | "
                      "filtered | IS weight | command |")
         parts.append("|---|---|---|---|---|---|---|---|")
@@ -301,7 +304,53 @@ def tables(rows: list[dict], scale: str) -> str:
                              f"{_stat(honest, 'is_weight_mean')} | "
                              f"{_cmd('badpeer', mode, attack, scale)} |")
         parts.append("")
+    if pairs:
+        parts += paired_differences(pairs)
     return "\n".join(parts)
+
+
+def _paired(rows: list[dict], pair: str, node: int, mode: str, key: str, base: str = "on-policy",
+            base_key: Optional[str] = None) -> str:
+    """mean ± std over seeds of (mode's key) - (base's base_key), paired by seed."""
+    diffs = []
+    for seed in sorted({r["seed"] for r in rows}):
+        a = _select(rows, group=pair, node=node, variant=mode, seed=seed)
+        b = _select(rows, group=pair, node=node, variant=base, seed=seed)
+        if a and b and a[0][key] is not None and b[0][base_key or key] is not None:
+            diffs.append(a[0][key] - b[0][base_key or key])
+    if not diffs:
+        return "-"
+    if len(diffs) == 1:
+        return f"{diffs[0]:+.3f}"
+    return f"{statistics.fmean(diffs):+.3f} ± {statistics.stdev(diffs):.3f}"
+
+
+def paired_differences(pairs: list[dict]) -> list[str]:
+    """The claims' numbers: each mode against isolated on-policy training, paired by seed."""
+    out = ["### 5. Against isolated training, paired by seed (mean ± std of the differences)\n",
+           "Training reward over the last third of the rounds (640 samples per node and run, the "
+           "least noisy figure) and final in-domain accuracy, each minus the same node's isolated "
+           "on-policy run of the same seed; then the late trend (reward of the last third minus "
+           "the middle third) and the out-of-domain change.\n",
+           "| pair | node | Δ reward NoIS | Δ reward F-VIS | Δ reward F-TIS | Δ acc_id NoIS | "
+           "Δ acc_id F-VIS | Δ acc_id F-TIS | late trend on-policy | late trend F-VIS | "
+           "late trend F-TIS | Δ acc_ood F-TIS vs on-policy | acc_ood F-TIS end - start |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for pair in PAIRS:
+        for node in (0, 1):
+            sel = _select(pairs, group=pair, node=node)
+            if not sel:
+                continue
+            cells = [_paired(pairs, pair, node, m, "reward_late") for m in MODES[1:]]
+            cells += [_paired(pairs, pair, node, m, "acc_id") for m in MODES[1:]]
+            cells += [_paired(pairs, pair, node, m, "reward_late", base=m, base_key="reward_mid")
+                      for m in ("on-policy", "f-vis", "f-tis")]
+            cells.append(_paired(pairs, pair, node, "f-tis", "acc_ood"))
+            cells.append(_paired(pairs, pair, node, "f-tis", "acc_ood", base="f-tis",
+                                 base_key="acc_ood_start"))
+            out.append(f"| {pair} | {sel[0]['name']} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
 
 
 # -- plots -----------------------------------------------------------------------------------------
@@ -364,13 +413,13 @@ def plots(curves: list[dict], results: Path) -> list[Path]:
             made.append(results / f"{name}.png")
     g_lines = [(f"g={g}", "pairs/size/f-tis/" if g == 50 else f"g/size/g{g}/") for g in G_VALUES]
     collab = [("vertical", "pairs/size/f-tis/"), ("horizontal", "collab/size/horizontal/")]
-    bad = [(f"{m}: {a}", f"badpeer/{m}/{a}/") for m in ("nois", "f-tis") for a in ATTACKS]
+    bad = {m: [(f"{m}: {a}", f"badpeer/{m}/{a}/") for a in ATTACKS] for m in ("nois", "f-tis")}
     for name, panels in (("g_ablation", [("g, reward", g_lines)]),
                          ("collab", [("collaboration", collab)]),
-                         ("badpeer", [("NoIS", bad[:4]), ("F-TIS", bad[4:]),
+                         ("badpeer", [("NoIS", bad["nois"]), ("F-TIS", bad["f-tis"]),
                                       ("F-TIS + verify", [(f"f-tis+verify: {a}",
                                                            f"badpeer/f-tis+verify/{a}/")
-                                                          for a in ATTACKS[1:]])])):
+                                                          for a in WELL_FORMED])])):
         if draw(results / f"{name}.png", panels, "reward", "train reward (5-round mean)"):
             made.append(results / f"{name}.png")
     return made

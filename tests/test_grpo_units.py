@@ -210,6 +210,13 @@ def test_hostile_hook_forges_what_it_says():
     rand = make_hostile(honest, "random_tokens", V, g)
     assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(rand, honest))
     assert all((s.reward, s.advantage) == (1.0, RANDOM_TOKENS_ADVANTAGE) for s in rand)
+    broken = make_hostile(honest * 2, "malformed", V, g)  # 8 records: every check, some twice
+    got, drops = unpack(pack(broken), sender=1, vocab_size=V, max_tokens=64,
+                        prompt_ok=lambda pid: (pid >> 48) < 4)
+    assert got == [] and len(drops) == 8
+    for reason in ("source field", "token id outside", "non-finite logprob", "logprob > 0",
+                   "non-finite reward", "unknown prompt id"):
+        assert any(reason in d for d in drops), reason
     for kind in ("forged_logprobs", "flipped_rewards", "random_tokens"):  # all well formed
         hostile = make_hostile(honest, kind, V, g)
         got, drops = unpack(pack(hostile), sender=hostile[0].source, vocab_size=V, max_tokens=64)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<qiiff")
 HEADER_BYTES = _HEADER.size  # 24
 BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob
-HOSTILE_KINDS = ("forged_logprobs", "flipped_rewards", "random_tokens")
+HOSTILE_KINDS = ("forged_logprobs", "flipped_rewards", "random_tokens", "malformed")
 # The advantage a "random_tokens" peer claims: a correct answer in a group where about one in
 # five is correct ((1 - 0.2) / sqrt(0.2 * 0.8) = 2).
 RANDOM_TOKENS_ADVANTAGE = 2.0
@@ -187,9 +187,10 @@ def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
 
     kind: None (honest) | "forged_logprobs" (claims certainty: log pi_gen = 0 at every token) |
     "flipped_rewards" (reward 1 - r, advantage negated) | "random_tokens" (uniform token ids sold
-    as correct: reward 1 and advantage `RANDOM_TOKENS_ADVANTAGE`). Every kind is well formed on
-    the wire, so the receiver's parser accepts it; only `verify_rewards` (the receiver rescoring
-    the completion) or the loss can catch it. The node itself still trains on its honest samples.
+    as correct: reward 1 and advantage `RANDOM_TOKENS_ADVANTAGE`) | "malformed" (each record
+    broken in one of the ways `unpack` checks, in turn). The first three are well formed on the
+    wire, so the receiver's parser accepts them; only `verify_rewards` (the receiver rescoring
+    the completion) or the loss can catch them. The node itself still trains on its honest samples.
     """
     if kind is None:
         return samples
@@ -202,9 +203,32 @@ def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
             logprobs = torch.zeros_like(logprobs)
         elif kind == "flipped_rewards":
             rew, adv = 1.0 - rew, -adv
+        elif kind == "malformed":
+            out.append(_malformed(s, len(out), vocab_size))
+            continue
         else:
             tokens = torch.randint(0, vocab_size, tokens.shape, generator=generator,
                                    dtype=torch.int32)
             rew, adv = 1.0, RANDOM_TOKENS_ADVANTAGE
         out.append(Sample(s.prompt_id, s.source, tokens, logprobs, rew, adv))
     return out
+
+
+def _malformed(s: Sample, i: int, vocab_size: int) -> Sample:
+    """`s` broken in the i-th (mod 6) of the ways a receiver must catch."""
+    tokens, logprobs = s.tokens.clone(), s.logprobs.clone()
+    prompt_id, source, rew, adv = s.prompt_id, s.source, s.reward, s.advantage
+    kind = i % 6
+    if kind == 0:
+        source += 1  # claims another node's sample
+    elif kind == 1:
+        tokens[-1] = vocab_size  # an id past the vocabulary
+    elif kind == 2:
+        logprobs[0] = math.nan
+    elif kind == 3:
+        logprobs[-1] = 0.5  # a probability above 1
+    elif kind == 4:
+        rew, adv = math.inf, math.nan
+    else:
+        prompt_id = (0x7FFF << 48) | 1  # names no problem
+    return Sample(prompt_id, source, tokens, logprobs, rew, adv)
