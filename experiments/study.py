@@ -34,7 +34,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
+
+from ftis_kernels.grpo.report import smooth, read_metrics
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -168,7 +170,7 @@ def collect(todo: list[Cell], work: Path, extra: tuple[str, ...]):
         if not _finished(out):
             continue
         info = json.loads((out / "cell.json").read_text())
-        metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+        metrics = read_metrics(out / "metrics.jsonl")
         for node in sorted({m["node"] for m in metrics}):
             series = sorted((m for m in metrics if m["node"] == node), key=lambda m: m["round"])
             evals = [m for m in series if m["acc_id"] is not None]
@@ -354,11 +356,6 @@ def paired_differences(pairs: list[dict]) -> list[str]:
 
 
 # -- plots -----------------------------------------------------------------------------------------
-def _smooth(xs: list[float], k: int = 5) -> list[float]:
-    return [sum(xs[max(0, i - k + 1): i + 1]) / len(xs[max(0, i - k + 1): i + 1])
-            for i in range(len(xs))]
-
-
 def _mean_curve(curves: list[dict], key: str) -> list[float]:
     series = [c[key] for c in curves]
     n = min(len(s) for s in series)
@@ -388,7 +385,7 @@ def plots(curves: list[dict], results: Path) -> list[Path]:
                     drawn = True
                     name = sel[0]["name"]
                     if key == "reward":
-                        ax.plot(_smooth(_mean_curve(sel, "reward")), color=f"C{i}", label=label)
+                        ax.plot(smooth(_mean_curve(sel, "reward"), 5), color=f"C{i}", label=label)
                     else:
                         ax.plot(sel[0]["eval_rounds"][: len(_mean_curve(sel, key))],
                                 _mean_curve(sel, key), "o-", color=f"C{i}", label=label)

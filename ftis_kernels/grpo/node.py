@@ -222,10 +222,15 @@ class Node:
             )
             for i, pid in enumerate(ids):
                 n = int(lengths[i])
-                text = self.tokenizer.decode(tokens[i, :n], skip_special_tokens=True)
-                out.append((tokens[i, :n].to(torch.int32), logprobs[i, :n].clone(),
-                            reward(text, self.problems.problem(pid))))
+                completion = tokens[i, :n].to(torch.int32)
+                out.append((completion, logprobs[i, :n].clone(), self.score(pid, completion)))
         return out
+
+    def score(self, prompt_id: int, completion: torch.Tensor) -> float:
+        """The task's reward of `completion` (token ids) for the prompt; the one scoring rule of
+        the node's own samples and of `verify`'s rescoring of its peers'."""
+        text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)
+        return reward(text, self.problems.problem(prompt_id))
 
     def accuracy(self, split: str) -> float:
         ids = self.problems.eval_ids(split, self.cfg.eval_size)
@@ -295,8 +300,7 @@ class Node:
         reward differs (a peer lying about rewards). Logprobs cannot be checked this way."""
         kept, drops = [], []
         for s in received:
-            text = self.tokenizer.decode(s.tokens.tolist(), skip_special_tokens=True)
-            true = reward(text, self.problems.problem(s.prompt_id))
+            true = self.score(s.prompt_id, s.tokens)
             if true != s.reward:
                 drops.append(f"node {s.source}: claimed reward {s.reward:g}, completion scores "
                              f"{true:g}")

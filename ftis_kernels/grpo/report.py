@@ -19,7 +19,7 @@ def _by_node(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return {k: sorted(v, key=lambda r: r["round"]) for k, v in sorted(nodes.items())}
 
 
-def _smooth(values: list[float], k: int) -> list[float]:
+def smooth(values: list[float], k: int) -> list[float]:
     """Trailing moving average over up to k values."""
     return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1])
             for i in range(len(values))]
@@ -40,7 +40,7 @@ def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
         rounds = [r["round"] for r in series]
         reward = [r["reward_mean"] for r in series]
         axes[0].plot(rounds, reward, color=color, alpha=0.3, lw=0.8)
-        axes[0].plot(rounds, _smooth(reward, 5), color=color, lw=2, label=label)
+        axes[0].plot(rounds, smooth(reward, 5), color=color, lw=2, label=label)
         for ax, key in zip(axes[1:], ("acc_id", "acc_ood")):
             pts = [(r["round"], r[key]) for r in series if r.get(key) is not None]
             if pts:
