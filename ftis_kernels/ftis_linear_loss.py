@@ -41,7 +41,7 @@ from ftis_kernels.ftis_loss import (
 )
 from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
-from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_values, check_tensor
+from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor, check_values
 
 # With chunk_size=None, a chunk holds at most this many logits (2^25: 64 MiB in bf16, 128 MiB in
 # fp32, i.e. 220 rows of Qwen2.5's 151,936-token vocabulary; still a GEMM of 100 GFLOP at H=1536).
@@ -96,26 +96,28 @@ def linear_logp_lse(
     temperature: float,
     chunk_size: int,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward pass. hidden (B, T, H), weight (V, H), bias (V,) or None, tokens (B, T);
     rows = (b, t) int64 index tensors of the positions to compute.
 
-    Returns logp, lse (B, T) fp32: log pi_theta(token) and logsumexp(logits / temperature) at
-    `rows`, 0 elsewhere.
+    Returns logp, row_max, log_sum (B, T) fp32: log pi_theta(token) and the row statistics of
+    logits / temperature (`kernels/logp_lse.py`) at `rows`, 0 elsewhere.
     """
     B, T, _ = hidden.shape
-    logp = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-    lse = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
+    logp, row_max, log_sum = (
+        torch.zeros(B, T, dtype=torch.float32, device=hidden.device) for _ in range(3)
+    )
     for b, t in _chunks(rows, chunk_size):
-        logp[b, t], lse[b, t] = _chunk_forward(hidden[b, t], weight, bias, tokens[b, t], temperature, backend)
-    return logp, lse
+        chunk = _chunk_forward(hidden[b, t], weight, bias, tokens[b, t], temperature, backend)
+        logp[b, t], row_max[b, t], log_sum[b, t] = chunk
+    return logp, row_max, log_sum
 
 
 def _chunk_forward(h, weight, bias, tokens, temperature, backend):
     # One function per chunk so that its logits are freed before the next chunk allocates its own.
     logits = _chunk_logits(h, weight, bias)
-    chunk_logp, chunk_lse = _FORWARD[backend](logits[None], tokens[None], None, temperature)
-    return chunk_logp[0], chunk_lse[0]
+    stats = _FORWARD[backend](logits[None], tokens[None], None, temperature)
+    return tuple(x[0] for x in stats)
 
 
 def linear_grads(
@@ -123,14 +125,15 @@ def linear_grads(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     tokens: torch.Tensor,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
     coef: torch.Tensor,
     temperature: float,
     chunk_size: int,
     backend: str,
     needs: tuple[bool, bool, bool],
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Backward pass. lse (B, T) fp32 from the forward; coef (B, T) fp32 = d loss / d logp times
+    """Backward pass. row_max, log_sum (B, T) fp32 from the forward; coef (B, T) fp32 = d loss / d logp times
     the incoming gradient, over temperature; needs = which of (hidden, weight, bias) want a grad.
 
     With dlogits[r, v] = coef[r] * (1[v == token[r]] - softmax(logits[r] / temperature)[v]):
@@ -146,7 +149,8 @@ def linear_grads(
     grad_bias = torch.zeros(weight.shape[0], dtype=f32, device=weight.device) if need_b else None
     if any(needs):
         for b, t in _chunks((coef != 0).nonzero(as_tuple=True), chunk_size):
-            _chunk_backward(hidden[b, t], weight, bias, tokens[b, t], lse[b, t], coef[b, t], temperature,
+            stats = (row_max[b, t], log_sum[b, t], coef[b, t])
+            _chunk_backward(hidden[b, t], weight, bias, tokens[b, t], stats, temperature,
                             backend, grad_hidden, (b, t), grad_weight, grad_bias)  # fmt: skip
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
@@ -155,11 +159,12 @@ def linear_grads(
     return grad_hidden, grad_weight, grad_bias
 
 
-def _chunk_backward(h, weight, bias, tokens, lse, coef, temperature, backend, grad_hidden, rows,
+def _chunk_backward(h, weight, bias, tokens, stats, temperature, backend, grad_hidden, rows,
                     grad_weight, grad_bias) -> None:  # fmt: skip
     logits = _chunk_logits(h, weight, bias)[None]
     # In place: the chunk's logits become their gradient.
-    dlogits = _BACKWARD[backend](logits, tokens[None], lse[None], coef[None], temperature, logits)[0]
+    stats = tuple(x[None] for x in stats)  # row_max, log_sum, coef
+    dlogits = _BACKWARD[backend](logits, tokens[None], *stats, temperature, logits)[0]
     if grad_hidden is not None:
         grad_hidden[rows] = dlogits @ weight
     if grad_weight is not None:
@@ -206,19 +211,22 @@ def _ftis_linear_loss_fwd(
     loss_type: str,
     chunk_size: int,
     backend: str,
-) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 3)]:  # type: ignore[misc]
-    """(loss, *metrics in METRIC_NAMES order, lse (B, T), coef (B, T)). Checks the input values
-    first: here they run eagerly even under torch.compile."""
-    check_row_values(weight.shape[0], tokens, gen_logprobs, advantages, mask, old_logprobs,
-                     ref_logprobs)  # fmt: skip
+) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 4)]:  # type: ignore[misc]
+    """(loss, *metrics in METRIC_NAMES order, row_max (B, T), log_sum (B, T), coef (B, T)).
+    Checks the input values and the logits' row statistics right after the row pass, with one
+    synchronisation: here they run eagerly even under torch.compile."""
     opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
                       epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
     B, T, _ = hidden.shape
     m = None if mask is None else mask != 0
     rows = _completion_rows(m, B, T, hidden.device)
-    logp, lse = linear_logp_lse(hidden, weight, bias, tokens, rows, temperature, chunk_size, backend)
+    logp, row_max, log_sum = linear_logp_lse(hidden, weight, bias, tokens, rows, temperature,
+                                             chunk_size, backend)  # fmt: skip
+    check_values(weight.shape[0], tokens, gen_logprobs, advantages, mask, old_logprobs,
+                 ref_logprobs, (logp, row_max, log_sum), logits_name="hidden")  # fmt: skip
     result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
-    return (result.loss, *(result.metrics[name] for name in METRIC_NAMES), lse, result.coef)
+    metrics = (result.metrics[name] for name in METRIC_NAMES)
+    return (result.loss, *metrics, row_max, log_sum, result.coef)
 
 
 @_ftis_linear_loss_fwd.register_fake
@@ -232,7 +240,8 @@ def _ftis_linear_loss_bwd(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     tokens: torch.Tensor,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
     coef: torch.Tensor,
     temperature: float,
     chunk_size: int,
@@ -243,14 +252,14 @@ def _ftis_linear_loss_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed (a custom
     op returns no None). coef already scaled by the incoming gradient and 1 / temperature."""
-    grads = linear_grads(hidden, weight, bias, tokens, lse, coef, temperature, chunk_size, backend,
-                         (need_hidden, need_weight, need_bias))  # fmt: skip
+    grads = linear_grads(hidden, weight, bias, tokens, row_max, log_sum, coef, temperature,
+                         chunk_size, backend, (need_hidden, need_weight, need_bias))  # fmt: skip
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 
 @_ftis_linear_loss_bwd.register_fake
-def _(hidden, weight, bias, tokens, lse, coef, temperature, chunk_size, backend, need_hidden,
-      need_weight, need_bias):  # fmt: skip
+def _(hidden, weight, bias, tokens, row_max, log_sum, coef, temperature, chunk_size, backend,
+      need_hidden, need_weight, need_bias):  # fmt: skip
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else hidden.new_empty(0),
@@ -260,18 +269,18 @@ def _(hidden, weight, bias, tokens, lse, coef, temperature, chunk_size, backend,
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, tokens = inputs[:4]
-    lse, coef = output[-2], output[-1]
-    ctx.save_for_backward(hidden, weight, bias, tokens, lse, coef)
+    ctx.save_for_backward(hidden, weight, bias, tokens, *output[-3:])  # row_max, log_sum, coef
     ctx.temperature, ctx.chunk_size, ctx.backend = inputs[19], inputs[21], inputs[22]
 
 
 def _backward(ctx, grad_loss, *_):
-    hidden, weight, bias, tokens, lse, coef = ctx.saved_tensors
+    hidden, weight, bias, tokens, row_max, log_sum, coef = ctx.saved_tensors
     coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
     needs = ctx.needs_input_grad
     need_bias = bias is not None and needs[2]
     grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
-        hidden, weight, bias, tokens, lse, coef, ctx.temperature, ctx.chunk_size, ctx.backend,
+        hidden, weight, bias, tokens, row_max, log_sum, coef, ctx.temperature, ctx.chunk_size,
+        ctx.backend,
         needs[0], needs[1], need_bias,
     )  # fmt: skip
     return (
@@ -364,7 +373,7 @@ def ftis_linear_loss(
     backend = select_backend(hidden.device)
     check_row_tensors(B, T, hidden.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
                       ref_logprobs, beta)  # fmt: skip
-    loss, *metrics, _, _ = _ftis_linear_loss_fwd(
+    loss, *metrics, _, _, _ = _ftis_linear_loss_fwd(
         hidden, weight, bias, tokens, gen_logprobs.detach(), advantages.detach(), mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),

@@ -3,8 +3,8 @@
 Forward: one streaming pass over each row of logits (`kernels/logp_lse.py`) gives log pi_theta of
 the taken token and the row's log-sum-exp; the per-sample part (`per_sample.py`) turns them into
 the loss, the metrics and d loss / d logp. Backward: one pass writes
-dlogits = coef * (onehot - softmax) / temperature, recomputing the softmax from the saved
-log-sum-exp, optionally into the logits buffer itself. No (B, T, V) temporary is ever created.
+dlogits = coef * (onehot - softmax) / temperature, recomputing the softmax from the saved row
+statistics (max and log-sum-exp relative to it), optionally into the logits buffer itself. No (B, T, V) temporary is ever created.
 
 Dispatch, by where the logits live: CUDA -> compiled Triton kernels; CPU with the kernels
 decorated under TRITON_INTERPRET=1 -> the same Triton kernels, interpreted; CPU otherwise -> a
@@ -20,7 +20,13 @@ import torch
 from ftis_kernels.kernels import logp_lse
 from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
-from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_values, check_tensor
+from ftis_kernels.validate import (
+    LOGIT_DTYPES,
+    check_inplace_backward,
+    check_row_tensors,
+    check_tensor,
+    check_values,
+)
 
 METRIC_NAMES = (
     "logp",
@@ -76,22 +82,24 @@ def _ftis_loss_fwd(
     loss_type: str,
     inplace_backward: bool,
     backend: str,
-) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 3)]:  # type: ignore[misc]
-    """(loss, *metrics in METRIC_NAMES order, lse (B, T), coef (B, T)). Checks the input values
-    first: here they run eagerly even under torch.compile."""
-    check_row_values(logits.shape[-1], tokens, gen_logprobs, advantages, mask, old_logprobs,
-                     ref_logprobs)  # fmt: skip
+) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 4)]:  # type: ignore[misc]
+    """(loss, *metrics in METRIC_NAMES order, row_max (B, T), log_sum (B, T), coef (B, T)).
+    Checks the input values and the logits' row statistics right after the row pass, with one
+    synchronisation: here they run eagerly even under torch.compile."""
     opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
                       epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
     m = None if mask is None else mask != 0
-    logp, lse = _FORWARD[backend](logits, tokens, m, temperature)
+    logp, row_max, log_sum = _FORWARD[backend](logits, tokens, m, temperature)
+    check_values(logits.shape[-1], tokens, gen_logprobs, advantages, mask, old_logprobs,
+                 ref_logprobs, (logp, row_max, log_sum))  # fmt: skip
     result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
-    return (result.loss, *(result.metrics[name] for name in METRIC_NAMES), lse, result.coef)
+    metrics = (result.metrics[name] for name in METRIC_NAMES)
+    return (result.loss, *metrics, row_max, log_sum, result.coef)
 
 
 def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
-    """Shape-only outputs of a forward op of this library (loss, metrics, lse, coef), on the
-    device of `like`; shared by `ftis_loss` and `ftis_linear_loss`."""
+    """Shape-only outputs of a forward op of this library (loss, metrics, row_max, log_sum, coef),
+    on the device of `like`; shared by `ftis_loss` and `ftis_linear_loss`."""
     scalar = like.new_empty((), dtype=torch.float32)
     per_token = like.new_empty((B, T), dtype=torch.float32)
     return (
@@ -100,7 +108,8 @@ def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tens
         like.new_empty((B,), dtype=torch.float32),  # kl
         like.new_empty((B,), dtype=torch.bool),  # filtered
         *(torch.empty_like(scalar) for _ in range(5)),  # scalar metrics
-        torch.empty_like(per_token),  # lse
+        torch.empty_like(per_token),  # row_max
+        torch.empty_like(per_token),  # log_sum
         torch.empty_like(per_token),  # coef
     )
 
@@ -122,43 +131,43 @@ def _(logits, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
 def _ftis_loss_bwd(
-    logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
-    temperature: float, backend: str,
+    logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+    coef: torch.Tensor, temperature: float, backend: str,
 ) -> torch.Tensor:  # fmt: skip
     """d loss / d logits (B, T, V) in a new buffer; coef already scaled by the incoming gradient."""
-    return _BACKWARD[backend](logits, tokens, lse, coef, temperature, torch.empty_like(logits))
+    out = torch.empty_like(logits)
+    return _BACKWARD[backend](logits, tokens, row_max, log_sum, coef, temperature, out)
 
 
 @_ftis_loss_bwd.register_fake
-def _(logits, tokens, lse, coef, temperature, backend):
+def _(logits, tokens, row_max, log_sum, coef, temperature, backend):
     return torch.empty_like(logits)
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd_", mutates_args=("logits",))
 def _ftis_loss_bwd_inplace(
-    logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
-    temperature: float, backend: str,
+    logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+    coef: torch.Tensor, temperature: float, backend: str,
 ) -> None:  # fmt: skip
     """d loss / d logits written over the logits themselves."""
-    _BACKWARD[backend](logits, tokens, lse, coef, temperature, logits)
+    _BACKWARD[backend](logits, tokens, row_max, log_sum, coef, temperature, logits)
 
 
 def _setup_context(ctx, inputs, output):
     logits, tokens = inputs[0], inputs[1]
-    lse, coef = output[-2], output[-1]
-    ctx.save_for_backward(logits, tokens, lse, coef)
+    ctx.save_for_backward(logits, tokens, *output[-3:])  # row_max, log_sum, coef
     ctx.temperature, ctx.inplace_backward, ctx.backend = inputs[17], inputs[19], inputs[20]
 
 
 def _backward(ctx, grad_loss, *_):
-    logits, tokens, lse, coef = ctx.saved_tensors
+    logits, tokens, row_max, log_sum, coef = ctx.saved_tensors
     coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
+    stats = (row_max, log_sum, coef, ctx.temperature, ctx.backend)
     if ctx.inplace_backward:
-        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, lse, coef, ctx.temperature, ctx.backend)
+        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *stats)
         dlogits = logits
     else:
-        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, lse, coef, ctx.temperature,
-                                                       ctx.backend)  # fmt: skip
+        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, *stats)
     return (dlogits,) + (None,) * 20
 
 
@@ -186,7 +195,7 @@ def ftis_loss(
     beta: float = 0.0,
     temperature: float = 1.0,
     loss_type: str = "grpo",
-    inplace_backward: bool = False,
+    inplace_backward: bool | str = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """F-TIS loss (the quantity to minimise) and its metrics, fused from the logits.
 
@@ -203,7 +212,9 @@ def ftis_loss(
         epsilon_high, beta, temperature, loss_type: see `FTISOptions`.
         inplace_backward: write d loss / d logits into the logits buffer during backward, saving
             a (B, T, V) allocation. Only when nothing reads the logits after the loss: they are
-            overwritten by their gradient.
+            overwritten by their gradient. Refused (ValueError) for logits whose elements share
+            memory (expanded or overlapping views) and, unless "force", for a leaf tensor that
+            requires grad or a view of one (your own tensor would become its gradient).
 
     Per token, with A = 0 for filtered samples:
         loss_t = -min(pi/pi_gen, C) * min(R A, clip(R, 1-eps, 1+eps_high) A) + beta * k3(ref - logp)
@@ -214,6 +225,16 @@ def ftis_loss(
         metrics: detached tensors: "logp" (B, T) fp32 (0 where masked), "kl" (B,) fp32,
             "filtered" (B,) bool, and 0-dim fp32 "filtered_frac", "kl_mean", "clip_frac",
             "is_weight_mean", "is_truncated_frac" (the last three over completion tokens).
+
+    Raises:
+        ValueError naming the argument, in one line: shapes, dtypes, devices, options and the
+        in-place backward's preconditions before any kernel runs; values (token ids, finiteness
+        and sign in float32, the logits) with one synchronisation right after the row pass, with
+        the number of failing positions, the first one and its value. Logits at a completion
+        position must give a finite log pi_theta(token): a row with a NaN or +inf logit (after
+        dividing by temperature), with every logit -inf, or with -inf at the taken token is
+        refused, on every backend. -inf at other tokens is legal (vocabulary masking) and exact.
+        Logits at masked positions may hold anything and never reach the loss or the gradient.
     """
     opt = FTISOptions(
         is_mode=is_mode, is_level=is_level, is_cap=is_cap, filter=filter,
@@ -229,10 +250,11 @@ def ftis_loss(
     backend = select_backend(logits.device)
     check_row_tensors(B, T, logits.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
                       ref_logprobs, beta)  # fmt: skip
-    loss, *metrics, _, _ = _ftis_loss_fwd(
+    inplace = check_inplace_backward(logits, inplace_backward)
+    loss, *metrics, _, _, _ = _ftis_loss_fwd(
         logits, tokens, gen_logprobs.detach(), advantages.detach(), mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
-        *option_args(opt), bool(inplace_backward), backend,
+        *option_args(opt), inplace, backend,
     )  # fmt: skip
     return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}

@@ -195,6 +195,35 @@ def test_equals_ftis_loss_on_the_materialised_logits(dtype, device):
         numerics.assert_close(f"grad_{name}", grad, want_grad, tol)
 
 
+def _large_logits_case(magnitude, device):
+    """Exact hidden, weight and bias scaled by a power of two near magnitude / 16 (the logits stay
+    exact), every vocabulary row twice (the maximum always ties) and every token the argmax:
+    logp = -log(ties), the digits that max + log(sum) rounds away at large |logits|."""
+    case = make_linear_case(2, 4, 12, 30, seed=14, mask="none")
+    scale = 2.0 ** round(math.log2(magnitude / 16))
+    weight = case["weight"].repeat_interleave(2, dim=0) * scale
+    bias = case["bias"].repeat_interleave(2) * scale
+    logits = case["hidden"] @ weight.T + bias
+    tokens = logits.argmax(dim=-1)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    g = torch.Generator().manual_seed(15)
+    gen = (logp - torch.rand(2, 4, generator=g, dtype=torch.float64)).float()
+    old = (logp + 0.25 * torch.randn(2, 4, generator=g, dtype=torch.float64)).float()
+    ref = (logp - 0.5 * torch.rand(2, 4, generator=g, dtype=torch.float64)).float()
+    rows = (tokens, gen, case["rows"][2], None, old, ref)
+    move = lambda x: None if x is None else x.to(device)  # noqa: E731
+    return dict(hidden=move(case["hidden"]), weight=move(weight), bias=move(bias),
+                rows=tuple(move(x) for x in rows))  # fmt: skip
+
+
+@pytest.mark.parametrize("magnitude", [1e4, 1e6, 1e8, 1e30])
+def test_large_logits_keep_the_digits_of_log_softmax(magnitude, device):
+    case = _large_logits_case(magnitude, device)
+    for impl in implementations(device):
+        check_against_reference(case, torch.float32, impl, exact=True, chunk_size=3, beta=0.04,
+                                temperature=0.5)  # fmt: skip
+
+
 def test_chunk_size_changes_nothing_but_memory(device):
     case = make_linear_case(3, 7, 12, 70, seed=3, exact=False, device=device)
     base_loss, base_metrics, base_grads = run_linear(case, torch.float32, chunk_size=21)
@@ -309,8 +338,8 @@ def test_custom_ops_pass_opcheck(device):
     options = ("tis", "token", 2.0, "negative_offpolicy", 50.0, "k3", "sum", 0.2, None, 0.0, 1.0, "grpo")
     fwd_args = (hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options, 2, "torch")
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_fwd.default, fwd_args)
-    *_, lse, coef = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
-    bwd_args = (hidden, weight, bias, tokens, lse, coef, 1.0, 2, "torch", True, True, True)
+    *_, row_max, log_sum, coef = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
+    bwd_args = (hidden, weight, bias, tokens, row_max, log_sum, coef, 1.0, 2, "torch", True, True, True)
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_bwd.default, bwd_args)
 
 

@@ -1,10 +1,21 @@
 """Row kernels over the vocabulary: log pi of the taken token (forward) and d loss / d logits
 (backward), in Triton, with the chunked PyTorch equivalents used on CPU without the interpreter.
 
-Forward, per row r = (b, t) with mask[r] set:  lse_r = logsumexp_v(x[r, v] / tau),
-logp_r = x[r, token_r] / tau - lse_r;  masked rows read nothing and write 0.
-Backward: dx[r, v] = c_r * (1[v == token_r] - exp(x[r, v] / tau - lse_r)) with c_r = coef_r / tau
-(the caller folds 1 / tau and the incoming gradient into c); rows with c_r = 0 read nothing.
+Row statistics are two fp32 numbers per row r = (b, t), kept apart so that no digit is lost:
+    row_max_r = max_v x[r, v] / tau,    log_sum_r = log sum_v exp(x[r, v] / tau - row_max_r).
+Forward, per row with mask[r] set:  logp_r = (x[r, token_r] / tau - row_max_r) - log_sum_r, as
+`torch.log_softmax` computes it: folding the two into one lse = row_max + log_sum first would round
+log_sum away at large |x| (|x| = 1e8 in fp32 has a spacing of 8). Masked rows read nothing and write
+0 to all three outputs.
+Backward: dx[r, v] = c_r * (1[v == token_r] - exp((x[r, v] / tau - row_max_r) - log_sum_r)) with
+c_r = coef_r / tau (the caller folds 1 / tau and the incoming gradient into c); rows with c_r = 0
+read nothing.
+
+Non-finite logits at a live row show in its statistics, which the caller checks (`validate.py`):
+a NaN or +inf logit makes log_sum NaN (and row_max +inf for +inf), an all -inf row gives
+log_sum = -inf, and -inf at the taken token gives logp = -inf. A -inf logit elsewhere is exact
+(vocabulary masking). Token ids outside [0, V) are never used as an address: the forward reads no
+logit for them (the caller refuses them after the forward).
 """
 
 from __future__ import annotations
@@ -21,6 +32,9 @@ from ftis_kernels.kernels.tl_utils import NEG_BIG, online_lse_update
 # Largest vocabulary block one program holds in registers at once (the tests lower it to cover
 # the multi-block loop with small vocabularies).
 MAX_BLOCK_V = 4096
+# The lowest finite fp32: the start of a running max (tl_utils.NEG_BIG), so that an all -inf row
+# gives log_sum = -inf rather than NaN from -inf - -inf.
+FP32_LOWEST = torch.finfo(torch.float32).min
 # Elements of float32 scratch the CPU path holds per chunk (16 MiB).
 CPU_CHUNK_ELEMENTS = 1 << 22
 
@@ -41,7 +55,8 @@ def _logp_lse_fwd_kernel(
     tokens_ptr,  # (B, T) int32 | int64, in [0, V)
     mask_ptr,  # (B, T) bool, or None
     logp_ptr,  # (B * T,) fp32 out
-    lse_ptr,  # (B * T,) fp32 out
+    row_max_ptr,  # (B * T,) fp32 out
+    log_sum_ptr,  # (B * T,) fp32 out
     # scalars
     temperature,
     # sizes
@@ -75,33 +90,37 @@ def _logp_lse_fwd_kernel(
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
         m, s = online_lse_update(m, s, x.to(tl.float32) / temperature)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
-    x_token = tl.load(row_ptr + token * stride_lv, mask=active, other=0.0).to(tl.float32)
-    lse = tl.where(active, m + tl.log(tl.where(active, s, 1.0)), 0.0)
-    logp = tl.where(active, x_token / temperature - lse, 0.0)
+    # A bad token id is refused by the caller after the forward: until then it reads nothing.
+    token_ok = (token >= 0) & (token < V)
+    x_token = tl.load(row_ptr + token * stride_lv, mask=active & token_ok, other=0.0)
+    log_sum = tl.where(active, tl.log(tl.where(active, s, 1.0)), 0.0)
+    logp = tl.where(active, (x_token.to(tl.float32) / temperature - m) - log_sum, 0.0)
     tl.store(logp_ptr + row, logp)
-    tl.store(lse_ptr + row, lse)
+    tl.store(row_max_ptr + row, tl.where(active, m, 0.0))
+    tl.store(log_sum_ptr + row, log_sum)
 
 
 def logp_lse_fwd(
     logits: torch.Tensor, tokens: torch.Tensor, mask: Optional[torch.Tensor], temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton forward. logits (B, T, V), tokens (B, T), mask (B, T) bool or None.
 
-    Returns logp (B, T) and lse (B, T), both fp32; 0 at masked positions.
+    Returns logp, row_max, log_sum (B, T), all fp32; 0 at masked positions.
     """
     B, T, V = logits.shape
-    logp = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    logp, row_max, log_sum = (
+        torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
     block_v = _block_v(V)
     mask_strides = mask.stride() if mask is not None else (0, 0)
     _logp_lse_fwd_kernel[(B * T,)](
-        logits, tokens, mask, logp, lse,
+        logits, tokens, mask, logp, row_max, log_sum,
         float(temperature),
         T, V,
         *logits.stride(), *tokens.stride(), *mask_strides,
         BLOCK_V=block_v, num_warps=_num_warps(block_v),
     )  # fmt: skip
-    return logp, lse
+    return logp, row_max, log_sum
 
 
 @triton.jit
@@ -110,7 +129,8 @@ def _logits_bwd_kernel(
     logits_ptr,  # (B, T, V) fp32 | bf16 | fp16, any strides
     dlogits_ptr,  # (B, T, V) out, same dtype; may be logits_ptr itself (in-place backward)
     tokens_ptr,  # (B, T) int32 | int64
-    lse_ptr,  # (B * T,) fp32, from the forward
+    row_max_ptr,  # (B * T,) fp32, from the forward
+    log_sum_ptr,  # (B * T,) fp32, from the forward
     coef_ptr,  # (B * T,) fp32: d loss / d logp, times the incoming gradient, over temperature
     # scalars
     temperature,
@@ -133,7 +153,8 @@ def _logits_bwd_kernel(
     b = row // T
     t = row % T
     coef = tl.load(coef_ptr + row)
-    lse = tl.load(lse_ptr + row)
+    row_max = tl.load(row_max_ptr + row)
+    log_sum = tl.load(log_sum_ptr + row)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
     row_ptr = logits_ptr + b * stride_lb.to(tl.int64) + t * stride_lt.to(tl.int64)
     drow_ptr = dlogits_ptr + b * stride_db.to(tl.int64) + t * stride_dt.to(tl.int64)
@@ -143,7 +164,7 @@ def _logits_bwd_kernel(
         offs = v0 + tl.arange(0, BLOCK_V)
         in_row = offs < V
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf"))
-        p = tl.exp(x.to(tl.float32) / temperature - lse)
+        p = tl.exp((x.to(tl.float32) / temperature - row_max) - log_sum)
         grad = coef * (tl.where(offs == token, 1.0, 0.0) - p)
         tl.store(
             drow_ptr + offs.to(tl.int64) * stride_dv,
@@ -155,18 +176,20 @@ def _logits_bwd_kernel(
 def logits_bwd(
     logits: torch.Tensor,
     tokens: torch.Tensor,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
     coef: torch.Tensor,
     temperature: float,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Triton backward. logits, out (B, T, V) (out may be logits); tokens (B, T); lse, coef (B, T)
-    fp32 contiguous, coef already scaled by the incoming gradient and 1 / temperature. Returns out.
+    """Triton backward. logits, out (B, T, V) (out may be logits); tokens (B, T); row_max, log_sum,
+    coef (B, T) fp32 contiguous, coef already scaled by the incoming gradient and 1 / temperature.
+    Returns out.
     """
     B, T, V = logits.shape
     block_v = _block_v(V)
     _logits_bwd_kernel[(B * T,)](
-        logits, out, tokens, lse, coef,
+        logits, out, tokens, row_max, log_sum, coef,
         float(temperature),
         T, V,
         *logits.stride(), *out.stride(), *tokens.stride(),
@@ -194,31 +217,42 @@ def _row_chunks(B: int, T: int, V: int):
 
 def logp_lse_fwd_torch(
     logits: torch.Tensor, tokens: torch.Tensor, mask: Optional[torch.Tensor], temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch forward with the signature and results of `logp_lse_fwd`; fp32 scratch is bounded
-    by one chunk."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch forward with the signature and results of `logp_lse_fwd` (the same row statistics,
+    the same non-finite semantics); fp32 scratch is bounded by one chunk."""
     B, T, V = logits.shape
-    logp = torch.zeros(B, T, dtype=torch.float32, device=logits.device)
-    lse = torch.zeros(B, T, dtype=torch.float32, device=logits.device)
+    logp, row_max, log_sum = (
+        torch.zeros(B, T, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
     for b, t0, t1 in _row_chunks(B, T, V):
         active = None if mask is None else mask[b, t0:t1]
         if active is not None and not bool(active.any()):
             continue
         x = logits[b, t0:t1].float() / temperature
-        chunk_lse = torch.logsumexp(x, dim=-1)
-        chunk_logp = x.gather(-1, tokens[b, t0:t1].long()[:, None])[:, 0] - chunk_lse
+        # The Triton kernels' start value: an all -inf row gets a finite max and log_sum = -inf
+        # (not NaN from -inf - -inf); NaN stays NaN.
+        chunk_max = x.amax(dim=-1).clamp(min=FP32_LOWEST)
+        shifted = x - chunk_max[:, None]
+        # A bad token id is refused by the caller after the forward: until then, read a valid one.
+        token = tokens[b, t0:t1].long().clamp(0, V - 1)[:, None]
+        shifted_token = shifted.gather(-1, token)[:, 0]
+        chunk_log_sum = shifted.exp_().sum(dim=-1).log_()
+        chunk_logp = shifted_token - chunk_log_sum
         if active is not None:
-            chunk_lse = torch.where(active, chunk_lse, 0.0)
-            chunk_logp = torch.where(active, chunk_logp, 0.0)
-        lse[b, t0:t1] = chunk_lse
+            chunk_max, chunk_log_sum, chunk_logp = (
+                torch.where(active, v, 0.0) for v in (chunk_max, chunk_log_sum, chunk_logp)
+            )
+        row_max[b, t0:t1] = chunk_max
+        log_sum[b, t0:t1] = chunk_log_sum
         logp[b, t0:t1] = chunk_logp
-    return logp, lse
+    return logp, row_max, log_sum
 
 
 def logits_bwd_torch(
     logits: torch.Tensor,
     tokens: torch.Tensor,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
     coef: torch.Tensor,
     temperature: float,
     out: torch.Tensor,
@@ -232,7 +266,7 @@ def logits_bwd_torch(
             out[b, t0:t1] = 0
             continue
         x = logits[b, t0:t1].float() / temperature
-        grad = torch.exp(x - lse[b, t0:t1, None]).neg_()
+        grad = (x - row_max[b, t0:t1, None]).sub_(log_sum[b, t0:t1, None]).exp_().neg_()
         grad.scatter_add_(-1, tokens[b, t0:t1].long()[:, None], torch.ones_like(grad[:, :1]))
         grad.mul_(c[:, None])
         # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.

@@ -3,9 +3,10 @@
 import triton
 import triton.language as tl
 
-# Start value of a running maximum. Finite on purpose: with -inf, a row whose first block is all
-# -inf would compute exp(-inf - -inf) = nan when it rescales its running sum.
-NEG_BIG = tl.constexpr(-3.0e38)
+# Start value of a running maximum: the lowest finite fp32. Finite on purpose: with -inf, a row
+# whose first block is all -inf would compute exp(-inf - -inf) = nan when it rescales its running
+# sum. The lowest finite value rather than a round -3e38, so that every finite logit exceeds it.
+NEG_BIG = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
