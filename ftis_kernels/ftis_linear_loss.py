@@ -133,8 +133,9 @@ def linear_grads(
     backend: str,
     needs: tuple[bool, bool, bool],
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Backward pass. row_max, log_sum (B, T) fp32 from the forward; coef (B, T) fp32 = d loss / d logp times
-    the incoming gradient, over temperature; needs = which of (hidden, weight, bias) want a grad.
+    """Backward pass. row_max, log_sum (B, T) fp32 from the forward; coef (B, T) fp32 =
+    d loss / d logp times the incoming gradient, over temperature; needs = which of (hidden,
+    weight, bias) want a grad.
 
     With dlogits[r, v] = coef[r] * (1[v == token[r]] - softmax(logits[r] / temperature)[v]):
     grad_hidden = dlogits @ weight (hidden dtype), grad_weight = dlogits.T @ hidden and
@@ -220,10 +221,10 @@ def _ftis_linear_loss_fwd(
     B, T, _ = hidden.shape
     m = None if mask is None else mask != 0
     rows = _completion_rows(m, B, T, hidden.device)
-    logp, row_max, log_sum = linear_logp_lse(hidden, weight, bias, tokens, rows, temperature,
-                                             chunk_size, backend)  # fmt: skip
-    check_values(weight.shape[0], tokens, gen_logprobs, advantages, mask, old_logprobs,
-                 ref_logprobs, (logp, row_max, log_sum), logits_name="hidden")  # fmt: skip
+    stats = linear_logp_lse(hidden, weight, bias, tokens, rows, temperature, chunk_size, backend)
+    inputs = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
+    check_values(weight.shape[0], *inputs, stats, logits_name="hidden")
+    logp, row_max, log_sum = stats
     result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
     metrics = (result.metrics[name] for name in METRIC_NAMES)
     return (result.loss, *metrics, row_max, log_sum, result.coef)
@@ -252,8 +253,10 @@ def _ftis_linear_loss_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed (a custom
     op returns no None). coef already scaled by the incoming gradient and 1 / temperature."""
-    grads = linear_grads(hidden, weight, bias, tokens, row_max, log_sum, coef, temperature,
-                         chunk_size, backend, (need_hidden, need_weight, need_bias))  # fmt: skip
+    needs = (need_hidden, need_weight, need_bias)
+    stats = (row_max, log_sum, coef)
+    grads = linear_grads(hidden, weight, bias, tokens, *stats, temperature, chunk_size, backend,
+                         needs)
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 

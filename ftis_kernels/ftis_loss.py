@@ -4,7 +4,8 @@ Forward: one streaming pass over each row of logits (`kernels/logp_lse.py`) give
 the taken token and the row's log-sum-exp; the per-sample part (`per_sample.py`) turns them into
 the loss, the metrics and d loss / d logp. Backward: one pass writes
 dlogits = coef * (onehot - softmax) / temperature, recomputing the softmax from the saved row
-statistics (max and log-sum-exp relative to it), optionally into the logits buffer itself. No (B, T, V) temporary is ever created.
+statistics (max and log-sum-exp relative to it), optionally into the logits buffer itself. No
+(B, T, V) temporary is ever created.
 
 Dispatch, by where the logits live: CUDA -> compiled Triton kernels; CPU with the kernels
 decorated under TRITON_INTERPRET=1 -> the same Triton kernels, interpreted; CPU otherwise -> a
@@ -90,8 +91,8 @@ def _ftis_loss_fwd(
                       epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
     m = None if mask is None else mask != 0
     logp, row_max, log_sum = _FORWARD[backend](logits, tokens, m, temperature)
-    check_values(logits.shape[-1], tokens, gen_logprobs, advantages, mask, old_logprobs,
-                 ref_logprobs, (logp, row_max, log_sum))  # fmt: skip
+    inputs = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
+    check_values(logits.shape[-1], *inputs, (logp, row_max, log_sum))
     result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
     metrics = (result.metrics[name] for name in METRIC_NAMES)
     return (result.loss, *metrics, row_max, log_sum, result.coef)

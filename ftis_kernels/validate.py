@@ -93,15 +93,22 @@ def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> bo
     if inplace_backward is False:
         return False
     if overlaps_itself(logits):
-        _fail("inplace_backward", "logits whose elements do not share memory (an expanded or "
-              "overlapping view gets one gradient written over another; use "
-              "inplace_backward=False or .contiguous() logits)",
-              f"sizes {tuple(logits.shape)} with strides {logits.stride()}")  # fmt: skip
+        _fail(
+            "inplace_backward",
+            "logits whose elements do not share memory (an expanded or "
+            "overlapping view gets one gradient written over another; use "
+            "inplace_backward=False or .contiguous() logits)",
+            f"sizes {tuple(logits.shape)} with strides {logits.stride()}",
+        )
     base = logits if logits._base is None else logits._base
     if inplace_backward is True and base.is_leaf and base.requires_grad:
-        _fail("inplace_backward", "logits computed by the graph, not a leaf tensor that requires "
-              'grad or a view of one (its values would become its gradient; pass '
-              'inplace_backward="force" to allow that)', "a leaf tensor")  # fmt: skip
+        _fail(
+            "inplace_backward",
+            "logits computed by the graph, not a leaf tensor that requires "
+            "grad or a view of one (its values would become its gradient; pass "
+            'inplace_backward="force" to allow that)',
+            "a leaf tensor",
+        )
     return True
 
 
@@ -141,8 +148,9 @@ def _summary(bad: torch.Tensor, values: torch.Tensor, hint: torch.Tensor) -> tor
     """(4,) float64 on the device: number of bad positions, the first one (flat index), its value
     and a hint flag; no synchronisation."""
     first = bad.flatten().to(torch.int8).argmax()
-    return torch.stack([bad.sum().double(), first.double(), values.flatten()[first].double(),
-                        hint.double()])  # fmt: skip
+    return torch.stack(
+        [bad.sum().double(), first.double(), values.flatten()[first].double(), hint.double()]
+    )
 
 
 def check_values(
@@ -169,26 +177,38 @@ def check_values(
     """
     keep = torch.ones((), dtype=torch.bool, device=tokens.device) if mask is None else mask != 0
     never = torch.zeros((), dtype=torch.bool, device=tokens.device)
-    checks = [
-        ("tokens", f"ids in [0, {V}) at every position (pad masked positions with a valid id)",
-         tokens, (tokens < 0) | (tokens >= V), never),
-    ]  # fmt: skip
+    checks = []  # (name, expected, values, bad positions, hint flag)
+
+    def check(name, expected, values, bad, hint=never):
+        checks.append((name, expected, values, bad, hint))
+
+    check(
+        "tokens",
+        f"ids in [0, {V}) at every position (pad masked positions with a valid id)",
+        tokens,
+        (tokens < 0) | (tokens >= V),
+    )
     if mask is not None and mask.dtype != torch.bool:
-        checks.append(("mask", "bool or 0/1 values", mask, (mask != 0) & (mask != 1), never))
+        check("mask", "bool or 0/1 values", mask, (mask != 0) & (mask != 1))
     gen = gen_logprobs.float()
     probabilities = keep.any() & (((gen > 0) & (gen <= 1)) | ~keep).all()
-    checks.append(("gen_logprobs", "finite values <= 0 at completion positions, in float32",
-                   gen_logprobs, ~(torch.isfinite(gen) & (gen <= 0)) & keep, probabilities))  # fmt: skip
-    checks.append(("advantages", "finite values, in float32", advantages,
-                   ~torch.isfinite(advantages.float()), never))  # fmt: skip
+    expected = "finite values <= 0 at completion positions, in float32"
+    bad = ~(torch.isfinite(gen) & (gen <= 0)) & keep
+    check("gen_logprobs", expected, gen_logprobs, bad, probabilities)
+    check("advantages", "finite values, in float32", advantages, ~advantages.float().isfinite())
     for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if x is not None:
-            checks.append((name, "finite values at completion positions, in float32", x,
-                           ~torch.isfinite(x.float()) & keep, never))  # fmt: skip
+            expected = "finite values at completion positions, in float32"
+            check(name, expected, x, ~x.float().isfinite() & keep)
     code = torch.where(keep, _logit_faults(*row_stats), 0)
     what = "logits" if logits_name == "logits" else "logits (hidden @ weight.T + bias)"
-    checks.append((logits_name, f"{what} finite at completion positions and pi_theta(token) > 0",
-                   code, code != 0, never))  # fmt: skip
+    check(
+        logits_name,
+        f"{what} finite at completion positions and pi_theta(token) > 0",
+        code,
+        code != 0,
+    )
+
     summaries = torch.stack([_summary(bad, x, hint) for _, _, x, bad, hint in checks])
     for (name, expected, x, _, _), (count, first, value, hint) in zip(checks, summaries.tolist()):
         if count:
@@ -218,8 +238,10 @@ def _describe_value(name: str, value: float, logits_name: str) -> str:
 def _hint(name: str, value: float, flag: bool, V: int) -> str:
     if name == "tokens":
         if value >= V:
-            return (f"; ids >= V: the tokenizer's vocabulary is larger than the logits' V = {V}"
-                    " (a different tokenizer, or added tokens without resized embeddings?)")  # fmt: skip
+            return (
+                f"; ids >= V: the tokenizer's vocabulary is larger than the logits' V = {V}"
+                " (a different tokenizer, or added tokens without resized embeddings?)"
+            )
         return "; a negative id (an ignore_index such as -100?): pad with a valid id and mask it"
     if name == "gen_logprobs" and flag:
         return "; these look like probabilities: pass log-probabilities"

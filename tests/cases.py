@@ -62,8 +62,8 @@ def make_case(
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(B, T, V, generator=g) * scale
     if offset:
-        signs = torch.randint(0, 2, (B, T, 1), generator=torch.Generator().manual_seed(seed + 2**32)) * 2 - 1
-        logits = logits + signs * offset
+        g_sign = torch.Generator().manual_seed(seed + 2**32)
+        logits = logits + (torch.randint(0, 2, (B, T, 1), generator=g_sign) * 2 - 1) * offset
     logits = logits.to(dtype)
     tokens = torch.randint(0, V, (B, T), generator=g)
     logp = torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[..., None])[..., 0]

@@ -212,16 +212,20 @@ def _large_logits_case(magnitude, device):
     ref = (logp - 0.5 * torch.rand(2, 4, generator=g, dtype=torch.float64)).float()
     rows = (tokens, gen, case["rows"][2], None, old, ref)
     move = lambda x: None if x is None else x.to(device)  # noqa: E731
-    return dict(hidden=move(case["hidden"]), weight=move(weight), bias=move(bias),
-                rows=tuple(move(x) for x in rows))  # fmt: skip
+    return dict(
+        hidden=move(case["hidden"]),
+        weight=move(weight),
+        bias=move(bias),
+        rows=tuple(move(x) for x in rows),
+    )
 
 
 @pytest.mark.parametrize("magnitude", [1e4, 1e6, 1e8, 1e30])
 def test_large_logits_keep_the_digits_of_log_softmax(magnitude, device):
     case = _large_logits_case(magnitude, device)
     for impl in implementations(device):
-        check_against_reference(case, torch.float32, impl, exact=True, chunk_size=3, beta=0.04,
-                                temperature=0.5)  # fmt: skip
+        opts = dict(beta=0.04, temperature=0.5)
+        check_against_reference(case, torch.float32, impl, exact=True, chunk_size=3, **opts)
 
 
 def test_chunk_size_changes_nothing_but_memory(device):
@@ -339,7 +343,8 @@ def test_custom_ops_pass_opcheck(device):
     fwd_args = (hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options, 2, "torch")
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_fwd.default, fwd_args)
     *_, row_max, log_sum, coef = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
-    bwd_args = (hidden, weight, bias, tokens, row_max, log_sum, coef, 1.0, 2, "torch", True, True, True)
+    stats = (row_max, log_sum, coef)
+    bwd_args = (hidden, weight, bias, tokens, *stats, 1.0, 2, "torch", True, True, True)
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_bwd.default, bwd_args)
 
 

@@ -240,11 +240,12 @@ def test_large_logits_do_not_overflow(device):
         check_against_reference(case, torch.float32, impl)
 
 
-@pytest.mark.parametrize("opts", [{}, {"temperature": 0.5, "beta": 0.04}], ids=["default", "tau-beta"])
+@pytest.mark.parametrize("opts", [{}, dict(temperature=0.5, beta=0.04)], ids=["plain", "tau-beta"])
 @pytest.mark.parametrize("magnitude", [1e4, 1e6, 1e8, 1e30])
 def test_large_logits_keep_the_digits_of_log_softmax(magnitude, opts, device):
     """Rows at +-|x| with small differences: logp = (x_t - max) - log sum exp(x - max) loses no
-    digit that log_softmax keeps (x_t - (max + log sum) would: 0.016 at 1e6, 0 for -log V at 1e30)."""
+    digit that log_softmax keeps (x_t - (max + log sum) would: 0.016 at 1e6, 0 for -log V at
+    1e30)."""
     case = make_case(2, 4, 150, seed=13, offset=magnitude, with_ref=True, device=device)
     for impl in implementations(device):
         check_against_reference(case, torch.float32, impl, **opts)

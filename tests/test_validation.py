@@ -36,10 +36,14 @@ IMPLS = implementations(torch.device("cpu"))
 def good_args():
     case = make_case(B, T, V, seed=0, with_ref=True)
     return dict(
-        logits=case.logits, tokens=case.tokens, gen_logprobs=case.gen_logprobs,
-        advantages=case.advantages, mask=case.mask, old_logprobs=case.old_logprobs,
+        logits=case.logits,
+        tokens=case.tokens,
+        gen_logprobs=case.gen_logprobs,
+        advantages=case.advantages,
+        mask=case.mask,
+        old_logprobs=case.old_logprobs,
         ref_logprobs=case.ref_logprobs,
-    )  # fmt: skip
+    )
 
 
 def call(op, args, impl=None, **opts):
@@ -92,7 +96,9 @@ BAD_STRUCTURE = [
 ]
 
 
-@pytest.mark.parametrize("argument,what,edit", BAD_STRUCTURE, ids=[f"{a}-{w}" for a, w, _ in BAD_STRUCTURE])
+@pytest.mark.parametrize(
+    "argument,what,edit", BAD_STRUCTURE, ids=[f"{a}-{w}" for a, w, _ in BAD_STRUCTURE]
+)
 def test_bad_structure_raises_value_error_naming_it_before_any_kernel(argument, what, edit):
     args = dict(good_args(), inplace_backward=False)
     edit(args)
@@ -123,7 +129,9 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("argument,what,edit", BAD_VALUES, ids=[f"{a}-{w}" for a, w, _ in BAD_VALUES])
+@pytest.mark.parametrize(
+    "argument,what,edit", BAD_VALUES, ids=[f"{a}-{w}" for a, w, _ in BAD_VALUES]
+)
 def test_bad_value_raises_value_error_naming_it(argument, what, edit, op, impl):
     args = good_args()
     if argument in ("gen_logprobs", "old_logprobs", "ref_logprobs"):
@@ -160,10 +168,14 @@ def test_value_error_counts_the_failures_and_locates_the_first():
     "argument,edit,hint",
     [
         ("gen_logprobs", replace("gen_logprobs", lambda x: x.exp()), "look like probabilities"),
-        ("tokens", with_value("tokens", (1, 0), V + 3), f"vocabulary is larger than the logits' V = {V}"),
+        (
+            "tokens",
+            with_value("tokens", (1, 0), V + 3),
+            f"vocabulary is larger than the logits' V = {V}",
+        ),
         ("tokens", with_value("tokens", (0, 1), -100), "ignore_index"),
     ],
-)  # fmt: skip
+)
 def test_value_error_hints_at_a_recognisable_mistake(argument, edit, hint):
     args = good_args()
     edit(args)
@@ -210,7 +222,9 @@ LOGIT_FAULTS = {
 def test_non_finite_logits_at_a_completion_row_are_refused(fault, impl):
     args = dict(good_args(), mask=None)
     _set_logit(fault)(args)
-    with pytest.raises(ValueError, match=rf"^logits: expected .*the first at \(1, 2\): {LOGIT_FAULTS[fault]}"):
+    with pytest.raises(
+        ValueError, match=rf"^logits: expected .*the first at \(1, 2\): {LOGIT_FAULTS[fault]}"
+    ):
         call("ftis_loss", args, impl, temperature=0.5)
 
 
@@ -235,7 +249,9 @@ def test_minus_inf_at_other_tokens_is_exact(impl):
         x = logits.clone().requires_grad_()
         loss, metrics = ftis_loss(x, *case.inputs, **opts)
         (grad,) = torch.autograd.grad(loss, x)
-    o_loss, o_metrics, o_grad = run_ref(dataclasses.replace(case, logits=logits), torch.float64, **opts)
+    o_loss, o_metrics, o_grad = run_ref(
+        dataclasses.replace(case, logits=logits), torch.float64, **opts
+    )
     numerics.assert_close("loss", loss, o_loss)
     numerics.assert_close("logp", metrics["logp"], o_metrics["logp"])
     numerics.assert_close("grad", grad, o_grad)
@@ -251,7 +267,7 @@ def test_minus_inf_bias_of_the_fused_op_is_exact(impl):
     weight = torch.eye(30)
     with backend(impl):
         hidden = case.logits.clone().requires_grad_()
-        loss, metrics = ftis_linear_loss(hidden, weight, *case.inputs, bias=bias, chunk_size=4)
+        loss, _ = ftis_linear_loss(hidden, weight, *case.inputs, bias=bias, chunk_size=4)
         (grad,) = torch.autograd.grad(loss, hidden)
     want = ftis_loss(case.logits + bias, *case.inputs)[0]
     x = (case.logits + bias).double().requires_grad_()
@@ -282,7 +298,9 @@ def test_inplace_backward_into_logits_that_overlap_themselves_is_refused(kind, i
     kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
     with mock.patch.dict(ftis_loss_module._FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
         for inplace in (True, "force"):
-            with pytest.raises(ValueError, match=r"^inplace_backward: expected logits whose elements"):
+            with pytest.raises(
+                ValueError, match=r"^inplace_backward: expected logits whose elements"
+            ):
                 call("ftis_loss", args, impl, inplace_backward=inplace)
     loss, _ = call("ftis_loss", args, impl)  # out of place, overlapping logits are fine
     (grad,) = torch.autograd.grad(loss, args["logits"])
@@ -293,8 +311,14 @@ def test_inplace_backward_into_logits_that_overlap_themselves_is_refused(kind, i
 def test_inplace_backward_into_a_leaf_needs_force(impl):
     args = good_args()
     leaf = args["logits"].clone().requires_grad_()
-    later = {k: (v[:, 1:] if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in args.items()}
-    for refused in (dict(args, logits=leaf), dict(later, logits=leaf[:, 1:])):  # a leaf, a view of one
+    later = {
+        k: (v[:, 1:] if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
+        for k, v in args.items()
+    }
+    for refused in (
+        dict(args, logits=leaf),
+        dict(later, logits=leaf[:, 1:]),
+    ):  # a leaf, a view of one
         with pytest.raises(ValueError, match=r'^inplace_backward: expected .*"force"'):
             call("ftis_loss", refused, impl, inplace_backward=True)
     x_ref = args["logits"].clone().requires_grad_()
@@ -306,7 +330,7 @@ def test_inplace_backward_into_a_leaf_needs_force(impl):
     assert torch.equal(x.detach(), grad_ref), "the leaf's values became its gradient"
 
 
-# --- options ---------------------------------------------------------------------------------------
+# --- options -------------------------------------------------------------------------------------
 
 BAD_OPTIONS = [
     ("is_mode", "cis"),
