@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from unittest import mock
 
 import pytest
@@ -140,6 +141,21 @@ def test_bad_value_raises_value_error_naming_it(argument, what, edit, op, impl):
     with pytest.raises(ValueError, match=rf"^{argument}: expected") as error:
         call(op, args, impl, beta=0.1)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.cuda
+def test_value_check_is_one_synchronisation():
+    args = {k: v.cuda() for k, v in good_args().items()}
+    ftis_loss(**args)  # compiles the kernels
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ftis_loss(**args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
 def test_value_error_counts_the_failures_and_locates_the_first():
