@@ -30,21 +30,14 @@ from tests import numerics
 from tests.cases import backend, ftis_loss_module, implementations, make_case, run_ref
 
 B, T, V = 2, 3, 11
+ROW_ARGUMENTS = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
 OPS = ("ftis_loss", "ftis_linear_loss")
 IMPLS = implementations(torch.device("cpu"))
 
 
 def good_args():
     case = make_case(B, T, V, seed=0, with_ref=True)
-    return dict(
-        logits=case.logits,
-        tokens=case.tokens,
-        gen_logprobs=case.gen_logprobs,
-        advantages=case.advantages,
-        mask=case.mask,
-        old_logprobs=case.old_logprobs,
-        ref_logprobs=case.ref_logprobs,
-    )
+    return dict(logits=case.logits, **dict(zip(ROW_ARGUMENTS, case.inputs)))
 
 
 def call(op, args, impl=None, **opts):
@@ -57,10 +50,6 @@ def call(op, args, impl=None, **opts):
             return ftis_loss(logits, **args, **opts)
         weight = torch.eye(logits.shape[-1], dtype=logits.dtype)
         return ftis_linear_loss(logits, weight, **args, **opts)
-
-
-def logits_name(op):
-    return "logits" if op == "ftis_loss" else "hidden"
 
 
 def with_value(name, index, value, dtype=None):
@@ -79,12 +68,32 @@ def replace(name, value):
     return edit
 
 
-BAD_STRUCTURE = [
+def kernels_must_not_run():
+    kernel = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
+    return mock.patch.dict(ftis_loss_module._FORWARD, {"triton": kernel, "torch": kernel})
+
+
+BAD_LOGITS = [
     ("logits", "2-d logits", replace("logits", lambda x: x[0])),
     ("logits", "int logits", replace("logits", lambda x: x.long())),
     ("logits", "float64 logits", replace("logits", lambda x: x.double())),
     ("logits", "empty vocabulary", replace("logits", lambda x: x[..., :0])),
     ("logits", "not a tensor", replace("logits", lambda x: x.tolist())),
+    ("inplace_backward", "not a bool", replace("inplace_backward", "yes")),
+]
+
+
+@pytest.mark.parametrize(
+    "argument,what,edit", BAD_LOGITS, ids=[f"{a}-{w}" for a, w, _ in BAD_LOGITS]
+)
+def test_bad_logits_raise_value_error_naming_them_before_any_kernel(argument, what, edit):
+    args = dict(good_args(), inplace_backward=False)
+    edit(args)
+    with kernels_must_not_run(), pytest.raises(ValueError, match=rf"^{argument}: expected"):
+        ftis_loss(**args)
+
+
+BAD_ROW_TENSORS = [
     ("tokens", "wrong shape", replace("tokens", lambda x: x[:, :2])),
     ("tokens", "float tokens", replace("tokens", lambda x: x.float())),
     ("tokens", "int16 tokens", replace("tokens", lambda x: x.short())),
@@ -93,20 +102,54 @@ BAD_STRUCTURE = [
     ("advantages", "wrong shape", replace("advantages", lambda x: x[:, None])),
     ("mask", "wrong shape", replace("mask", lambda x: x[:1])),
     ("old_logprobs", "wrong shape", replace("old_logprobs", lambda x: x.T)),
-    ("inplace_backward", "not a bool", replace("inplace_backward", "yes")),
+    ("ref_logprobs", "missing with beta > 0", replace("ref_logprobs", None)),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    "argument,what,edit", BAD_ROW_TENSORS, ids=[f"{a}-{w}" for a, w, _ in BAD_ROW_TENSORS]
+)
+def test_bad_row_tensor_raises_value_error_naming_it_before_any_kernel(argument, what, edit, op):
+    args = good_args()
+    edit(args)
+    with kernels_must_not_run(), pytest.raises(ValueError, match=rf"^{argument}: expected"):
+        call(op, args, beta=0.1)
+
+
+def linear_args():
+    case = make_case(B, T, V, H=4, seed=12, with_ref=True)
+    return dict(
+        hidden=case.hidden.float(),
+        weight=case.weight.float(),
+        bias=case.bias.float(),
+        **dict(zip(ROW_ARGUMENTS, case.inputs)),
+    )
+
+
+BAD_LINEAR_STRUCTURE = [
+    ("hidden", "2-d hidden", replace("hidden", lambda x: x[0])),
+    ("hidden", "int hidden", replace("hidden", lambda x: x.long())),
+    ("hidden", "empty H", replace("hidden", lambda x: x[:, :0])),
+    ("weight", "wrong H", replace("weight", lambda x: x[:, :3])),
+    ("weight", "float64 weight", replace("weight", lambda x: x.double())),
+    ("weight", "3-d weight", replace("weight", lambda x: x[None])),
+    ("bias", "wrong V", replace("bias", lambda x: x[:5])),
+    ("bias", "another dtype", replace("bias", lambda x: x.half())),
+    ("chunk_size", "0", replace("chunk_size", 0)),
+    ("chunk_size", "a float", replace("chunk_size", 2.5)),
+    ("chunk_size", "a bool", replace("chunk_size", True)),
 ]
 
 
 @pytest.mark.parametrize(
-    "argument,what,edit", BAD_STRUCTURE, ids=[f"{a}-{w}" for a, w, _ in BAD_STRUCTURE]
+    "argument,what,edit", BAD_LINEAR_STRUCTURE, ids=[f"{a}-{w}" for a, w, _ in BAD_LINEAR_STRUCTURE]
 )
-def test_bad_structure_raises_value_error_naming_it_before_any_kernel(argument, what, edit):
-    args = dict(good_args(), inplace_backward=False)
+def test_bad_linear_structure_raises_value_error_naming_it_before_any_kernel(argument, what, edit):
+    args = dict(linear_args(), chunk_size=None)
     edit(args)
-    kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
-    with mock.patch.dict(ftis_loss_module._FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
-        with pytest.raises(ValueError, match=rf"^{argument}: expected"):
-            ftis_loss(**args, beta=0.1)
+    with kernels_must_not_run(), pytest.raises(ValueError, match=rf"^{argument}: expected"):
+        ftis_linear_loss(**args)
 
 
 BAD_VALUES = [
@@ -311,8 +354,7 @@ def _overlapping(kind):
 def test_inplace_backward_into_logits_that_overlap_themselves_is_refused(kind, impl):
     args = good_args()
     args["logits"] = _overlapping(kind)
-    kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
-    with mock.patch.dict(ftis_loss_module._FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+    with kernels_must_not_run():
         for inplace in (True, "force"):
             with pytest.raises(
                 ValueError, match=r"^inplace_backward: expected logits whose elements"
@@ -375,14 +417,9 @@ def test_bad_option_raises_value_error_naming_it(name, value):
     with pytest.raises(ValueError, match=rf"^{name}: expected"):
         ftis_loss(**good_args(), **{name: value})
     with pytest.raises(ValueError, match=rf"^{name}: expected"):
+        ftis_linear_loss(**linear_args(), **{name: value})
+    with pytest.raises(ValueError, match=rf"^{name}: expected"):
         FTISOptions(**{name: value})
-
-
-def test_beta_without_ref_logprobs_raises():
-    args = good_args()
-    args["ref_logprobs"] = None
-    with pytest.raises(ValueError, match=r"^ref_logprobs: expected .* beta > 0"):
-        ftis_loss(**args, beta=0.05)
 
 
 def test_garbage_at_masked_positions_of_logprob_inputs_is_accepted():
