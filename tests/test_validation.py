@@ -18,16 +18,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss
 from ref import ref_ftis_loss
 from tests import numerics
-from tests.cases import backend, ftis_loss_module, implementations, make_case, run_ref
+from tests.cases import (
+    backend,
+    ftis_loss_module,
+    implementations,
+    make_case,
+    masks,
+    options,
+    run_op,
+    run_ref,
+    seeds,
+)
 
 B, T, V = 2, 3, 11
 ROW_ARGUMENTS = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
@@ -335,6 +348,53 @@ def test_minus_inf_bias_of_the_fused_op_is_exact(impl):
     numerics.assert_close("loss", loss, o_loss)
     numerics.assert_close("loss", loss, want)
     numerics.assert_close("grad_hidden", grad, o_grad)
+
+
+def _outcome(impl, case, logits, opts):
+    """("error", argument, count, first position) or ("ok", loss, metrics, grad)."""
+    try:
+        return ("ok", *run_op(case, impl, logits=logits, **opts))
+    except ValueError as error:
+        located = re.match(
+            r"^(\w+): .* got (\d+) of \d+ \w+ outside that, the first at (\(.*?\))", str(error)
+        )
+        assert located, str(error)
+        return ("error", *located.groups())
+
+
+FAULTS = [math.nan, math.inf, -math.inf, 1e30, -1e30]
+
+
+@numpy_warnings
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 4),
+    V=st.integers(1, 40),
+    mask=masks,
+    seed=seeds,
+    faults=st.lists(st.tuples(st.integers(0, 2**10), st.sampled_from(FAULTS)), max_size=4),
+    opts=options,
+)
+def test_backends_agree_on_logits_with_non_finite_and_huge_values(
+    B, T, V, mask, seed, faults, opts
+):
+    """Either both backends refuse the same argument at the same first position, or both give
+    the same loss, metrics and gradient."""
+    if len(IMPLS) < 2:
+        pytest.skip("Triton is neither compiled (CUDA) nor interpreted here")
+    case = make_case(B, T, V, seed=seed, mask=mask, with_ref=opts["beta"] > 0)
+    logits = case.logits.clone()
+    for position, value in faults:
+        logits.view(-1)[position % logits.numel()] = value
+    triton, torch_path = (_outcome(impl, case, logits, opts) for impl in IMPLS)
+    assert triton[0] == torch_path[0], (triton, torch_path)
+    if triton[0] == "error":
+        assert triton == torch_path
+        return
+    numerics.assert_close("loss", triton[1], torch_path[1])
+    for name in ("logp", "kl"):
+        numerics.assert_close(name, triton[2][name], torch_path[2][name])
+    numerics.assert_close("grad", triton[3], torch_path[3], numerics.Tol(1e-5, 1e-7))
 
 
 # --- inplace_backward ----------------------------------------------------------------------------
