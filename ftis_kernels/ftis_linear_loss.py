@@ -283,8 +283,7 @@ def _backward(ctx, grad_loss, *_):
     need_bias = bias is not None and needs[2]
     grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
         hidden, weight, bias, tokens, row_max, log_sum, coef, ctx.temperature, ctx.chunk_size,
-        ctx.backend,
-        needs[0], needs[1], need_bias,
+        ctx.backend, needs[0], needs[1], need_bias,
     )  # fmt: skip
     return (
         grad_hidden if needs[0] else None,

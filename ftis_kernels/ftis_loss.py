@@ -163,12 +163,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, *_):
     logits, tokens, row_max, log_sum, coef = ctx.saved_tensors
     coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
-    stats = (row_max, log_sum, coef, ctx.temperature, ctx.backend)
+    args = (logits, tokens, row_max, log_sum, coef, ctx.temperature, ctx.backend)
     if ctx.inplace_backward:
-        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *stats)
+        torch.ops.ftis_kernels.ftis_loss_bwd_(*args)
         dlogits = logits
     else:
-        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, *stats)
+        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(*args)
     return (dlogits,) + (None,) * 20
 
 
