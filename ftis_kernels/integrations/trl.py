@@ -39,19 +39,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
-try:
-    import trl
-    from trl import GRPOConfig, GRPOTrainer
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("ftis_kernels.integrations.trl needs TRL: pip install 'ftis-kernels[trl]'") from err
-
+from ftis_kernels._extras import require
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import lm_head_inputs
 from ftis_kernels.options import LOSS_TYPES, FTISOptions
+
+require("trl", "ftis_kernels.integrations.trl")
+
+import trl  # noqa: E402
+from packaging.specifiers import SpecifierSet  # noqa: E402
+from packaging.version import Version  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 TESTED_TRL = ">=1.11,<1.17"
 if Version(trl.__version__) not in SpecifierSet(TESTED_TRL):
