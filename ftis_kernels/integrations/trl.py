@@ -63,7 +63,7 @@ LOGGED_METRICS = ("kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_fr
 
 @dataclass
 class FTISGRPOConfig(GRPOConfig):
-    """`GRPOConfig` plus the F-TIS options (FTIS_SPEC.md §2; see `FTISOptions`).
+    """`GRPOConfig` plus the F-TIS options (docs/method.md §2; see `FTISOptions`).
 
     TRL's own `loss_type` ("grpo" | "bnpo" | "dapo" | "dr_grpo"), `beta`, `epsilon`,
     `epsilon_high` and `temperature` are the op's options of the same names.
