@@ -16,7 +16,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "grpo": ("transformers", "peft", "tokenizers", "safetensors", "yaml", "tqdm", "matplotlib"),
     "hf": ("transformers", "peft"),
     "plot": ("matplotlib",),
-    "trl": ("trl", "transformers", "packaging"),
+    "trl": ("trl", "transformers"),
 }
 
 

@@ -11,8 +11,10 @@ TEXT = README.read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", TEXT, re.S)
 
 
-def _first_import(code: str) -> str:
-    return next(line for line in code.splitlines() if line.startswith("from ftis_kernels"))
+def _name(code: str) -> str:
+    """A block's test id: its first import from the library."""
+    lines = code.splitlines()
+    return next((line for line in lines if line.startswith("from ftis_kernels")), lines[0])
 
 
 def test_readme_python_code_is_in_whole_python_blocks():
@@ -21,7 +23,7 @@ def test_readme_python_code_is_in_whole_python_blocks():
     assert not fragments, "a ```py fragment: make it a ```python block that runs as written"
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[_first_import(b) for b in BLOCKS])
+@pytest.mark.parametrize("code", BLOCKS, ids=[_name(b) for b in BLOCKS])
 def test_readme_python_block_runs_as_written(code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the TRL block writes its output_dir here
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
