@@ -20,7 +20,8 @@ def _tracked_text_files() -> list[Path]:
 
 
 def test_nothing_points_outside_the_repository():
-    outside = re.compile("FTIS_" + "SPEC|\\.\\./shared|project's shared folder")
+    # Written in pieces, so that this line does not match itself.
+    outside = re.compile("FTIS_" + "SPEC|" + "\\.\\./" + "shared|project's " + "shared folder")
     hits = [
         f"{f.relative_to(ROOT)}:{i}"
         for f in _tracked_text_files()
