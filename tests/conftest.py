@@ -2,15 +2,24 @@
 
 Without a GPU the Triton kernels run under Triton's CPU interpreter: TRITON_INTERPRET must be set
 before the first `triton.jit` decoration, so it is set here, before any test module imports the
-library. On a machine with CUDA the compiled kernels are tested instead.
+library. On a machine with CUDA the compiled kernels are tested instead. torch.compile's cache
+lives in the checkout's .pytest_cache.
 """
 
 import os
+from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor's cache is keyed on the traced graph, not on our custom ops' code: a cache shared with
+# another checkout (the default, /tmp/torchinductor_$USER) can replay a kernel compiled for a
+# different version of the op. Each checkout keeps its own.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "inductor"),
+)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -46,3 +46,9 @@ def test_license_changelog_and_type_marker_exist():
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     assert f"## [{ftis_kernels.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
     assert (ROOT / "ftis_kernels" / "py.typed").is_file()
+
+
+def test_torch_compile_cache_belongs_to_this_checkout():
+    import torch._inductor.runtime.cache_dir_utils as inductor_cache
+
+    assert Path(inductor_cache.cache_dir()).is_relative_to(ROOT)
