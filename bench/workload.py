@@ -1,6 +1,6 @@
 """What is measured: the shapes, the options every implementation is configured to, and the inputs.
 
-The common work is TIS (FTIS_SPEC.md §1): token-level IS weight min(pi_theta / pi_gen, C = 2),
+The common work is TIS (docs/method.md §1): token-level IS weight min(pi_theta / pi_gen, C = 2),
 no filter, PPO clip eps = 0.2, "grpo" reduction, beta = 0, temperature 1, every position a
 completion token. It is the F-TIS configuration that Liger-Kernel can express (its
 `vllm_is_ratio` takes the truncated weight, computed by the caller); our filter runs as a separate

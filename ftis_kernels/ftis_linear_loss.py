@@ -1,5 +1,5 @@
 """`ftis_linear_loss`: the F-TIS loss from the last hidden states and the lm-head, without ever
-materialising the (B, T, V) logits (FTIS_SPEC.md §2, applied to `hidden @ weight.T + bias`).
+materialising the (B, T, V) logits (docs/method.md §2, applied to `hidden @ weight.T + bias`).
 
 The completion positions are processed in chunks of `chunk_size` rows. Forward: for each chunk,
 one matmul gives the chunk's logits (c, V) in the hidden dtype, and the streaming row kernel of

@@ -1,4 +1,4 @@
-"""`ftis_loss`: the fused F-TIS loss from logits (FTIS_SPEC.md §2).
+"""`ftis_loss`: the fused F-TIS loss from logits (docs/method.md §2).
 
 Forward: one streaming pass over each row of logits (`kernels/logp_lse.py`) gives log pi_theta of
 the taken token and the row's log-sum-exp; the per-sample part (`per_sample.py`) turns them into

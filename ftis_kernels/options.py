@@ -1,6 +1,6 @@
 """The F-TIS hyperparameters, defined once.
 
-`FTISOptions` carries every keyword option of the op contract (FTIS_SPEC.md §2). The reference
+`FTISOptions` carries every keyword option of the op contract (docs/method.md §2). The reference
 (`ref/`), the kernels, the fused lm-head variant and the GRPO driver all take this one object, so a
 new option touches the contract, the reference, the kernel and one test, and nothing else.
 """
@@ -18,7 +18,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_REDUCTIONS = ("sum", "mean")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 
-# The paper's ablation variants, by name, as option overrides (FTIS_SPEC.md §1).
+# The paper's ablation variants, by name, as option overrides (docs/method.md §1).
 VARIANTS: dict[str, dict[str, Any]] = {
     "nois": dict(is_mode="none", filter=None),
     "vis": dict(is_mode="vis", filter=None),
@@ -35,7 +35,7 @@ def _fail(name: str, expected: str, got: Any) -> None:
 
 @dataclass(frozen=True)
 class FTISOptions:
-    """Keyword options of `ftis_loss` (FTIS_SPEC.md §2); validated on construction.
+    """Keyword options of `ftis_loss` (docs/method.md §2); validated on construction.
 
     is_mode:      "none" (w = 1) | "vis" (w = pi_theta / pi_gen) | "tis" (w = min(ratio, is_cap)).
     is_level:     "token" (one weight per token) | "sequence" (w = exp(mean_t log ratio), same cap).

@@ -1,4 +1,4 @@
-"""Plain PyTorch reference of the F-TIS loss (FTIS_SPEC.md §2), written for clarity, not speed.
+"""Plain PyTorch reference of the F-TIS loss (docs/method.md §2), written for clarity, not speed.
 
 It takes the full log-softmax over the vocabulary in `compute_dtype` (float32 by default, float64
 for the tests' oracle, or the logits' own dtype to measure what plain PyTorch loses in that dtype)

@@ -2,15 +2,24 @@
 
 Without a GPU the Triton kernels run under Triton's CPU interpreter: TRITON_INTERPRET must be set
 before the first `triton.jit` decoration, so it is set here, before any test module imports the
-library. On a machine with CUDA the compiled kernels are tested instead.
+library. On a machine with CUDA the compiled kernels are tested instead. torch.compile's cache
+lives in the checkout's .pytest_cache.
 """
 
 import os
+from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Inductor's cache is keyed on the traced graph, not on our custom ops' code: a cache shared with
+# another checkout (the default, /tmp/torchinductor_$USER) can replay a kernel compiled for a
+# different version of the op. Each checkout keeps its own.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "inductor"),
+)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -48,12 +57,42 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_addoption(parser):
+    parser.addoption(
+        "--error-table",
+        action="store_true",
+        help="print the largest error against the float64 reference per dtype, path and quantity "
+        "(always written to .pytest_cache/d/ftis/error_table.txt)",
+    )
+
+
+def error_table() -> list[str]:
+    """The largest error of each (dtype, path, quantity) the property tests saw, one per line."""
+    from tests import numerics
+
+    rows = [f"property examples run: {numerics.EXAMPLES['count']}"]
+    for (dtype, impl, name), err in sorted(numerics.MAX_ERRORS.items()):
+        rows.append(f"{dtype:9s} {impl:7s} {name:18s} {err:.3e}")
+    return rows
+
+
+def pytest_terminal_summary(terminalreporter, config):
     from tests import numerics
 
     if not numerics.MAX_ERRORS:
         return
-    terminalreporter.section("property tests: largest error against the float64 reference")
-    terminalreporter.write_line(f"property examples run: {numerics.EXAMPLES['count']}")
-    for (dtype, impl, name), err in sorted(numerics.MAX_ERRORS.items()):
-        terminalreporter.write_line(f"{dtype:9s} {impl:7s} {name:18s} {err:.3e}")
+    rows = error_table()
+    where = "--error-table prints it"
+    if config.cache is not None:
+        path = config.cache.mkdir("ftis") / "error_table.txt"
+        path.write_text("\n".join(rows) + "\n")
+        where = f"{path.relative_to(config.rootpath)}; --error-table prints it"
+    if config.getoption("error_table"):
+        terminalreporter.section("property tests: largest error against the float64 reference")
+        for row in rows:
+            terminalreporter.write_line(row)
+    else:
+        terminalreporter.write_line(
+            f"property tests: {numerics.EXAMPLES['count']} examples; largest errors against the "
+            f"float64 reference in {where}"
+        )

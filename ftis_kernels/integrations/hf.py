@@ -79,7 +79,7 @@ def _active_module(head: nn.Module) -> nn.Module:
     """Follows a peft `ModulesToSaveWrapper` to the copy its forward would call."""
     try:
         from peft.utils.other import ModulesToSaveWrapper
-    except ImportError:  # pragma: no cover - peft is a dependency
+    except ImportError:  # pragma: no cover - no peft, no peft modules
         return head
     if not isinstance(head, ModulesToSaveWrapper):
         return head
@@ -92,7 +92,7 @@ def _active_module(head: nn.Module) -> nn.Module:
 def _lora_layer_cls():
     try:
         from peft.tuners.lora import LoraLayer
-    except ImportError:  # pragma: no cover - peft is a dependency
+    except ImportError:  # pragma: no cover - no peft, no peft modules
         return None
     return LoraLayer
 

@@ -39,19 +39,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
-try:
-    import trl
-    from trl import GRPOConfig, GRPOTrainer
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("ftis_kernels.integrations.trl needs TRL: pip install 'ftis-kernels[trl]'") from err
-
+from ftis_kernels._extras import require
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import lm_head_inputs
 from ftis_kernels.options import LOSS_TYPES, FTISOptions
+
+require("trl", "ftis_kernels.integrations.trl")
+
+import trl  # noqa: E402
+from packaging.specifiers import SpecifierSet  # noqa: E402
+from packaging.version import Version  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 TESTED_TRL = ">=1.11,<1.17"
 if Version(trl.__version__) not in SpecifierSet(TESTED_TRL):
@@ -63,7 +63,7 @@ LOGGED_METRICS = ("kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_fr
 
 @dataclass
 class FTISGRPOConfig(GRPOConfig):
-    """`GRPOConfig` plus the F-TIS options (FTIS_SPEC.md §2; see `FTISOptions`).
+    """`GRPOConfig` plus the F-TIS options (docs/method.md §2; see `FTISOptions`).
 
     TRL's own `loss_type` ("grpo" | "bnpo" | "dapo" | "dr_grpo"), `beta`, `epsilon`,
     `epsilon_high` and `temperature` are the op's options of the same names.

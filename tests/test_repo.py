@@ -1,0 +1,54 @@
+"""The repository stands alone: the method and the contract are in docs/, every reference to
+them resolves, and the license, changelog and type marker that the package promises exist."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import ftis_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+METHOD = ROOT / "docs" / "method.md"
+
+
+def _tracked_text_files() -> list[Path]:
+    names = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    files = [ROOT / n for n in names if n.endswith((".py", ".md", ".toml", ".yaml", ".sh"))]
+    return [f for f in files if f.is_file()]
+
+
+def test_nothing_points_outside_the_repository():
+    # Written in pieces, so that this line does not match itself.
+    outside = re.compile("FTIS_" + "SPEC|" + "\\.\\./" + "shared|project's " + "shared folder")
+    hits = [
+        f"{f.relative_to(ROOT)}:{i}"
+        for f in _tracked_text_files()
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if outside.search(line)
+    ]
+    assert not hits, f"references to files a clone does not have: {hits}"
+
+
+def test_every_method_section_reference_resolves():
+    sections = set(re.findall(r"^## (\d+)\. ", METHOD.read_text(), re.M))
+    refs = [
+        (f.relative_to(ROOT), n)
+        for f in _tracked_text_files()
+        for n in re.findall(r"docs/method\.md §(\d+)", f.read_text())
+    ]
+    assert refs, "the code cites the contract"
+    assert all(n in sections for _, n in refs), (sorted(sections), refs)
+
+
+def test_license_changelog_and_type_marker_exist():
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert f"## [{ftis_kernels.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
+    assert (ROOT / "ftis_kernels" / "py.typed").is_file()
+
+
+def test_torch_compile_cache_belongs_to_this_checkout():
+    import torch._inductor.runtime.cache_dir_utils as inductor_cache
+
+    assert Path(inductor_cache.cache_dir()).is_relative_to(ROOT)
