@@ -72,3 +72,67 @@ def test_non_finite_gradient_with_a_finite_loss_skips_the_step():
     assert math.isfinite(stats["loss"]) and stats["skipped"] == 1.0
     assert skip_cause(stats) == "non-finite gradient norm (nan)"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# -- checkpoints that prove themselves, metrics that survive a torn write (issue 13.9) -----------
+def _spoil(path) -> None:
+    """Write finite garbage (float32 123.0s) over the first tensor bytes of a safetensors file."""
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    with open(path, "r+b") as f:
+        f.seek(8 + header)
+        f.write(torch.full((16,), 123.0).numpy().tobytes())
+
+
+def test_checkpoint_manifest_catches_finite_garbage_in_a_weights_file(tmp_path):
+    from ftis_kernels.grpo import checkpoint
+
+    model = build_model("tiny", TOKENIZER, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sampler = torch.Generator().manual_seed(0)
+    for round_ in (2, 4):
+        checkpoint.save_node(tmp_path, 0, round_, model, optimizer, sampler, {"config": "x"})
+    assert checkpoint.node_rounds(tmp_path, 0) == [4, 2]
+    assert [checkpoint.verify_node(tmp_path, 0, r) for r in (4, 2)] == [None, None]
+    _spoil(checkpoint.node_dir(tmp_path, 0, 4) / "model.safetensors")
+    problem = checkpoint.verify_node(tmp_path, 0, 4)
+    assert "model.safetensors does not match its sha256" in problem
+    assert checkpoint.verify_node(tmp_path, 0, 2) is None
+    (checkpoint.node_dir(tmp_path, 0, 2) / "rng.pt").unlink()
+    assert "rng.pt is missing" in checkpoint.verify_node(tmp_path, 0, 2)
+    (checkpoint.node_dir(tmp_path, 0, 2) / checkpoint.MANIFEST).write_text("{")
+    assert "unreadable" in checkpoint.verify_node(tmp_path, 0, 2)
+
+
+def test_resume_round_is_the_newest_that_every_node_has_good():
+    from ftis_kernels.grpo.checkpoint import newest_common
+
+    assert newest_common([[4, 2], [4, 2]]) == 4
+    assert newest_common([[4, 2], [2]]) == 2
+    assert newest_common([[4], [2]]) is None
+    assert newest_common([[4, 2], []]) is None
+
+
+def _metrics_file(tmp_path, tail: str = "", middle: str = ""):
+    rows = [json.dumps({"round": r, "node": n, "reward_mean": 0.5}) for r in range(3)
+            for n in range(2)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(rows[:3] + ([middle] if middle else []) + rows[3:]) + "\n" + tail)
+    return path
+
+
+@pytest.mark.parametrize("tail", ['{"round": 3, "node": 0, "rew', "\x00\x00\x00\x00",
+                                  '["not", "a", "row"]\n'])
+def test_torn_or_garbage_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog, tail):
+    from ftis_kernels.grpo.report import read_metrics
+
+    rows = read_metrics(_metrics_file(tmp_path, tail=tail))
+    assert [(r["round"], r["node"]) for r in rows] == [(r, n) for r in range(3) for n in range(2)]
+    assert "line 7 (the last): dropped a torn or garbage row" in caplog.text
+
+
+@pytest.mark.parametrize("middle", ['{"round": 1, "node": 1, "rew', "garbage", '{"node": 1}'])
+def test_bad_metrics_line_before_the_last_is_an_error_naming_the_line(tmp_path, middle):
+    from ftis_kernels.grpo.report import read_metrics
+
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 4: .*fix or delete that line"):
+        read_metrics(_metrics_file(tmp_path, middle=middle))

@@ -68,7 +68,7 @@ def test_smoke_preset_runs_two_gloo_nodes_through_torchrun(smoke):
     for node in range(2):
         ckpt = out / "ckpt" / f"node{node}" / "round_00004"
         assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.pt",
-                                                    "rng.pt", "state.json"}
+                                                    "rng.pt", "state.json", "manifest.json"}
     assert (out / "tokenizer" / "tokenizer.json").exists()
     assert "reward" in (out / "summary.txt").read_text() and "tiny-lora" in log
     assert "vocabulary of" in log and "LoRA" in log

@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("ftis_kernels.grpo")
+
+
+def _metrics_row(line: str) -> dict[str, Any]:
+    row = json.loads(line)
+    if not (isinstance(row, dict) and isinstance(row.get("round"), int)
+            and isinstance(row.get("node"), int)):
+        raise ValueError("not a metrics row: a JSON object with integer 'round' and 'node'")
+    return row
+
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of `metrics.jsonl`. A torn or garbage last line (a run killed mid-write) is
+    dropped with a warning; a bad line before it is a ValueError naming its line number."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    rows = []
+    for k, (number, line) in enumerate(numbered):
+        try:
+            rows.append(_metrics_row(line))
+        except ValueError as exc:
+            if k < len(numbered) - 1:
+                raise ValueError(f"{path}, line {number}: {exc}; fix or delete that line") from None
+            log.warning("%s, line %d (the last): dropped a torn or garbage row (%s), as a run "
+                        "killed mid-write leaves it", path, number, exc)
+    return rows
 
 
 def _by_node(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
