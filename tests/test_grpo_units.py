@@ -340,7 +340,7 @@ def test_verify_rewards_drops_false_claims_and_keeps_true_ones(tmp_path):
 
 
 def test_warmup_cache_gives_the_fresh_warmup_weights_and_keys_on_the_recipe(tmp_path, monkeypatch):
-    from ftis_kernels.grpo import node as node_module
+    from ftis_kernels.grpo import models as models_module
 
     cache = tmp_path / "cache"
     fresh = _bare_node(tmp_path, warmup_cache=str(cache))
@@ -353,7 +353,7 @@ def test_warmup_cache_gives_the_fresh_warmup_weights_and_keys_on_the_recipe(tmp_
     again.spec.warmup_steps = 3
     again.model = build_model("tiny", again.tokenizer, again.cfg.init_seed(0))
     with monkeypatch.context() as m:
-        m.setattr(node_module, "warm_up", lambda *a, **k: pytest.fail("cache not used"))
+        m.setattr(models_module, "warm_up", lambda *a, **k: pytest.fail("cache not used"))
         again.warm_up()  # loads the file, trains nothing
     a, b = fresh.model.state_dict(), again.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -24,6 +24,11 @@ LOSSES = ("on-policy",) + tuple(VARIANTS)
 # Fields that may change between a run and its --resume.
 RESUMABLE = ("rounds", "out", "resume", "timeout_s", "progress", "threads", "eval_every", "ckpt_every",
              "warmup_cache")
+# Seed strides: `--seed s` moves every node's init seed by s * RUN_SEED_STRIDE; `--nodes n` beyond
+# the config's list repeats its specs, the k-th repetition with init seeds k * REPEAT_SEED_STRIDE
+# further, so no two nodes share initial weights.
+RUN_SEED_STRIDE = 1000
+REPEAT_SEED_STRIDE = 100
 
 
 @dataclass
@@ -33,7 +38,7 @@ class NodeSpec:
     name: str = "node"
     arch: str = "tiny"  # a preset architecture (models.ARCHS), used when `model` is None
     model: Optional[str] = None  # local Hugging Face checkpoint folder instead of a preset
-    init_seed: int = 0  # the model's initial weights and warm-up draw from init_seed + 1000 * seed
+    init_seed: int = 0  # initial weights and warm-up draw from init_seed + RUN_SEED_STRIDE * seed
     warmup_steps: int = 200  # supervised warm-up of a preset model: its "expertise"
     warmup_ops: list[str] = field(default_factory=lambda: ["add", "sub"])
     warmup_lr: float = 3e-3
@@ -86,7 +91,7 @@ class RunConfig:
 
     def init_seed(self, rank: int) -> int:
         """Seed of node `rank`'s initial weights, warm-up data and LoRA init: `--seed` moves all."""
-        return self.node(rank).init_seed + 1000 * self.seed
+        return self.node(rank).init_seed + RUN_SEED_STRIDE * self.seed
 
     def ftis_options(self) -> FTISOptions:
         """The loss options of this run (on-policy = plain GRPO: no IS weight, no filter)."""
@@ -254,7 +259,7 @@ def build_config(
         if n_nodes > len(base):
             for i, n in enumerate(d["nodes"]):
                 n["name"] = f"{n.get('name', 'node')}-{i}"
-                n["init_seed"] = n.get("init_seed", 0) + 100 * (i // len(base))
+                n["init_seed"] = n.get("init_seed", 0) + REPEAT_SEED_STRIDE * (i // len(base))
     for assignment in sets:
         apply_set(d, assignment)
     return _from_dict(d)

@@ -2,13 +2,11 @@
 
 Every collective goes through `collective`, so a peer that dies or falls silent surfaces as a
 `SwarmError` naming the phase (after at most `timeout_s`, the process group's timeout), and the
-node stops with a clear message and exit code 3 instead of hanging.
+node stops with a clear message and exit code `EXIT_SWARM` instead of hanging.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import math
 import os
@@ -16,73 +14,42 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
-from ftis_kernels.grpo.exchange import (
-    Sample, SwarmError, collective, exchange, make_hostile,
-)
+from ftis_kernels.grpo.exchange import Sample, SwarmError, collective, exchange, make_hostile
 from ftis_kernels.grpo.models import (
-    apply_lora, build_model, load_pretrained, warm_up, warmup_cache_file,
+    apply_lora, build_model, load_pretrained, warm_up_cached, warmup_cache_file,
 )
-from ftis_kernels.grpo.report import plot_curves, read_metrics, summary_table
+from ftis_kernels.grpo.report import (
+    METRIC_KEYS, append_metrics, metric_rows, read_metrics, start_metrics, write_outputs,
+    write_run_config,
+)
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
-from ftis_kernels.grpo.task import (
-    ArithmeticTask, JsonlTask, Problem, format_prompt, make_prompt_id, reward,
-)
+from ftis_kernels.grpo.task import Problems, format_prompt, reward
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
 from ftis_kernels.grpo.train import grpo_update
 
 log = logging.getLogger("ftis_kernels.grpo")
 
 EXIT_SWARM = 3  # a peer died or stopped answering
-METRIC_KEYS = (
-    "reward_mean", "acc_id", "acc_ood", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
-    "is_truncated_frac", "loss", "tokens_sent", "bytes_sent", "bytes_per_token",
-    "samples_trained", "samples_received", "dropped", "seconds",
-)
-_INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped")
+EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
+# Primes that mix the run seed with the rank (and round) into independent generator seeds.
+SAMPLER_SEED_MIX = 7919
+HOSTILE_SEED_MIX, HOSTILE_ROUND_MIX = 104729, 31
 
 
-class Problems:
-    """The task behind prompt ids: the built-in generator or local JSONL files."""
+def sampler_seed(seed: int, rank: int) -> int:
+    """Seed of node `rank`'s sampling generator (its completions and evaluations)."""
+    return seed * SAMPLER_SEED_MIX + rank
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
-        self.arith = ArithmeticTask(cfg.seed)
-        self.files = JsonlTask(cfg.data) if cfg.task == "jsonl" else None
-        self._by_id = ({p.prompt_id: p for ps in self.files.problems.values() for p in ps}
-                       if self.files else {})
 
-    def problem(self, prompt_id: int) -> Problem:
-        if self.files is not None:
-            return self._by_id[prompt_id]
-        return self.arith.problem(prompt_id)
-
-    def known(self, prompt_id: int) -> bool:
-        if self.files is not None:
-            return prompt_id in self._by_id
-        try:
-            self.arith.problem(prompt_id)
-        except ValueError:
-            return False
-        return True
-
-    def train_ids(self, indices: range) -> list[int]:
-        if self.files is not None:
-            train = self.files.split("train")
-            return [train[i % len(train)].prompt_id for i in indices]
-        return [make_prompt_id("train", i) for i in indices]
-
-    def eval_ids(self, split: str, n: int) -> list[int]:
-        if self.files is not None:
-            return [p.prompt_id for p in self.files.split(split)[:n]]
-        return [make_prompt_id(split, i) for i in range(n)]
+def hostile_seed(seed: int, round_: int, rank: int) -> int:
+    """Seed of what a hostile node `rank` forges in round `round_`."""
+    return seed * HOSTILE_SEED_MIX + round_ * HOSTILE_ROUND_MIX + rank
 
 
 class Node:
@@ -91,9 +58,9 @@ class Node:
         self.spec = cfg.node(rank)
         self.out = Path(cfg.out)
         self.ckpt = self.out / "ckpt"
-        self.problems = Problems(cfg)
+        self.problems = Problems(cfg.seed, cfg.task, cfg.data)
         self.options = cfg.ftis_options()
-        self.sampler = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
+        self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, rank))
         self._prompt_cache: dict[int, list[int]] = {}
 
     # -- set-up -------------------------------------------------------------------------------
@@ -170,29 +137,17 @@ class Node:
         recipe = dict(steps=spec.warmup_steps, lr=spec.warmup_lr, batch_size=cfg.warmup_batch,
                       seed=cfg.init_seed(self.rank), operations=list(spec.warmup_ops),
                       gsm8k_format=spec.warmup_format)
-        if not cfg.warmup_cache:
-            self._warm_up(recipe, t0)
-            return
-        cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
-                                   vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        # One process warms up, the others (runs started at once) wait for its file.
-        with open(cached.with_name(cached.name + ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if cached.exists():
-                self.model.load_state_dict(torch.load(cached, weights_only=True))
-                log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name,
-                         cached)
-                return
-            self._warm_up(recipe, t0)
-            tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-            torch.save(self.model.state_dict(), tmp)
-            os.replace(tmp, cached)
-
-    def _warm_up(self, recipe: dict[str, Any], t0: float) -> None:
-        loss = warm_up(self.model, self.tokenizer, self.problems.arith, **recipe)
-        log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
-                 self.spec.name, self.spec.warmup_steps, time.time() - t0, loss)
+        cached = None
+        if cfg.warmup_cache:
+            cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
+                                       vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
+        loss = warm_up_cached(self.model, self.tokenizer, self.problems.arith, cached, **recipe)
+        if loss is None:
+            log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name,
+                     cached)
+        else:
+            log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
+                     spec.name, spec.warmup_steps, time.time() - t0, loss)
 
     def save(self, completed: int) -> None:
         checkpoint.save_node(self.ckpt, self.rank, completed, self.model, self.optimizer,
@@ -266,14 +221,14 @@ class Node:
             log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank,
                       round_)
             logging.shutdown()
-            os._exit(17)
+            os._exit(EXIT_FAULT_INJECTION)
         evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
         own = self.rollout(round_)
         received, drops, sent = [], [], 0
         if cfg.loss != "on-policy":
-            hostile_gen = torch.Generator().manual_seed(cfg.seed * 104729 + round_ * 31 + self.rank)
+            hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.rank))
             outgoing = make_hostile(own, self.spec.hostile, self.vocab_size, hostile_gen)
             received, drops, sent = collective(
                 "the sample exchange", exchange, outgoing, vocab_size=self.vocab_size,
@@ -313,18 +268,13 @@ class Node:
         return kept, drops
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
+    def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict]:
         vec = torch.tensor([float(metrics[k]) for k in METRIC_KEYS], dtype=torch.float64)
         everyone = [torch.empty_like(vec) for _ in range(self.world)]
         collective("the metrics gather", dist.all_gather, everyone, vec)
-        rows = []
-        for node, v in enumerate(everyone):
-            row: dict[str, Any] = dict(round=round_, node=node, name=self.cfg.node(node).name,
-                                       mode=self.cfg.loss, collab=self.cfg.collab)
-            for key, x in zip(METRIC_KEYS, v.tolist()):
-                row[key] = None if math.isnan(x) else (int(x) if key in _INT_KEYS else x)
-            rows.append(row)
-        return rows
+        names = [self.cfg.node(i).name for i in range(self.world)]
+        return metric_rows(round_, [v.tolist() for v in everyone], names, self.cfg.loss,
+                           self.cfg.collab)
 
     def run(self) -> None:
         cfg = self.cfg
@@ -336,11 +286,8 @@ class Node:
             kept = []
             if cfg.resume and metrics_path.exists():
                 kept = [r for r in read_metrics(metrics_path) if r["round"] < start]
-            checkpoint.write_json_atomic(self.out / "config.json", to_dict(cfg))
-            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-            tmp = metrics_path.with_name("metrics.jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, metrics_path)
+            write_run_config(self.out, to_dict(cfg))
+            start_metrics(metrics_path, kept)
             if cfg.progress:
                 from tqdm import tqdm
 
@@ -351,8 +298,7 @@ class Node:
             metrics = self.run_round(round_)
             rows = self.gather_rows(round_, metrics)
             if self.rank == 0:
-                with open(metrics_path, "a", encoding="utf-8") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in rows)
+                append_metrics(metrics_path, rows)
                 msg = " ".join(f"{r['name']}={r['reward_mean']:.2f}" for r in rows)
                 log.debug("round %d reward %s", round_, msg)
                 if bar is not None:
@@ -364,15 +310,9 @@ class Node:
         if bar is not None:
             bar.close()
         if self.rank == 0:
-            self.out.joinpath("tokenizer").mkdir(exist_ok=True)
-            self.tokenizer.save_pretrained(self.out / "tokenizer")
-            rows = read_metrics(metrics_path)
-            if rows:
-                plot_curves(rows, self.out / "curves.png")
-                table = summary_table(rows)
-                (self.out / "summary.txt").write_text(table + "\n")
-                print(f"\n{table}\n\nmetrics: {metrics_path}\ncurves:  {self.out / 'curves.png'}",
-                      flush=True)
+            summary = write_outputs(self.out, self.tokenizer, metrics_path)
+            if summary is not None:
+                print(f"\n{summary}", flush=True)
 
 
 def _barrier(timeout_s: float) -> None:
