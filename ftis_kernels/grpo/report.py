@@ -18,9 +18,10 @@ from ftis_kernels.grpo.checkpoint import write_json_atomic
 METRIC_KEYS = (
     "reward_mean", "acc_id", "acc_ood", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
     "is_truncated_frac", "loss", "tokens_sent", "bytes_sent", "bytes_per_token",
-    "samples_trained", "samples_received", "dropped", "seconds",
+    "samples_trained", "samples_received", "dropped", "seconds", "grad_norm", "skipped",
 )
-_INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped")
+_INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped",
+             "skipped")
 
 log = logging.getLogger("ftis_kernels.grpo")
 
@@ -63,35 +64,86 @@ def smooth(values: list[float], k: int) -> list[float]:
             for i in range(len(values))]
 
 
+def mean_window(n: int, k: int = 5) -> int:
+    """The rounds averaged over in a run of `n` rounds: k, or fewer in a short run (at most
+    half of it, so that a first and a last window do not overlap); 1 means no averaging."""
+    return max(1, min(k, n // 2))
+
+
+def _carries_signal(values: list[float]) -> bool:
+    """A curve worth drawing: some recorded values, and not all of them the same."""
+    return len(set(values)) > 1
+
+
+def curves_plan(rows: list[dict[str, Any]]) -> tuple[int, list[tuple[str, str, str]], list[str]]:
+    """What `plot_curves` draws: the reward's averaging window (`mean_window`), the panels
+    (metric key, title, y-axis label) and the caption's lines."""
+    nodes = _by_node(rows)
+    k = mean_window(min(len(series) for series in nodes.values()))
+    ood = [r["acc_ood"] for r in rows if r.get("acc_ood") is not None]
+    panels = [("reward_mean", "train reward (sampled completions)", "mean reward per round"),
+              ("acc_id", "accuracy, in-distribution", "accuracy (greedy decoding)")]
+    if _carries_signal(ood):
+        panels.append(("acc_ood", "accuracy, out-of-distribution", "accuracy (greedy decoding)"))
+    caption = [f"Reward: thin lines per round, thick lines the trailing mean of the last {k} "
+               f"rounds." if k > 1 else "Reward: per round (too few rounds to average)."]
+    if any(r.get("skipped") for r in rows):
+        caption.append("x: a round whose optimizer step was skipped (non-finite loss or "
+                       "gradient).")
+    caption.append("Accuracy: greedy answers to held-out problems, at each evaluation (dots).")
+    if not ood:
+        caption.append("No out-of-distribution evaluation.")
+    elif not _carries_signal(ood):
+        caption.append(f"Out-of-distribution accuracy was {ood[0]:.3f} at every evaluation of "
+                       f"every node (not drawn).")
+    return k, panels, caption
+
+
 def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
-    """curves.png: reward_mean (thin: per round, thick: 5-round mean), acc_id and acc_ood per
-    node against the round."""
+    """curves.png: per node against the round, the train reward (thin: per round, thick: its
+    trailing `mean_window`-round mean), the in-distribution accuracy and, where it carries any
+    signal, the out-of-distribution accuracy; one legend, and a caption that says what is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for node, series in _by_node(rows).items():
-        label = f"{node}: {series[0].get('name', '')}"
+    k, panels, caption = curves_plan(rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.4), squeeze=False)
+    axes = axes[0]
+    handles = []
+    nodes = _by_node(rows)
+    for node, series in nodes.items():
         color = f"C{node % 10}"
         rounds = [r["round"] for r in series]
         reward = [r["reward_mean"] for r in series]
-        axes[0].plot(rounds, reward, color=color, alpha=0.3, lw=0.8)
-        axes[0].plot(rounds, smooth(reward, 5), color=color, lw=2, label=label)
-        for ax, key in zip(axes[1:], ("acc_id", "acc_ood")):
+        if k > 1:
+            axes[0].plot(rounds, reward, color=color, alpha=0.35, lw=0.8)
+        line, = axes[0].plot(rounds, smooth(reward, k), color=color, lw=2 if k > 1 else 1.2,
+                             marker="" if k > 1 else ".", label=f"{node}: {series[0]['name']}")
+        handles.append(line)
+        skipped = [(r["round"], r["reward_mean"]) for r in series if r.get("skipped")]
+        if skipped:
+            axes[0].plot(*zip(*skipped), color=color, marker="x", ms=8, ls="")
+        for ax, (key, _, _) in zip(axes[1:], panels[1:]):
             pts = [(r["round"], r[key]) for r in series if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), color=color, marker=".", label=label)
-    mode = rows[0]["mode"] if rows else ""
-    for ax, title in zip(axes, ("train reward (sampled)", "accuracy, in-distribution (greedy)",
-                                "accuracy, out-of-distribution (greedy)")):
+                ax.plot(*zip(*pts), color=color, marker=".")
+    for ax, (_, title, ylabel) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("round")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.03, 1.03)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"collaborative GRPO, {mode}")
-    fig.tight_layout()
+    first = rows[0]
+    fig.suptitle(f"collaborative GRPO, {first['mode']} ({first.get('collab', 'vertical')}), "
+                 f"{len(nodes)} nodes", y=0.99)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.935),
+               ncol=len(handles), fontsize=9, frameon=False)
+    fig.text(0.01, 0.015, "\n".join(caption), fontsize=8.5, va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.02 + 0.03 * len(caption), 1, 0.88))
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
@@ -105,32 +157,41 @@ def _fmt(x: Any) -> str:
 
 
 def _first_last(series: list[dict[str, Any]], key: str, k: int) -> tuple[Any, Any]:
-    """Means of the first and of the last k recorded values (reward is noisy round to round)."""
+    """Means of the first and of the last k recorded values."""
     vals = [r[key] for r in series if r.get(key) is not None]
     if not vals:
         return None, None
-    k = max(1, min(k, len(vals) // 2))
+    k = min(k, len(vals))
     return sum(vals[:k]) / k, sum(vals[-k:]) / k
 
 
+def _mean(series: list[dict[str, Any]], key: str) -> Optional[float]:
+    vals = [r[key] for r in series if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    """Per node: first -> last reward (5-round means) and accuracies (first and last evaluation),
-    mean KL and filtered share, traffic, time per round."""
-    head = ("node", "name", "rounds", "reward (5-round mean)", "acc_id", "acc_ood", "kl_mean",
-            "filtered",
-            "MB_sent", "B/token", "s/round")
+    """Per node: first -> last reward (means over `mean_window` rounds, named in the header) and
+    accuracies (first and last evaluation), mean KL and filtered share, skipped optimizer steps,
+    traffic, time per round."""
+    nodes = _by_node(rows)
+    k = mean_window(min(len(series) for series in nodes.values()))
+    reward_head = f"reward ({k}-round means)" if k > 1 else "reward (first -> last round)"
+    head = ("node", "name", "rounds", reward_head, "acc_id", "acc_ood", "kl_mean", "filtered",
+            "skipped", "MB_sent", "B/token", "s/round")
     lines = []
-    for node, series in _by_node(rows).items():
+    for node, series in nodes.items():
         cells = [str(node), series[0].get("name", ""), str(len(series))]
-        for key, k in (("reward_mean", 5), ("acc_id", 1), ("acc_ood", 1)):
-            a, b = _first_last(series, key, k)
+        for key, window in (("reward_mean", k), ("acc_id", 1), ("acc_ood", 1)):
+            a, b = _first_last(series, key, window)
             cells.append(f"{_fmt(a)} -> {_fmt(b)}")
         n = len(series)
         tokens = sum(r["tokens_sent"] for r in series)
         sent = sum(r["bytes_sent"] for r in series)
         cells += [
-            _fmt(sum(r["kl_mean"] for r in series) / n),
-            _fmt(sum(r["filtered_frac"] for r in series) / n),
+            _fmt(_mean(series, "kl_mean")),
+            _fmt(_mean(series, "filtered_frac")),
+            str(sum(r.get("skipped") or 0 for r in series)),
             f"{sent / 1e6:.3f}",
             _fmt(sent / tokens) if tokens else "-",
             f"{sum(r['seconds'] for r in series) / n:.2f}",
