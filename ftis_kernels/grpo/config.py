@@ -23,7 +23,7 @@ COLLABS = ("vertical", "horizontal")
 LOSSES = ("on-policy",) + tuple(VARIANTS)
 # Fields that may change between a run and its --resume.
 RESUMABLE = ("rounds", "out", "resume", "timeout_s", "progress", "threads", "eval_every", "ckpt_every",
-             "warmup_cache")
+             "warmup_cache", "max_skipped_steps")
 # Seed strides: `--seed s` moves every node's init seed by s * RUN_SEED_STRIDE; `--nodes n` beyond
 # the config's list repeats its specs, the k-th repetition with init seeds k * REPEAT_SEED_STRIDE
 # further, so no two nodes share initial weights.
@@ -75,6 +75,9 @@ class RunConfig:
     eval_every: int = 1
     eval_max_new_tokens: int = 48
     ckpt_every: int = 5
+    # A node's optimizer step with a non-finite loss or gradient is skipped; this many in a row
+    # (counted from the run's start or its --resume) stop the swarm: the training diverges.
+    max_skipped_steps: int = 3
     warmup_batch: int = 32
     task: str = "arith"  # arith | jsonl
     data: dict[str, str] = field(default_factory=dict)  # jsonl: {"train":..., "test":..., "ood":...}
@@ -113,6 +116,8 @@ class RunConfig:
             if self.group_size % world:
                 raise ValueError(f"group_size: horizontal mode splits each group over the "
                                  f"{world} nodes, got {self.group_size} (not a multiple)")
+        if self.max_skipped_steps < 1:
+            raise ValueError(f"max_skipped_steps: expected >= 1, got {self.max_skipped_steps}")
         if self.task not in ("arith", "jsonl"):
             raise ValueError(f"task: expected 'arith' or 'jsonl', got {self.task!r}")
         self.ftis_options()

@@ -2,7 +2,9 @@
 
 Every collective goes through `collective`, so a peer that dies or falls silent surfaces as a
 `SwarmError` naming the phase (after at most `timeout_s`, the process group's timeout), and the
-node stops with a clear message and exit code `EXIT_SWARM` instead of hanging.
+node stops with a clear message and exit code `EXIT_SWARM` instead of hanging. A node whose
+optimizer steps keep coming out non-finite (`max_skipped_steps` in a row) stops the whole swarm
+with exit code `EXIT_DIVERGED`.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from ftis_kernels.grpo.report import (
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
 from ftis_kernels.grpo.task import Problems, format_prompt, reward
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
-from ftis_kernels.grpo.train import grpo_update
+from ftis_kernels.grpo.train import grpo_update, skip_cause
 
 log = logging.getLogger("ftis_kernels.grpo")
 
 EXIT_SWARM = 3  # a peer died or stopped answering
+EXIT_DIVERGED = 4  # a node skipped max_skipped_steps non-finite optimizer steps in a row
 EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
 # Primes that mix the run seed with the rank (and round) into independent generator seeds.
 SAMPLER_SEED_MIX = 7919
@@ -50,6 +53,10 @@ def sampler_seed(seed: int, rank: int) -> int:
 def hostile_seed(seed: int, round_: int, rank: int) -> int:
     """Seed of what a hostile node `rank` forges in round `round_`."""
     return seed * HOSTILE_SEED_MIX + round_ * HOSTILE_ROUND_MIX + rank
+
+
+class Diverged(Exception):
+    """A node skipped `max_skipped_steps` optimizer steps in a row; every node raises it."""
 
 
 class Node:
@@ -106,9 +113,7 @@ class Node:
         cfg, spec = self.cfg, self.spec
         start = 0
         if cfg.resume:
-            start = checkpoint.latest_round(self.ckpt)
-            if start is None:
-                raise SystemExit(f"--resume: no complete checkpoint under {self.ckpt}")
+            start = self.resume_round()
         elif spec.model is None:
             self.warm_up()
         if spec.lora:
@@ -129,6 +134,34 @@ class Node:
             log.info("node %d: resumed after round %d", self.rank, start)
         else:
             self.save(0)
+        return start
+
+    def resume_round(self) -> int:
+        """The newest checkpointed round whose files match their checksums on every node; a
+        damaged newer one is passed over with a warning."""
+        latest = checkpoint.latest_round(self.ckpt)
+        if latest is None:
+            raise SystemExit(f"--resume: no complete checkpoint under {self.ckpt}")
+        good = []
+        for round_ in checkpoint.node_rounds(self.ckpt, self.rank):
+            if round_ > latest:  # written, but not by every node
+                continue
+            problem = checkpoint.verify_node(self.ckpt, self.rank, round_)
+            if problem is None:
+                good.append(round_)
+            else:
+                log.warning("node %d: checkpoint of round %d is damaged, not used: %s",
+                            self.rank, round_, problem)
+        everyone: list = [None] * self.world
+        collective("the checkpoint check", dist.all_gather_object, everyone, good)
+        start = checkpoint.newest_common(everyone)
+        if start is None:
+            detail = "; ".join(f"node {i}: {rounds or 'none'}" for i, rounds in enumerate(everyone))
+            raise SystemExit(f"--resume: no checkpoint under {self.ckpt} is good on every node "
+                             f"(good rounds up to {latest}: {detail}); see the warnings above")
+        if start != latest and self.rank == 0:
+            log.warning("falling back to the checkpoint of round %d, the newest good on every "
+                        "node (round %d, the latest, is damaged on some node)", start, latest)
         return start
 
     def warm_up(self) -> None:
@@ -241,6 +274,10 @@ class Node:
                             self.options, micro_batch=cfg.micro_batch,
                             pad_id=self.tokenizer.pad_token_id, grad_clip=cfg.grad_clip,
                             device=self.device)
+        if stats["skipped"]:
+            log.warning("node %d (%s) round %d: optimizer step skipped, %s; parameters and "
+                        "optimizer state unchanged", self.rank, self.spec.name, round_,
+                        skip_cause(stats))
         tokens_sent = sum(s.n_tokens for s in own) if cfg.loss != "on-policy" else 0
         return dict(
             reward_mean=sum(s.reward for s in own) / len(own), acc_id=acc_id, acc_ood=acc_ood,
@@ -276,22 +313,43 @@ class Node:
         return metric_rows(round_, [v.tolist() for v in everyone], names, self.cfg.loss,
                            self.cfg.collab)
 
+    def check_skips(self, rows: list[dict], in_row: list[int]) -> None:
+        """Count each node's skipped steps in a row (`in_row`, updated in place); Diverged on
+        every node once one reaches `max_skipped_steps`."""
+        for row in rows:
+            in_row[row["node"]] = in_row[row["node"]] + 1 if row["skipped"] else 0
+        worst = max(range(self.world), key=lambda i: in_row[i])
+        n, last = in_row[worst], rows[0]["round"]
+        if n < self.cfg.max_skipped_steps:
+            return
+        hint = (f" (--loss {self.cfg.loss} leaves the IS weight untruncated; tis and f-tis cap it)"
+                if self.options.is_mode == "vis" else "")
+        raise Diverged(f"node {worst} ({self.cfg.node(worst).name}) skipped its optimizer step "
+                       f"{n} rounds in a row (rounds {last - n + 1}-{last}: non-finite loss or "
+                       f"gradient, see its warnings); stopping the swarm, the training diverges"
+                       f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}")
+
     def run(self) -> None:
         cfg = self.cfg
+        metrics_path = self.out / "metrics.jsonl"
+        previous = []
+        if self.rank == 0 and cfg.resume and metrics_path.exists():
+            try:
+                previous = read_metrics(metrics_path)
+            except ValueError as exc:
+                raise SystemExit(f"--resume: {exc}") from None
         self.build()
         start = self.prepare()
-        metrics_path = self.out / "metrics.jsonl"
         bar = None
         if self.rank == 0:
-            kept = []
-            if cfg.resume and metrics_path.exists():
-                kept = [r for r in read_metrics(metrics_path) if r["round"] < start]
+            kept = [r for r in previous if r["round"] < start]
             write_run_config(self.out, to_dict(cfg))
             start_metrics(metrics_path, kept)
             if cfg.progress:
                 from tqdm import tqdm
 
                 bar = tqdm(total=cfg.rounds, initial=start, desc=f"GRPO {cfg.loss}", unit="round")
+        skips_in_row = [0] * self.world
         for round_ in range(start, cfg.rounds):
             if self.world > 1:
                 collective(f"the start barrier of round {round_}", _barrier, cfg.timeout_s)
@@ -304,6 +362,14 @@ class Node:
                 if bar is not None:
                     bar.set_postfix_str(f"reward {msg}", refresh=False)
                     bar.update(1)
+            try:
+                self.check_skips(rows, skips_in_row)
+            except Diverged:
+                if bar is not None:
+                    bar.close()
+                if self.rank == 0:
+                    write_outputs(self.out, self.tokenizer, metrics_path)
+                raise
             completed = round_ + 1
             if completed % cfg.ckpt_every == 0 or completed == cfg.rounds:
                 self.save(completed)
@@ -364,5 +430,10 @@ def run_worker(cfg: RunConfig) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_SWARM)
+    except Diverged as exc:
+        if rank == 0:
+            log.error("%s", exc)
+        dist.destroy_process_group()
+        return EXIT_DIVERGED
     dist.destroy_process_group()
     return 0
