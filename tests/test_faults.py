@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 
-from ftis_kernels.grpo.exchange import Sample
+from ftis_kernels.grpo.exchange import IMPROBABLE_LOGPROB, Sample, make_hostile, pack, unpack
 from ftis_kernels.grpo.models import build_model
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
 from ftis_kernels.grpo.tokenizer import build_tokenizer
 from ftis_kernels.grpo.train import grpo_update, skip_cause
 from ftis_kernels.options import FTISOptions
+from tests.test_grpo_run import comparable, ftis_grpo, rows_of
 
 TASK = ArithmeticTask(seed=0)
 TOKENIZER = build_tokenizer(TASK.vocabulary_text())
@@ -73,6 +74,38 @@ def test_non_finite_gradient_with_a_finite_loss_skips_the_step():
     assert skip_cause(stats) == "non-finite gradient norm (nan)"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
+
+
+def test_improbable_logprobs_peer_sends_the_issues_sample_and_the_parser_accepts_it():
+    honest = _batch(poisoned=False)
+    sent = make_hostile(honest, "improbable_logprobs", len(TOKENIZER), torch.Generator())
+    assert sent[0].logprobs[0] == IMPROBABLE_LOGPROB == -100.0 and sent[0].advantage > 0
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(sent[1:], honest[1:]))
+    got, drops = unpack(pack(sent), sender=1, vocab_size=len(TOKENIZER), max_tokens=64)
+    assert len(got) == 3 and drops == []
+
+
+def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(tmp_path):
+    """Under --loss vis every round brings node 0 the -100 sample: each step is skipped, logged
+    and counted, the swarm stops after the third, and node 0's weights never changed."""
+    from safetensors.torch import load_file
+
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--loss", "vis",
+                           "--set", "nodes.1.hostile=improbable_logprobs")
+    assert rc != 0
+    for round_ in range(3):
+        assert (f"node 0 (tiny-full) round {round_}: optimizer step skipped, non-finite loss"
+                in log)
+    assert "node 0 (tiny-full) skipped its optimizer step 3 rounds in a row" in log
+    assert "max_skipped_steps=3" in log
+    rows = rows_of(tmp_path)
+    assert [(r["round"], r["node"], r["skipped"]) for r in rows] == [
+        (r, n, int(n == 0)) for r in range(3) for n in range(2)]
+    assert "skipped" in (tmp_path / "summary.txt").read_text()
+    ckpt = tmp_path / "ckpt" / "node0"
+    start, after = (load_file(ckpt / f"round_0000{r}" / "model.safetensors") for r in (0, 2))
+    assert all(torch.equal(start[k], after[k]) and bool(torch.isfinite(after[k]).all())
+               for k in start)
 
 # -- checkpoints that prove themselves, metrics that survive a torn write (issue 13.9) -----------
 def _spoil(path) -> None:
@@ -136,3 +169,51 @@ def test_bad_metrics_line_before_the_last_is_an_error_naming_the_line(tmp_path, 
 
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 4: .*fix or delete that line"):
         read_metrics(_metrics_file(tmp_path, middle=middle))
+
+
+
+@pytest.fixture(scope="module")
+def four_rounds(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "run"
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(out))
+    assert rc == 0, log[-4000:]
+    return out, rows_of(out)
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint_and_a_torn_metrics_line(four_rounds):
+    """Finite garbage in node 1's newest weights (and later in node 0's older ones): --resume
+    refuses when no round is good on every node, and otherwise reruns from the newest that is,
+    giving the metrics of the uninterrupted run."""
+    out, full = four_rounds
+    ckpt = out / "ckpt"
+    _spoil(ckpt / "node1" / "round_00004" / "model.safetensors")
+    older = ckpt / "node0" / "round_00002" / "model.safetensors"
+    intact = older.read_bytes()
+    _spoil(older)
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(out), "--resume")
+    assert rc != 0
+    assert "--resume: no checkpoint under" in log and "is good on every node" in log
+    assert "node 0: [4]; node 1: [2]" in log
+    older.write_bytes(intact)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"round": 4, "node": 0, "rew')  # a write cut short by a kill
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(out), "--resume")
+    assert rc == 0, log[-4000:]
+    assert "checkpoint of round 4 is damaged, not used" in log
+    assert "model.safetensors does not match its sha256" in log
+    assert "falling back to the checkpoint of round 2" in log
+    assert "dropped a torn or garbage row" in log
+    assert comparable(rows_of(out)) == comparable(full)
+
+
+def test_resume_with_a_bad_metrics_line_before_the_last_names_the_line(four_rounds, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(four_rounds[0], out)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[2] = "garbage\n"
+    (out / "metrics.jsonl").write_text("".join(lines))
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(out), "--resume")
+    assert rc != 0
+    assert "--resume: " in log and "metrics.jsonl, line 3: " in log

@@ -364,11 +364,14 @@ class Node:
                     bar.update(1)
             try:
                 self.check_skips(rows, skips_in_row)
-            except Diverged:
+            except Diverged as exc:
                 if bar is not None:
                     bar.close()
                 if self.rank == 0:
+                    log.error("%s", exc)
                     write_outputs(self.out, self.tokenizer, metrics_path)
+                # Nobody leaves before rank 0 has written: torchrun stops the rest at the first exit.
+                collective("the stop barrier", dist.barrier)
                 raise
             completed = round_ + 1
             if completed % cfg.ckpt_every == 0 or completed == cfg.rounds:
@@ -430,9 +433,7 @@ def run_worker(cfg: RunConfig) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_SWARM)
-    except Diverged as exc:
-        if rank == 0:
-            log.error("%s", exc)
+    except Diverged:  # rank 0 logged why
         dist.destroy_process_group()
         return EXIT_DIVERGED
     dist.destroy_process_group()
