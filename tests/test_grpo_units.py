@@ -363,3 +363,21 @@ def test_warmup_cache_gives_the_fresh_warmup_weights_and_keys_on_the_recipe(tmp_
     other.warm_up()
     assert len(list(cache.glob("*.pt"))) == 2
     assert other.cfg.init_seed(0) == fresh.cfg.init_seed(0) + 1000
+
+
+def test_warm_up_advances_the_progress_bar_step_by_step_and_on_a_cache_hit(tmp_path):
+    import io
+
+    from tqdm import tqdm
+
+    for attempt in ("fresh", "cached"):
+        node = _bare_node(tmp_path, warmup_cache=str(tmp_path / "cache"))
+        node.spec.warmup_steps = 3
+        node.model = build_model("tiny", node.tokenizer, node.cfg.init_seed(0))
+        seen = io.StringIO()
+        bar = tqdm(total=3, desc="warm-up of node 0 (tiny-full)", file=seen)
+        node.warm_up(bar)
+        assert bar.n == 3, attempt
+        assert ("loss" if attempt == "fresh" else "warm-up cache") in bar.postfix
+        bar.close()
+        assert "warm-up of node 0 (tiny-full)" in seen.getvalue()

@@ -17,7 +17,7 @@ import math
 import os
 import random
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -97,13 +97,14 @@ def warm_up(
     seed: int,
     operations: Sequence[str],
     gsm8k_format: float = 1.0,
+    on_step: Optional[Callable[[int, float], None]] = None,
 ) -> float:
     """Supervised next-token training on worked answers ('7+5=12. #### 12<eos>'); returns last loss.
 
     Only completion tokens are scored. Problems come from the train split restricted to
     `operations`, drawn from `seed`; a share `gsm8k_format` of the answers ends in GSM8K's
     '#### x', the rest in 'The answer is x.', like a base model that only sometimes follows the
-    format. Together they are the node's expertise.
+    format. Together they are the node's expertise. `on_step(step, loss)` follows the progress.
     """
     if steps <= 0:
         return math.nan
@@ -136,6 +137,8 @@ def warm_up(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
+        if on_step is not None:
+            on_step(step + 1, loss_value)
         if (step + 1) % max(1, steps // 4) == 0:
             log.info("warm-up step %d/%d: loss %.3f", step + 1, steps, loss_value)
     return loss_value

@@ -111,11 +111,13 @@ class Node:
     def prepare(self) -> int:
         """Warm up (fresh run) or restore (--resume); returns the first round to run."""
         cfg, spec = self.cfg, self.spec
-        start = 0
+        start, bar = 0, None
         if cfg.resume:
             start = self.resume_round()
         elif spec.model is None:
-            self.warm_up()
+            if self.rank == 0 and cfg.progress:
+                bar = progress_bar(spec.warmup_steps, f"warm-up of node 0 ({spec.name})", "step")
+            self.warm_up(bar)
         if spec.lora:
             self.model = apply_lora(self.model, spec.lora_r, spec.lora_alpha,
                                     seed=self.cfg.init_seed(self.rank))
@@ -133,7 +135,11 @@ class Node:
                                  f"run's (only {', '.join(RESUMABLE)} may change)")
             log.info("node %d: resumed after round %d", self.rank, start)
         else:
+            if bar is not None:
+                bar.set_description_str("warm-up: waiting for the other nodes' warm-up")
             self.save(0)
+        if bar is not None:
+            bar.close()
         return start
 
     def resume_round(self) -> int:
@@ -164,8 +170,9 @@ class Node:
                         "node (round %d, the latest, is damaged on some node)", start, latest)
         return start
 
-    def warm_up(self) -> None:
-        """The preset model's supervised warm-up, or its weights from `warmup_cache`."""
+    def warm_up(self, bar=None) -> None:
+        """The preset model's supervised warm-up, or its weights from `warmup_cache`; a tqdm `bar`
+        follows its steps."""
         cfg, spec, t0 = self.cfg, self.spec, time.time()
         recipe = dict(steps=spec.warmup_steps, lr=spec.warmup_lr, batch_size=cfg.warmup_batch,
                       seed=cfg.init_seed(self.rank), operations=list(spec.warmup_ops),
@@ -174,8 +181,17 @@ class Node:
         if cfg.warmup_cache:
             cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
                                        vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
-        loss = warm_up_cached(self.model, self.tokenizer, self.problems.arith, cached, **recipe)
+        on_step = None
+        if bar is not None:
+            def on_step(step: int, loss: float) -> None:
+                bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
+                bar.update(1)
+        loss = warm_up_cached(self.model, self.tokenizer, self.problems.arith, cached,
+                              on_step=on_step, **recipe)
         if loss is None:
+            if bar is not None:
+                bar.set_postfix_str("loaded from the warm-up cache", refresh=False)
+                bar.update(bar.total - bar.n)
             log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name,
                      cached)
         else:
@@ -346,9 +362,7 @@ class Node:
             write_run_config(self.out, to_dict(cfg))
             start_metrics(metrics_path, kept)
             if cfg.progress:
-                from tqdm import tqdm
-
-                bar = tqdm(total=cfg.rounds, initial=start, desc=f"GRPO {cfg.loss}", unit="round")
+                bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=start)
         skips_in_row = [0] * self.world
         for round_ in range(start, cfg.rounds):
             if self.world > 1:
@@ -370,7 +384,7 @@ class Node:
                 if self.rank == 0:
                     log.error("%s", exc)
                     write_outputs(self.out, self.tokenizer, metrics_path)
-                # Nobody leaves before rank 0 has written: torchrun stops the rest at the first exit.
+                # None leaves before rank 0 has written: torchrun stops the rest at the first exit.
                 collective("the stop barrier", dist.barrier)
                 raise
             completed = round_ + 1
@@ -382,6 +396,13 @@ class Node:
             summary = write_outputs(self.out, self.tokenizer, metrics_path)
             if summary is not None:
                 print(f"\n{summary}", flush=True)
+
+
+def progress_bar(total: int, desc: str, unit: str, initial: int = 0):
+    """A tqdm bar on stderr: rank 0's warm-up steps, then the rounds."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit)
 
 
 def _barrier(timeout_s: float) -> None:
