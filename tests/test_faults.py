@@ -76,6 +76,13 @@ def test_non_finite_gradient_with_a_finite_loss_skips_the_step():
 
 
 
+def test_max_skipped_steps_defaults_to_three_and_must_be_positive():
+    from ftis_kernels.grpo.config import RESUMABLE, build_config
+
+    assert build_config("smoke").max_skipped_steps == 3 and "max_skipped_steps" in RESUMABLE
+    with pytest.raises(ValueError, match="max_skipped_steps: expected >= 1, got 0"):
+        build_config("smoke", sets=("max_skipped_steps=0",)).validate(2)
+
 def test_improbable_logprobs_peer_sends_the_issues_sample_and_the_parser_accepts_it():
     honest = _batch(poisoned=False)
     sent = make_hostile(honest, "improbable_logprobs", len(TOKENIZER), torch.Generator())
