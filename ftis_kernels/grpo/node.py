@@ -12,8 +12,10 @@ import math
 import os
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
 from ftis_kernels.grpo.exchange import Sample, SwarmError, collective, exchange, make_hostile
+from ftis_kernels.grpo.launch import threads_per_node
 from ftis_kernels.grpo.models import (
     apply_lora, build_model, load_pretrained, warm_up_cached, warmup_cache_file,
 )
@@ -53,8 +56,14 @@ def hostile_seed(seed: int, round_: int, rank: int) -> int:
 
 
 class Node:
-    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device):
+    """One node's state and its round loop. `setup_group` carries the collectives of the set-up
+    (the agreement checks and the barrier after the warm-ups), whose timeout covers a warm-up or
+    a model load; None uses the default group."""
+
+    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device,
+                 setup_group: Optional[dist.ProcessGroup] = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.setup_group = setup_group
         self.spec = cfg.node(rank)
         self.out = Path(cfg.out)
         self.ckpt = self.out / "ckpt"
@@ -68,10 +77,7 @@ class Node:
         spec = self.spec
         if spec.model is not None:
             self.model, self.tokenizer = load_pretrained(spec.model)
-        else:
-            if self.cfg.task != "arith":
-                raise ValueError(f"node {self.rank}: preset models know only the built-in task's "
-                                 f"vocabulary; give `model: PATH` for task {self.cfg.task!r}")
+        else:  # config.validate made sure the task is the built-in one
             self.tokenizer = build_tokenizer(self.problems.arith.vocabulary_text())
             self.model = build_model(spec.arch, self.tokenizer, self.cfg.init_seed(self.rank))
         self.model.to(self.device)
@@ -82,7 +88,7 @@ class Node:
         """SystemExit unless every node reports the same `fingerprint` (a hex digest)."""
         mine = torch.frombuffer(bytearray(fingerprint[:64].ljust(64).encode()), dtype=torch.uint8)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        collective(f"the {what} check", dist.all_gather, everyone, mine)
+        collective(f"the {what} check", dist.all_gather, everyone, mine, group=self.setup_group)
         prints = [bytes(t.tolist()).decode(errors="replace").strip() for t in everyone]
         if len(set(prints)) > 1:
             detail = ", ".join(f"node {i} ({self.cfg.node(i).name}): {p[:12]}"
@@ -127,7 +133,11 @@ class Node:
                 raise SystemExit(f"--resume: the configuration differs from the checkpointed "
                                  f"run's (only {', '.join(RESUMABLE)} may change)")
             log.info("node %d: resumed after round %d", self.rank, start)
-        else:
+        # Warm-ups and loads take different times on different nodes: wait for the slowest here,
+        # under the set-up timeout, so that no later collective's timeout has to cover them.
+        collective("the set-up barrier (waiting for every node's warm-up)", dist.barrier,
+                   group=self.setup_group)
+        if not cfg.resume:
             self.save(0)
         return start
 
@@ -324,6 +334,10 @@ def _barrier(timeout_s: float) -> None:
 
 
 def setup_logging(rank: int) -> None:
+    """Log lines tagged with the node; third-party advisories a user cannot act on silenced."""
+    # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated",
+                            category=FutureWarning)
     logging.basicConfig(
         level=os.environ.get("FTIS_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s node{rank} %(levelname)s %(name)s: %(message)s",
@@ -338,8 +352,7 @@ def run_worker(cfg: RunConfig) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     setup_logging(rank)
     cfg.validate(world)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(cfg.threads or max(1, (cores or 1) // local_world))
+    torch.set_num_threads(threads_per_node(cfg.threads, local_world))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -350,9 +363,10 @@ def run_worker(cfg: RunConfig) -> int:
     # The exchange moves CPU tensors, so gloo carries it even next to nccl on GPUs.
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    setup_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.setup_timeout_s))
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     try:
-        Node(cfg, rank, world, device).run()
+        Node(cfg, rank, world, device, setup_group).run()
         collective("the final barrier", dist.barrier)
     except SwarmError as exc:
         log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
