@@ -25,7 +25,11 @@ import yaml
 
 from ftis_kernels.grpo import checkpoint, cli
 from ftis_kernels.grpo.config import (
-    NodeSpec, RunConfig, build_config, describe_keys, to_dict,
+    NodeSpec,
+    RunConfig,
+    build_config,
+    describe_keys,
+    to_dict,
 )
 from ftis_kernels.grpo.launch import LOCK_FILE, OutLock, _resume_hint, check_out
 
@@ -136,6 +140,8 @@ def test_resume_hint_only_when_a_checkpoint_exists(tmp_path):
     checkpoint.mark_latest(tmp_path / "ckpt", 0)
     hint = _resume_hint(argv, cfg)
     assert hint.endswith(f"ftis-grpo --preset smoke --out {tmp_path} --resume"), hint
+    checkpoint.mark_latest(tmp_path / "ckpt", cfg.rounds)
+    assert _resume_hint(argv, cfg) == ""  # every round done: a resume would have nothing to do
 
 
 def test_every_config_value_is_checked_when_the_config_is_built():

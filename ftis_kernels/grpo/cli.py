@@ -21,8 +21,16 @@ import sys
 from typing import Any, NoReturn, Optional, Sequence
 
 from ftis_kernels.grpo.config import (
-    COLLABS, LOSSES, PRESET_HELP, PRESETS, ConfigError, RunConfig, build_config, render_config,
-    render_keys, show,
+    COLLABS,
+    LOSSES,
+    PRESET_HELP,
+    PRESETS,
+    ConfigError,
+    RunConfig,
+    build_config,
+    render_config,
+    render_keys,
+    show,
 )
 from ftis_kernels.options import KL_ESTIMATORS
 
@@ -83,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line: every flag with its help and default, the presets in the epilog."""
     p = _Parser(
         prog="ftis-grpo",
-        description="Collaborative GRPO with F-TIS across heterogeneous nodes (torch.distributed).\n"
-                    "Starts one process per node on this machine through torchrun.",
+        description="Collaborative GRPO with F-TIS across heterogeneous nodes "
+                    "(torch.distributed).\nStarts one process per node on this machine through "
+                    "torchrun.",
         epilog=EPILOG.format(presets="\n".join(f"  {name:<7} {PRESET_HELP[name]}"
                                                for name in PRESETS)),
         formatter_class=argparse.RawDescriptionHelpFormatter,

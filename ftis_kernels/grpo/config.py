@@ -12,7 +12,7 @@ import difflib
 import hashlib
 import json
 import re
-from dataclasses import field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
@@ -393,8 +393,9 @@ def apply_set(d: dict[str, Any], assignment: str) -> None:
         last = depth == len(parts) - 1
         if isinstance(target, list):
             if not (part.isdigit() and int(part) < len(target)):
-                raise ConfigError((here, f"an index from 0 to {len(target) - 1} into the "
-                                   f"{len(target)} items of {'.'.join(parts[:depth])}", Verbatim(part)))
+                within = f"{len(target)} items of {'.'.join(parts[:depth])}"
+                raise ConfigError((here, f"an index from 0 to {len(target) - 1} into the {within}",
+                                   Verbatim(part)))
             if last:
                 target[int(part)] = value
             else:

@@ -137,8 +137,13 @@ def check_resume(cfg: RunConfig) -> None:
         raise ConfigError(("--resume", f"a complete checkpoint in {out / 'ckpt'}",
                            Verbatim("none (start the run without --resume)")))
     config_file = out / "config.json"
-    if config_file.exists():
+    try:
         before = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:  # the nodes still compare the checkpoint's fingerprint
+        log.warning("--resume: cannot compare with the previous configuration (%s): %s",
+                    config_file, exc)
+        before = None
+    if before is not None:
         changes = resume_changes(before, cfg)
         if changes:
             raise ConfigError(*(
@@ -187,9 +192,10 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
 
 
 def _resume_hint(argv: Sequence[str], cfg: RunConfig) -> str:
-    """' Continue ... with: ftis-grpo ... --resume' when a complete checkpoint exists, else ''."""
+    """' Continue ... with: ftis-grpo ... --resume' when a resume can work (a complete checkpoint
+    with rounds left after it), else ''."""
     done = checkpoint.latest_round(Path(cfg.out) / "ckpt")
-    if done is None:
+    if done is None or done >= cfg.rounds:
         return ""
     args = [a for a in argv if a not in ("--resume", "--overwrite")]
     return (f" Continue from the checkpoint of round {done} with: "

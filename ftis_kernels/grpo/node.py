@@ -25,10 +25,19 @@ from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
 from ftis_kernels.grpo.exchange import Sample, SwarmError, collective, exchange, make_hostile
 from ftis_kernels.grpo.launch import threads_per_node
 from ftis_kernels.grpo.models import (
-    apply_lora, build_model, load_pretrained, warm_up_cached, warmup_cache_file,
+    apply_lora,
+    build_model,
+    load_pretrained,
+    warm_up_cached,
+    warmup_cache_file,
 )
 from ftis_kernels.grpo.report import (
-    METRIC_KEYS, append_metrics, metric_rows, read_metrics, start_metrics, write_outputs,
+    METRIC_KEYS,
+    append_metrics,
+    metric_rows,
+    read_metrics,
+    start_metrics,
+    write_outputs,
     write_run_config,
 )
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
@@ -369,9 +378,10 @@ def run_worker(cfg: RunConfig) -> int:
         Node(cfg, rank, world, device, setup_group).run()
         collective("the final barrier", dist.barrier)
     except SwarmError as exc:
+        resumable = checkpoint.latest_round(Path(cfg.out) / "ckpt") is not None
         log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
-                  "answering; stopping. Continue from the last checkpoint with --resume.",
-                  rank, exc)
+                  "answering; stopping.%s", rank, exc,
+                  " Continue from the last checkpoint with --resume." if resumable else "")
         # A gloo group whose peer died can abort in its C++ teardown at interpreter exit, which
         # would replace this exit code by SIGABRT: leave without running destructors.
         logging.shutdown()
