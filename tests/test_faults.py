@@ -251,24 +251,26 @@ def _env() -> dict[str, str]:
 
 
 def test_signal_to_the_launcher_alone_stops_every_process(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ftis_kernels.grpo", "--preset", "smoke", "--no-progress",
-         "--rounds", "50", "--out", str(tmp_path)],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_file = tmp_path / "log.txt"
+    with open(log_file, "w") as log_out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ftis_kernels.grpo", "--preset", "smoke", "--no-progress",
+             "--rounds", "50", "--out", str(tmp_path / "run")],
+            cwd=ROOT, env=_env(), stdout=log_out, stderr=subprocess.STDOUT)
     launcher = psutil.Process(proc.pid)
     tree: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 120
-        while len(tree) < 3 and time.monotonic() < deadline:  # torchrun and its 2 nodes
-            time.sleep(0.5)
-            tree = launcher.children(recursive=True)
-        assert len(tree) >= 3, "the swarm did not start"
-        time.sleep(3)  # the nodes are past their imports, inside the run
+        while "vocabulary of" not in log_file.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)  # until both nodes are set up, inside the run
         tree = launcher.children(recursive=True)
+        assert len(tree) >= 3, log_file.read_text()[-3000:]  # torchrun and its 2 nodes
         os.kill(proc.pid, signal.SIGTERM)  # the launcher's PID only
-        log, _ = proc.communicate(timeout=90)
+        proc.wait(timeout=90)
+        log = log_file.read_text()
         assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
         assert "SIGTERM received: stopping the swarm" in log
+        assert "node 0: stopped by SIGTERM" in log and "Traceback" not in log, log[-3000:]
         _, alive = psutil.wait_procs(tree, timeout=5)
         assert alive == [], [p.pid for p in alive]
     finally:

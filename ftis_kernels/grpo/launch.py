@@ -2,8 +2,8 @@
 
 Every check here runs before any node starts, so a bad `--out` or `--resume` costs no warm-up.
 The launcher holds an exclusive lock on `--out` for the run's lifetime, starts torchrun in a
-session of its own, and forwards SIGINT, SIGTERM and SIGHUP to torchrun and to every node; nodes
-still alive `STOP_GRACE_S` seconds later are killed, so nothing outlives the launcher.
+session of its own, and forwards SIGINT, SIGTERM and SIGHUP to every node (and kills torchrun);
+nodes still alive `STOP_GRACE_S` seconds later are killed, so nothing outlives the launcher.
 """
 
 from __future__ import annotations
@@ -204,9 +204,10 @@ def _resume_hint(argv: Sequence[str], cfg: RunConfig) -> str:
 
 def supervise(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
     """Wait for `proc` (torchrun, started in a session of its own). SIGINT, SIGTERM or SIGHUP to
-    this process is forwarded to `proc` and every process below it (a second signal kills them);
-    whatever is still alive `grace_s` seconds later is killed. Returns `proc`'s exit code, or
-    128 + the signal's number when a signal stopped the run."""
+    this process is forwarded to every process below `proc` (the nodes, which log it and exit;
+    a second signal kills them) and `proc` is killed; whatever is still alive `grace_s` seconds
+    later is killed. Returns `proc`'s exit code, or 128 + the signal's number when a signal
+    stopped the run."""
     received: list[int] = []
     tree: list[psutil.Process] = []
 
@@ -217,7 +218,14 @@ def supervise(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
                         "killed)", signal.Signals(signum).name, grace_s)
         tree[:] = _process_tree(proc.pid, tree)
         for p in tree:
-            _send(p, signum if len(received) == 1 else signal.SIGKILL)
+            if p.pid != proc.pid:
+                _send(p, signum if len(received) == 1 else signal.SIGKILL)
+        # torchrun only manages the nodes, which stop themselves: stopped politely it would
+        # print a traceback of its own and a failure report for every node.
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -239,8 +240,7 @@ class Node:
         if self.spec.fail_at_round == round_:
             log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank,
                       round_)
-            logging.shutdown()
-            os._exit(EXIT_FAULT_INJECTION)
+            _leave(EXIT_FAULT_INJECTION)
         evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
@@ -342,6 +342,28 @@ def _barrier(timeout_s: float) -> None:
         dist.barrier()
 
 
+def _leave(code: int) -> NoReturn:
+    """Exit now with `code`, the log flushed, without running destructors: a gloo group whose peer
+    is gone can abort in its C++ teardown, which would replace `code` by SIGABRT."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stop_on_signals(rank: int) -> None:
+    """SIGINT, SIGTERM or SIGHUP (forwarded by the launcher) stop the node with one log line and
+    exit code 128 + the signal's number. A checkpoint write it interrupts leaves a `.tmp` folder
+    that the next --resume removes."""
+
+    def stop(signum: int, _frame) -> None:
+        log.warning("node %d: stopped by %s", rank, signal.Signals(signum).name)
+        _leave(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def setup_logging(rank: int) -> None:
     """Log lines tagged with the node; third-party advisories a user cannot act on silenced."""
     # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
@@ -360,6 +382,7 @@ def run_worker(cfg: RunConfig) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     setup_logging(rank)
+    stop_on_signals(rank)
     cfg.validate(world)
     torch.set_num_threads(threads_per_node(cfg.threads, local_world))
     use_cuda = torch.cuda.is_available()
@@ -382,11 +405,6 @@ def run_worker(cfg: RunConfig) -> int:
         log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
                   "answering; stopping.%s", rank, exc,
                   " Continue from the last checkpoint with --resume." if resumable else "")
-        # A gloo group whose peer died can abort in its C++ teardown at interpreter exit, which
-        # would replace this exit code by SIGABRT: leave without running destructors.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_SWARM)
+        _leave(EXIT_SWARM)
     dist.destroy_process_group()
     return 0
