@@ -126,6 +126,7 @@ def test_resume_names_each_changed_key_with_its_old_and_new_value(tmp_path):
 def test_resume_without_a_checkpoint_or_rounds_left_is_a_config_error(tmp_path):
     rc, err = ftis_grpo("--preset", "smoke", "--resume", out=tmp_path / "new")
     assert rc == 2 and err[0].startswith("ftis-grpo: --resume: expected a complete checkpoint")
+    assert not (tmp_path / "new").exists()  # the folder it made for the run is gone again
     _fake_run(tmp_path / "done", build_config("smoke", overrides={"out": str(tmp_path)}), 4)
     rc, err = ftis_grpo("--preset", "smoke", "--resume", out=tmp_path / "done")
     assert rc == 2 and err == [f"ftis-grpo: rounds: expected more than the 4 rounds the run in "

@@ -166,9 +166,17 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
     """Start the local swarm (torchrun, one process per node on 127.0.0.1) into the locked output
     folder and supervise it; returns the exit code. ConfigError before anything starts."""
     out = Path(cfg.out)
+    created = not out.exists()
     make_out(out)
-    with OutLock(out):
-        check_out(cfg, overwrite)
+    with OutLock(out) as lock:
+        try:
+            check_out(cfg, overwrite)
+        except ConfigError:
+            if created:  # leave no trace of a run that did not start
+                lock.release()
+                lock.path.unlink()
+                out.rmdir()
+            raise
         n = len(cfg.nodes)
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
