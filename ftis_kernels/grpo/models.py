@@ -22,18 +22,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from ftis_kernels.grpo.config import ARCHS
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
 
 log = logging.getLogger(__name__)
 
-ARCHS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2),
-    "base": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2),
-}
 # Warm-up problems live far above any index a GRPO run reaches.
 _WARMUP_INDEX_BASE = 1 << 40
 

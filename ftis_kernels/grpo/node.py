@@ -12,10 +12,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,11 +26,21 @@ import torch.distributed as dist
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
 from ftis_kernels.grpo.exchange import Sample, SwarmError, collective, exchange, make_hostile
+from ftis_kernels.grpo.launch import threads_per_node
 from ftis_kernels.grpo.models import (
-    apply_lora, build_model, load_pretrained, warm_up_cached, warmup_cache_file,
+    apply_lora,
+    build_model,
+    load_pretrained,
+    warm_up_cached,
+    warmup_cache_file,
 )
 from ftis_kernels.grpo.report import (
-    METRIC_KEYS, append_metrics, metric_rows, read_metrics, start_metrics, write_outputs,
+    METRIC_KEYS,
+    append_metrics,
+    metric_rows,
+    read_metrics,
+    start_metrics,
+    write_outputs,
     write_run_config,
 )
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
@@ -60,8 +73,14 @@ class Diverged(Exception):
 
 
 class Node:
-    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device):
+    """One node's state and its round loop. `setup_group` carries the collectives of the set-up
+    (the agreement checks and the barrier after the warm-ups), whose timeout covers a warm-up or
+    a model load; None uses the default group."""
+
+    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device,
+                 setup_group: Optional[dist.ProcessGroup] = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.setup_group = setup_group
         self.spec = cfg.node(rank)
         self.out = Path(cfg.out)
         self.ckpt = self.out / "ckpt"
@@ -75,10 +94,7 @@ class Node:
         spec = self.spec
         if spec.model is not None:
             self.model, self.tokenizer = load_pretrained(spec.model)
-        else:
-            if self.cfg.task != "arith":
-                raise ValueError(f"node {self.rank}: preset models know only the built-in task's "
-                                 f"vocabulary; give `model: PATH` for task {self.cfg.task!r}")
+        else:  # config.validate made sure the task is the built-in one
             self.tokenizer = build_tokenizer(self.problems.arith.vocabulary_text())
             self.model = build_model(spec.arch, self.tokenizer, self.cfg.init_seed(self.rank))
         self.model.to(self.device)
@@ -89,7 +105,7 @@ class Node:
         """SystemExit unless every node reports the same `fingerprint` (a hex digest)."""
         mine = torch.frombuffer(bytearray(fingerprint[:64].ljust(64).encode()), dtype=torch.uint8)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        collective(f"the {what} check", dist.all_gather, everyone, mine)
+        collective(f"the {what} check", dist.all_gather, everyone, mine, group=self.setup_group)
         prints = [bytes(t.tolist()).decode(errors="replace").strip() for t in everyone]
         if len(set(prints)) > 1:
             detail = ", ".join(f"node {i} ({self.cfg.node(i).name}): {p[:12]}"
@@ -134,9 +150,13 @@ class Node:
                 raise SystemExit(f"--resume: the configuration differs from the checkpointed "
                                  f"run's (only {', '.join(RESUMABLE)} may change)")
             log.info("node %d: resumed after round %d", self.rank, start)
-        else:
-            if bar is not None:
-                bar.set_description_str("warm-up: waiting for the other nodes' warm-up")
+        if bar is not None:
+            bar.set_description_str("warm-up: waiting for the other nodes' warm-up")
+        # Warm-ups and loads take different times on different nodes: wait for the slowest here,
+        # under the set-up timeout, so that no later collective's timeout has to cover them.
+        collective("the set-up barrier (waiting for every node's warm-up)", dist.barrier,
+                   group=self.setup_group)
+        if not cfg.resume:
             self.save(0)
         if bar is not None:
             bar.close()
@@ -159,7 +179,8 @@ class Node:
                 log.warning("node %d: checkpoint of round %d is damaged, not used: %s",
                             self.rank, round_, problem)
         everyone: list = [None] * self.world
-        collective("the checkpoint check", dist.all_gather_object, everyone, good)
+        collective("the checkpoint check", dist.all_gather_object, everyone, good,
+                   group=self.setup_group)
         start = checkpoint.newest_common(everyone)
         if start is None:
             detail = "; ".join(f"node {i}: {rounds or 'none'}" for i, rounds in enumerate(everyone))
@@ -269,8 +290,7 @@ class Node:
         if self.spec.fail_at_round == round_:
             log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank,
                       round_)
-            logging.shutdown()
-            os._exit(EXIT_FAULT_INJECTION)
+            _leave(EXIT_FAULT_INJECTION)
         evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
@@ -413,7 +433,33 @@ def _barrier(timeout_s: float) -> None:
         dist.barrier()
 
 
+def _leave(code: int) -> NoReturn:
+    """Exit now with `code`, the log flushed, without running destructors: a gloo group whose peer
+    is gone can abort in its C++ teardown, which would replace `code` by SIGABRT."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stop_on_signals(rank: int) -> None:
+    """SIGINT, SIGTERM or SIGHUP (forwarded by the launcher) stop the node with one log line and
+    exit code 128 + the signal's number. A checkpoint write it interrupts leaves a `.tmp` folder
+    that the next --resume removes."""
+
+    def stop(signum: int, _frame) -> None:
+        log.warning("node %d: stopped by %s", rank, signal.Signals(signum).name)
+        _leave(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def setup_logging(rank: int) -> None:
+    """Log lines tagged with the node; third-party advisories a user cannot act on silenced."""
+    # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated",
+                            category=FutureWarning)
     logging.basicConfig(
         level=os.environ.get("FTIS_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s node{rank} %(levelname)s %(name)s: %(message)s",
@@ -427,9 +473,9 @@ def run_worker(cfg: RunConfig) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     setup_logging(rank)
+    stop_on_signals(rank)
     cfg.validate(world)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(cfg.threads or max(1, (cores or 1) // local_world))
+    torch.set_num_threads(threads_per_node(cfg.threads, local_world))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -440,20 +486,17 @@ def run_worker(cfg: RunConfig) -> int:
     # The exchange moves CPU tensors, so gloo carries it even next to nccl on GPUs.
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    setup_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.setup_timeout_s))
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     try:
-        Node(cfg, rank, world, device).run()
+        Node(cfg, rank, world, device, setup_group).run()
         collective("the final barrier", dist.barrier)
     except SwarmError as exc:
+        resumable = checkpoint.latest_round(Path(cfg.out) / "ckpt") is not None
         log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
-                  "answering; stopping. Continue from the last checkpoint with --resume.",
-                  rank, exc)
-        # A gloo group whose peer died can abort in its C++ teardown at interpreter exit, which
-        # would replace this exit code by SIGABRT: leave without running destructors.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_SWARM)
+                  "answering; stopping.%s", rank, exc,
+                  " Continue from the last checkpoint with --resume." if resumable else "")
+        _leave(EXIT_SWARM)
     except Diverged:  # rank 0 logged why
         dist.destroy_process_group()
         return EXIT_DIVERGED

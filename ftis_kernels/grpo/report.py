@@ -34,9 +34,9 @@ def _metrics_row(line: str) -> dict[str, Any]:
     return row
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path, warn: bool = True) -> list[dict[str, Any]]:
     """The rows of `metrics.jsonl`. A torn or garbage last line (a run killed mid-write) is
-    dropped with a warning; a bad line before it is a ValueError naming its line number."""
+    dropped (with a warning if `warn`); a bad line before it is a ValueError naming its line."""
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
     rows = []
@@ -46,8 +46,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except ValueError as exc:
             if k < len(numbered) - 1:
                 raise ValueError(f"{path}, line {number}: {exc}; fix or delete that line") from None
-            log.warning("%s, line %d (the last): dropped a torn or garbage row (%s), as a run "
-                        "killed mid-write leaves it", path, number, exc)
+            if warn:
+                log.warning("%s, line %d (the last): dropped a torn or garbage row (%s), as a "
+                            "run killed mid-write leaves it", path, number, exc)
     return rows
 
 
