@@ -376,6 +376,15 @@ def test_max_skipped_steps_defaults_to_three_and_must_be_positive():
     with pytest.raises(ValueError, match="max_skipped_steps: expected a value >= 1, got 0"):
         build_config("smoke", sets=("max_skipped_steps=0",))
 
+def test_skipped_in_a_row_counts_each_nodes_trailing_skipped_rounds():
+    from ftis_kernels.grpo.report import skipped_in_a_row
+
+    flags = {0: [1, 0, 1, 1], 1: [1, 1, 1, 0], 2: [1, 1]}
+    rows = [{"round": r, "node": n, "skipped": f} for n, fs in flags.items()
+            for r, f in enumerate(fs)]
+    assert skipped_in_a_row(rows[::-1]) == {0: 2, 1: 0, 2: 2}
+
+
 def test_improbable_logprobs_peer_sends_the_issues_sample_and_the_parser_accepts_it():
     honest = _batch(poisoned=False)
     sent = make_hostile(honest, "improbable_logprobs", len(TOKENIZER), torch.Generator())
@@ -398,6 +407,7 @@ def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(t
                 in log)
     assert "node 0 (tiny-full) skipped its optimizer step 3 rounds in a row" in log
     assert "max_skipped_steps=3" in log
+    assert "a --resume would repeat it" in log and "Continue from the checkpoint" not in log
     rows = rows_of(tmp_path)
     assert [(r["round"], r["node"], r["skipped"]) for r in rows] == [
         (r, n, int(n == 0)) for r in range(3) for n in range(2)]

@@ -27,7 +27,7 @@ import psutil
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.config import ConfigError, RunConfig, Verbatim, resume_changes, show
-from ftis_kernels.grpo.report import read_metrics
+from ftis_kernels.grpo.report import read_metrics, skipped_in_a_row
 
 log = logging.getLogger("ftis_kernels.grpo")
 
@@ -208,10 +208,16 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
 
 def _resume_hint(argv: Sequence[str], cfg: RunConfig) -> str:
     """' Continue ... with: ftis-grpo ... --resume' when a resume can work (a complete checkpoint
-    with rounds left after it), else ''."""
+    with rounds left after it, and no node that stopped the run by diverging), else ''."""
     done = checkpoint.latest_round(Path(cfg.out) / "ckpt")
     if done is None or done >= cfg.rounds:
         return ""
+    try:
+        rows = read_metrics(Path(cfg.out) / "metrics.jsonl", warn=False)
+    except (OSError, ValueError):
+        rows = []
+    if rows and max(skipped_in_a_row(rows).values()) >= cfg.max_skipped_steps:
+        return " The training diverged (see the error above): a --resume would repeat it."
     args = [a for a in argv if a not in ("--resume", "--overwrite")]
     return (f" Continue from the checkpoint of round {done} with: "
             f"ftis-grpo {shlex.join(args + ['--resume'])}")

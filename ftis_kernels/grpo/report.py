@@ -59,6 +59,15 @@ def _by_node(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return {k: sorted(v, key=lambda r: r["round"]) for k, v in sorted(nodes.items())}
 
 
+def skipped_in_a_row(rows: list[dict[str, Any]]) -> dict[int, int]:
+    """Per node, how many of its last rounds in `rows` skipped their optimizer step."""
+    out = {}
+    for node, series in _by_node(rows).items():
+        flags = [bool(r.get("skipped")) for r in series]
+        out[node] = len(flags) - max((i + 1 for i, f in enumerate(flags) if not f), default=0)
+    return out
+
+
 def smooth(values: list[float], k: int) -> list[float]:
     """Trailing moving average over up to k values."""
     return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1])
