@@ -12,12 +12,34 @@ from hypothesis import strategies as st
 
 from ftis_kernels import ftis_loss
 from ftis_kernels.kernels import logp_lse
-from ftis_kernels.options import FILTERS, IS_LEVELS, IS_MODES, KL_ESTIMATORS, KL_REDUCTIONS, LOSS_TYPES
+from ftis_kernels.options import (
+    FILTERS,
+    IS_LEVELS,
+    IS_MODES,
+    IS_SOURCES,
+    KL_ESTIMATORS,
+    KL_REDUCTIONS,
+    LOSS_TYPES,
+    RATIO_LEVELS,
+    REJECT_MODES,
+    FTISOptions,
+)
 from tests import numerics
 from tests.cases import Case, backend, ftis_loss_module, implementations, make_case, run_op, run_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SCALAR_METRICS = ("filtered_frac", "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac")
+SCALAR_METRICS = (
+    "filtered_frac",
+    "kl_mean",
+    "clip_frac",
+    "is_weight_mean",
+    "is_truncated_frac",
+    "is_masked_frac",
+    "is_ratio_mean",
+    "is_ratio_max",
+    "is_ratio_min",
+    "entropy_mean",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +59,7 @@ def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
     assert grad.dtype == dtype and grad.shape == case.logits.shape
     check = numerics.assert_no_worse_than_plain
     errors = {"loss": check("loss", loss, o_loss, p_loss, numerics.FP32)}
-    for name in ("logp", "kl", *SCALAR_METRICS):
+    for name in ("logp", "entropy", "kl", *SCALAR_METRICS):
         errors[name] = check(name, metrics[name], o_metrics[name], p_metrics[name], numerics.FP32)
     assert torch.equal(metrics["filtered"].cpu(), o_metrics["filtered"].cpu())
     errors["grad"] = check("grad", grad, o_grad, p_grad, numerics.GRAD_MARGIN[dtype])
@@ -47,22 +69,41 @@ def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
 
 # --- properties against the reference --------------------------------------------------------
 
+def _valid(opts: dict) -> bool:
+    try:
+        FTISOptions(**opts)
+    except ValueError:
+        return False
+    return True
+
+
+# Every option, drawn; the combinations FTISOptions refuses are filtered out.
 options = st.fixed_dictionaries(
     {
         "is_mode": st.sampled_from(IS_MODES),
         "is_level": st.sampled_from(IS_LEVELS),
+        "is_source": st.sampled_from(IS_SOURCES),
         "is_cap": st.sampled_from([2.0, 1.3, math.inf]),
+        "is_cap_min": st.sampled_from([None, None, 0.5, 0.9]),
         "filter": st.sampled_from(FILTERS),
         "kl_threshold": st.sampled_from([0.0, 0.4, 2.0, 50.0]),
+        "kl_threshold_low": st.sampled_from([None, None, -0.3]),
         "kl_estimator": st.sampled_from(KL_ESTIMATORS),
         "kl_reduction": st.sampled_from(KL_REDUCTIONS),
-        "epsilon": st.sampled_from([0.2, 0.1]),
-        "epsilon_high": st.sampled_from([None, 0.28]),
-        "beta": st.sampled_from([0.0, 0.0, 0.04]),
-        "temperature": st.sampled_from([1.0, 0.7, 1.6]),
+        "kl_source": st.sampled_from(IS_SOURCES),
+        "reject_mode": st.sampled_from(REJECT_MODES),
         "loss_type": st.sampled_from(LOSS_TYPES),
+        "ratio_level": st.sampled_from(RATIO_LEVELS),
+        "epsilon": st.sampled_from([0.2, 0.1]),
+        "epsilon_high": st.sampled_from([None, 0.28, 3.0]),
+        "delta": st.sampled_from([None, None, 1.1]),
+        "max_completion_length": st.sampled_from([None, 8]),
+        "beta": st.sampled_from([0.0, 0.0, 0.04]),
+        "use_bias_correction_kl": st.booleans(),
+        "entropy_coef": st.sampled_from([0.0, 0.0, 0.05]),
+        "temperature": st.sampled_from([1.0, 0.7, 1.6]),
     }
-)
+).filter(_valid)
 
 
 @given(
@@ -310,3 +351,12 @@ def test_cuda_tensors_use_the_compiled_kernels():
     case = make_case(4, 16, 1000, torch.bfloat16, seed=18, device="cuda")
     assert ftis_loss_module.select_backend(case.logits.device) == "triton"
     check_against_reference(case, torch.bfloat16, "triton")
+
+
+def test_triton_interpreter_is_detected_through_the_kernels_heuristics():
+    # Guards the CPU test matrix: a wrapper (triton.heuristics) around the kernels must not hide
+    # the interpreter, or every "triton" case would silently run nothing but the torch path.
+    if torch.cuda.is_available():
+        pytest.skip("compiled Triton on CUDA")
+    assert logp_lse.triton_is_interpreted()
+    assert implementations(torch.device("cpu")) == ["triton", "torch"]

@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 import torch
 
-from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss
+from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, kernels
 from ref import ref_ftis_loss
 from tests import numerics
 from tests.cases import backend, ftis_loss_module, implementations, make_case, run_ref
@@ -103,7 +103,7 @@ def test_bad_structure_raises_value_error_naming_it_before_any_kernel(argument, 
     args = dict(good_args(), inplace_backward=False)
     edit(args)
     kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
-    with mock.patch.dict(ftis_loss_module._FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
         with pytest.raises(ValueError, match=rf"^{argument}: expected"):
             ftis_loss(**args, beta=0.1)
 
@@ -296,7 +296,7 @@ def test_inplace_backward_into_logits_that_overlap_themselves_is_refused(kind, i
     args = good_args()
     args["logits"] = _overlapping(kind)
     kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
-    with mock.patch.dict(ftis_loss_module._FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
         for inplace in (True, "force"):
             with pytest.raises(
                 ValueError, match=r"^inplace_backward: expected logits whose elements"
@@ -337,8 +337,21 @@ BAD_OPTIONS = [
     ("is_level", "batch"),
     ("filter", "positive"),
     ("kl_estimator", "k4"),
-    ("kl_reduction", "max"),
+    ("kl_reduction", "median"),
     ("loss_type", "ppo"),
+    ("is_source", "gen"),
+    ("kl_source", "ref"),
+    ("reject_mode", "drop"),
+    ("ratio_level", "batch"),
+    ("is_cap_min", -0.5),
+    ("kl_threshold_low", math.inf),
+    ("delta", 0.0),
+    ("max_completion_length", 0),
+    ("max_completion_length", 2.5),
+    ("sapo_temperature_pos", 0.0),
+    ("vespo_k_neg", math.nan),
+    ("use_bias_correction_kl", 1),
+    ("entropy_coef", -0.01),
     ("temperature", 0.0),
     ("temperature", -1.0),
     ("temperature", math.inf),
@@ -349,7 +362,8 @@ BAD_OPTIONS = [
     ("epsilon", 0.0),
     ("epsilon", 1.0),
     ("epsilon", 1.5),
-    ("epsilon_high", 1.2),
+    ("epsilon_high", 0.0),
+    ("epsilon_high", math.inf),
     ("beta", -0.1),
 ]
 
@@ -360,6 +374,37 @@ def test_bad_option_raises_value_error_naming_it(name, value):
         ftis_loss(**good_args(), **{name: value})
     with pytest.raises(ValueError, match=rf"^{name}: expected"):
         FTISOptions(**{name: value})
+
+
+BAD_COMBINATIONS = [
+    ("ratio_level", dict(ratio_level="sequence", loss_type="cispo")),
+    ("ratio_level", dict(ratio_level="sequence", loss_type="sapo")),
+    ("ratio_level", dict(ratio_level="sequence", loss_type="vespo")),
+    ("delta", dict(delta=1.5, loss_type="sapo")),
+    ("is_level", dict(loss_type="vespo", is_level="sequence")),
+    ("is_cap_min", dict(is_cap_min=3.0, is_cap=2.0)),
+    ("kl_threshold_low", dict(kl_threshold_low=1.0, kl_threshold=0.5)),
+]
+
+
+@pytest.mark.parametrize("name,combo", BAD_COMBINATIONS, ids=[str(c) for _, c in BAD_COMBINATIONS])
+def test_bad_combination_raises_value_error_naming_both_options_before_any_kernel(name, combo):
+    other = next(k for k in combo if k != name)
+
+    def kernel_ran(*args, **kwargs):
+        raise AssertionError("a kernel ran before the options were checked")
+
+    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+        for op in ("ftis_loss", "ftis_linear_loss"):
+            with pytest.raises(ValueError, match=rf"^{name}: expected .*{other}"):
+                call(op, good_args(), **combo)
+
+
+def test_unknown_option_name_raises_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"^is_cap_max: expected a keyword option"):
+        ftis_loss(**good_args(), is_cap_max=3.0)
+    with pytest.raises(ValueError, match=r"^preset: expected one of"):
+        FTISOptions.preset("ppo2")
 
 
 def test_beta_without_ref_logprobs_raises():
