@@ -124,8 +124,9 @@ def ref_ftis_loss(
     elif opt.loss_type == "vespo":
         with torch.no_grad():
             lmin = math.log(1e-8)
-            log_w = (masked(torch.clamp(logp_d - old, -20.0, 20.0)).sum(dim=1)
-                     + masked(torch.clamp(torch.log(weight), lmin, 20.0)).sum(dim=1))
+            log_w = masked(torch.clamp(logp_d - old, -20.0, 20.0)).sum(dim=1) + masked(
+                torch.clamp(torch.log(weight), lmin, 20.0)
+            ).sum(dim=1)
             log_w = torch.clamp(log_w, lmin, 20.0)
             nonneg = adv_hat[:, 0] >= 0
             k = torch.where(nonneg, opt.vespo_k_pos, opt.vespo_k_neg)

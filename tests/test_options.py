@@ -57,8 +57,9 @@ def test_a_new_option_reaches_the_public_signature_and_the_op_schema(monkeypatch
     # option added to the definition shows up in a signature and a schema built from it.
     from ftis_kernels import options as options_module
 
-    dummy = dataclasses.field(default=0.5, metadata={"help": "a dummy", "choices": None,
-                                                       "check": "finite"})  # fmt: skip
+    dummy = dataclasses.field(
+        default=0.5, metadata={"help": "a dummy", "choices": None, "check": "finite"}
+    )
     dummy.name, dummy.type = "dummy_option", "float"
     monkeypatch.setitem(options_module.OPTION_FIELDS, "dummy_option", dummy)
 

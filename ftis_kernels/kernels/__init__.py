@@ -19,7 +19,7 @@ BACKWARD = {"triton": logp_lse.logits_bwd, "torch": logp_lse.logits_bwd_torch}
 
 
 def select_backend(device: torch.device) -> str:
-    """"triton" for CUDA tensors and for CPU tensors under the Triton interpreter, else "torch"."""
+    """ "triton" for CUDA tensors and for CPU tensors under the Triton interpreter, else "torch"."""
     if device.type == "cuda":
         return "triton"
     if device.type == "cpu":
