@@ -74,6 +74,12 @@ def test_smoke_preset_runs_two_gloo_nodes_through_torchrun(smoke):
     assert "vocabulary of" in log and "LoRA" in log
 
 
+def test_a_run_prints_no_torchrun_banner_and_no_library_warnings(smoke):
+    _, log, _ = smoke
+    assert "Setting OMP_NUM_THREADS" not in log and "****" not in log
+    assert "Warning" not in log and "warnings.warn" not in log, log[-4000:]
+
+
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(smoke, tmp_path):
     full, _, _ = smoke
     rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--rounds", "2")

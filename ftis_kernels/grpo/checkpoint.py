@@ -65,7 +65,9 @@ def save_node(root: Path, node: int, round_: int, model, optimizer, sampler: tor
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    done = sorted(p for p in final.parent.glob("round_*") if not p.name.endswith(".tmp"))
+    # Only rounds up to this one: a later round's folder is not this run's to delete.
+    done = sorted(p for p in final.parent.glob("round_*")
+                  if not p.name.endswith(".tmp") and p.name <= final.name)
     for old in done[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -1,11 +1,25 @@
-"""Run outputs drawn from `metrics.jsonl`: the reward/accuracy curves and the summary table."""
+"""Run outputs: `metrics.jsonl` (one row per node and round), the reward/accuracy curves and the
+summary table drawn from it, the run's config and tokenizer."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from ftis_kernels.grpo.checkpoint import write_json_atomic
+
+# The per-node metrics of a round, in the order nodes gather them as one float64 vector.
+METRIC_KEYS = (
+    "reward_mean", "acc_id", "acc_ood", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
+    "is_truncated_frac", "loss", "tokens_sent", "bytes_sent", "bytes_per_token",
+    "samples_trained", "samples_received", "dropped", "seconds",
+)
+_INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -103,3 +117,47 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     out.append("  ".join("-" * w for w in widths))
     out += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)) for cells in lines]
     return "\n".join(out)
+
+
+def metric_rows(round_: int, vectors: Sequence[Sequence[float]], names: Sequence[str], mode: str,
+                collab: str) -> list[dict[str, Any]]:
+    """The metrics.jsonl rows of one round from each node's `METRIC_KEYS` vector (NaN -> None)."""
+    rows = []
+    for node, (vec, name) in enumerate(zip(vectors, names)):
+        row: dict[str, Any] = dict(round=round_, node=node, name=name, mode=mode, collab=collab)
+        for key, x in zip(METRIC_KEYS, vec):
+            row[key] = None if math.isnan(x) else (int(x) if key in _INT_KEYS else x)
+        rows.append(row)
+    return rows
+
+
+def write_run_config(out: Path, config: dict[str, Any]) -> None:
+    """`config.json` (atomic) and `config.yaml`: the run's effective configuration."""
+    write_json_atomic(out / "config.json", config)
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def start_metrics(path: Path, kept: list[dict[str, Any]]) -> None:
+    """Replace `path` atomically by the rows `kept` (a resumed run's completed rounds, or none)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+def append_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def write_outputs(out: Path, tokenizer, metrics_path: Path) -> Optional[str]:
+    """At the end of a run: the tokenizer, `curves.png` and `summary.txt`; returns the summary
+    with the paths to print (None without any metrics)."""
+    out.joinpath("tokenizer").mkdir(exist_ok=True)
+    tokenizer.save_pretrained(out / "tokenizer")
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    plot_curves(rows, out / "curves.png")
+    table = summary_table(rows)
+    (out / "summary.txt").write_text(table + "\n")
+    return f"{table}\n\nmetrics: {metrics_path}\ncurves:  {out / 'curves.png'}"
