@@ -115,8 +115,9 @@ def test_driver_config_takes_its_loss_options_from_the_definition():
     assert set(config.LOSSES) == {"on-policy", *PRESETS}
     for name in config.RUN_LOSS_OPTIONS:
         assert fields[name].default.description.startswith(OPTION_FIELDS[name].metadata["help"])
-    run = config.build_config("smoke", overrides={"loss": "gspo", "epsilon": 0.1,
-                                                  "loss_options": {"entropy_coef": 0.01}})
+    run = config.build_config(
+        "smoke", overrides={"loss": "gspo", "epsilon": 0.1, "loss_options": {"entropy_coef": 0.01}}
+    )
     want = FTISOptions.preset("gspo", epsilon=0.1, entropy_coef=0.01, temperature=run.temperature)
     assert run.ftis_options() == want
     with pytest.raises(ValueError, match="loss_options"):
