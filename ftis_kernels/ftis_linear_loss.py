@@ -27,19 +27,27 @@ the chunked PyTorch row passes.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from ftis_kernels.ftis_loss import (
-    _BACKWARD,
-    _FORWARD,
-    METRIC_NAMES,
+    arguments,
+    backward_stats,
     fake_forward_outputs,
-    option_args,
-    select_backend,
+    forward_outputs,
+    forward_schema,
+    public_metrics,
+    save_for_backward,
 )
-from ftis_kernels.options import FTISOptions
+from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
+from ftis_kernels.options import (
+    FTISOptions,
+    option_args,
+    options_from_args,
+    resolve_options,
+    with_option_keywords,
+)
 from ftis_kernels.per_sample import per_sample_loss
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor, check_values
 
@@ -96,27 +104,28 @@ def linear_logp_lse(
     temperature: float,
     chunk_size: int,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward pass. hidden (B, T, H), weight (V, H), bias (V,) or None, tokens (B, T);
     rows = (b, t) int64 index tensors of the positions to compute.
 
-    Returns logp, row_max, log_sum (B, T) fp32: log pi_theta(token) and the row statistics of
-    logits / temperature (`kernels/logp_lse.py`) at `rows`, 0 elsewhere.
+    Returns logp, row_max, log_sum, entropy (B, T) fp32: log pi_theta(token), the row statistics
+    of logits / temperature and the entropy of softmax(logits / temperature)
+    (`kernels/logp_lse.py`) at `rows`, 0 elsewhere.
     """
     B, T, _ = hidden.shape
-    logp, row_max, log_sum = (
-        torch.zeros(B, T, dtype=torch.float32, device=hidden.device) for _ in range(3)
+    logp, row_max, log_sum, entropy = (
+        torch.zeros(B, T, dtype=torch.float32, device=hidden.device) for _ in range(4)
     )
     for b, t in _chunks(rows, chunk_size):
         chunk = _chunk_forward(hidden[b, t], weight, bias, tokens[b, t], temperature, backend)
-        logp[b, t], row_max[b, t], log_sum[b, t] = chunk
-    return logp, row_max, log_sum
+        logp[b, t], row_max[b, t], log_sum[b, t], entropy[b, t] = chunk
+    return logp, row_max, log_sum, entropy
 
 
 def _chunk_forward(h, weight, bias, tokens, temperature, backend):
     # One function per chunk so that its logits are freed before the next chunk allocates its own.
     logits = _chunk_logits(h, weight, bias)
-    stats = _FORWARD[backend](logits[None], tokens[None], None, temperature)
+    stats = FORWARD[backend](logits[None], tokens[None], None, temperature)
     return tuple(x[0] for x in stats)
 
 
@@ -128,16 +137,20 @@ def linear_grads(
     row_max: torch.Tensor,
     log_sum: torch.Tensor,
     coef: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    entropy_coef: Optional[torch.Tensor],
     temperature: float,
     chunk_size: int,
     backend: str,
     needs: tuple[bool, bool, bool],
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Backward pass. row_max, log_sum (B, T) fp32 from the forward; coef (B, T) fp32 =
-    d loss / d logp times the incoming gradient, over temperature; needs = which of (hidden,
-    weight, bias) want a grad.
+    """Backward pass. row_max, log_sum, entropy (B, T) fp32 from the forward; coef, entropy_coef
+    (B, T) fp32 = d loss / d logp and d loss / d entropy times the incoming gradient, over
+    temperature (entropy and entropy_coef None without an entropy bonus); needs = which of
+    (hidden, weight, bias) want a grad.
 
-    With dlogits[r, v] = coef[r] * (1[v == token[r]] - softmax(logits[r] / temperature)[v]):
+    With dlogits[r, v] = coef[r] * (1[v == token[r]] - p[r, v]) - entropy_coef[r] * p[r, v] *
+    (log p[r, v] + entropy[r]), p = softmax(logits / temperature) (`kernels/logp_lse.py`):
     grad_hidden = dlogits @ weight (hidden dtype), grad_weight = dlogits.T @ hidden and
     grad_bias = sum_r dlogits[r] (fp32 accumulation, returned in the weight's dtype).
     """
@@ -149,8 +162,10 @@ def linear_grads(
         grad_weight = torch.zeros(weight.shape, dtype=f32, device=weight.device)
     grad_bias = torch.zeros(weight.shape[0], dtype=f32, device=weight.device) if need_b else None
     if any(needs):
-        for b, t in _chunks((coef != 0).nonzero(as_tuple=True), chunk_size):
-            stats = (row_max[b, t], log_sum[b, t], coef[b, t])
+        live = coef != 0 if entropy_coef is None else (coef != 0) | (entropy_coef != 0)
+        for b, t in _chunks(live.nonzero(as_tuple=True), chunk_size):
+            per_row = (row_max, log_sum, coef, entropy, entropy_coef)
+            stats = tuple(None if x is None else x[b, t] for x in per_row)
             _chunk_backward(hidden[b, t], weight, bias, tokens[b, t], stats, temperature,
                             backend, grad_hidden, (b, t), grad_weight, grad_bias)  # fmt: skip
     if grad_weight is not None:
@@ -164,8 +179,9 @@ def _chunk_backward(h, weight, bias, tokens, stats, temperature, backend, grad_h
                     grad_weight, grad_bias) -> None:  # fmt: skip
     logits = _chunk_logits(h, weight, bias)[None]
     # In place: the chunk's logits become their gradient.
-    stats = tuple(x[None] for x in stats)  # row_max, log_sum, coef
-    dlogits = _BACKWARD[backend](logits, tokens[None], *stats, temperature, logits)[0]
+    row_max, log_sum, coef, entropy, entropy_coef = (None if x is None else x[None] for x in stats)
+    dlogits = BACKWARD[backend](logits, tokens[None], row_max, log_sum, coef, temperature, logits,
+                                entropy, entropy_coef)[0]
     if grad_hidden is not None:
         grad_hidden[rows] = dlogits @ weight
     if grad_weight is not None:
@@ -187,51 +203,41 @@ def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tu
 # options travel unpacked: a custom op's schema takes tensors and plain scalars only.
 
 
-@torch.library.custom_op("ftis_kernels::ftis_linear_loss_fwd", mutates_args=())
-def _ftis_linear_loss_fwd(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    gen_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    old_logprobs: Optional[torch.Tensor],
-    ref_logprobs: Optional[torch.Tensor],
-    is_mode: str,
-    is_level: str,
-    is_cap: float,
-    filter: Optional[str],
-    kl_threshold: float,
-    kl_estimator: str,
-    kl_reduction: str,
-    epsilon: float,
-    epsilon_high: Optional[float],
-    beta: float,
-    temperature: float,
-    loss_type: str,
-    chunk_size: int,
-    backend: str,
-) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 4)]:  # type: ignore[misc]
-    """(loss, *metrics in METRIC_NAMES order, row_max (B, T), log_sum (B, T), coef (B, T)).
-    Checks the input values and the logits' row statistics right after the row pass, with one
-    synchronisation: here they run eagerly even under torch.compile."""
-    opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
-                      epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
+_FWD_SCHEMA = forward_schema(
+    "Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor gen_logprobs, "
+    "Tensor advantages, Tensor? mask, Tensor? old_logprobs, Tensor? ref_logprobs"
+).format(trailing="int chunk_size, str backend")
+
+
+def _ftis_linear_loss_fwd_impl(*inputs):
+    """Checks the input values and the logits' row statistics right after the row pass, with
+    one synchronisation: here they run eagerly even under torch.compile."""
+    args = arguments(_ftis_linear_loss_fwd, inputs)
+    opt = options_from_args(args)
+    hidden, weight, bias, tokens = (args[k] for k in ("hidden", "weight", "bias", "tokens"))
+    gen, adv, mask = args["gen_logprobs"], args["advantages"], args["mask"]
+    old, ref = args["old_logprobs"], args["ref_logprobs"]
     B, T, _ = hidden.shape
     m = None if mask is None else mask != 0
     rows = _completion_rows(m, B, T, hidden.device)
-    stats = linear_logp_lse(hidden, weight, bias, tokens, rows, temperature, chunk_size, backend)
-    inputs = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    check_values(weight.shape[0], *inputs, stats, logits_name="hidden")
-    logp, row_max, log_sum = stats
-    result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
-    metrics = (result.metrics[name] for name in METRIC_NAMES)
-    return (result.loss, *metrics, row_max, log_sum, result.coef)
+    chunking = (opt.temperature, args["chunk_size"], args["backend"])
+    logp, row_max, log_sum, entropy = linear_logp_lse(hidden, weight, bias, tokens, rows, *chunking)
+    stats = (logp, row_max, log_sum)
+    check_values(weight.shape[0], tokens, gen, adv, mask, old, ref, stats, logits_name="hidden")
+    result = per_sample_loss(logp, gen, adv, m, old, ref, opt, entropy)
+    return forward_outputs(result, row_max, log_sum)
+
+
+_ftis_linear_loss_fwd = torch.library.custom_op(
+    "ftis_kernels::ftis_linear_loss_fwd",
+    _ftis_linear_loss_fwd_impl,
+    mutates_args=(),
+    schema=_FWD_SCHEMA,
+)
 
 
 @_ftis_linear_loss_fwd.register_fake
-def _(hidden, weight, bias, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
+def _(hidden, *_):
     return fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1])
 
 
@@ -244,6 +250,8 @@ def _ftis_linear_loss_bwd(
     row_max: torch.Tensor,
     log_sum: torch.Tensor,
     coef: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    entropy_coef: Optional[torch.Tensor],
     temperature: float,
     chunk_size: int,
     backend: str,
@@ -252,17 +260,18 @@ def _ftis_linear_loss_bwd(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed (a custom
-    op returns no None). coef already scaled by the incoming gradient and 1 / temperature."""
+    op returns no None). coef and entropy_coef already scaled by the incoming gradient and
+    1 / temperature."""
     needs = (need_hidden, need_weight, need_bias)
-    stats = (row_max, log_sum, coef)
+    stats = (row_max, log_sum, coef, entropy, entropy_coef)
     grads = linear_grads(hidden, weight, bias, tokens, *stats, temperature, chunk_size, backend,
                          needs)
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 
 @_ftis_linear_loss_bwd.register_fake
-def _(hidden, weight, bias, tokens, row_max, log_sum, coef, temperature, chunk_size, backend,
-      need_hidden, need_weight, need_bias):  # fmt: skip
+def _(hidden, weight, bias, tokens, *rest):
+    need_hidden, need_weight, need_bias = rest[-3:]
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else hidden.new_empty(0),
@@ -271,25 +280,27 @@ def _(hidden, weight, bias, tokens, row_max, log_sum, coef, temperature, chunk_s
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, tokens = inputs[:4]
-    ctx.save_for_backward(hidden, weight, bias, tokens, *output[-3:])  # row_max, log_sum, coef
-    ctx.temperature, ctx.chunk_size, ctx.backend = inputs[19], inputs[21], inputs[22]
+    args = arguments(_ftis_linear_loss_fwd, inputs)
+    tensors = (args["hidden"], args["weight"], args["bias"], args["tokens"])
+    save_for_backward(ctx, args, inputs, output, *tensors)
+    ctx.chunk_size = args["chunk_size"]
 
 
 def _backward(ctx, grad_loss, *_):
-    hidden, weight, bias, tokens, row_max, log_sum, coef = ctx.saved_tensors
-    coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
+    hidden, weight, bias, tokens = ctx.saved_tensors[:4]
+    stats = backward_stats(ctx, grad_loss)
     needs = ctx.needs_input_grad
     need_bias = bias is not None and needs[2]
     grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
-        hidden, weight, bias, tokens, row_max, log_sum, coef, ctx.temperature, ctx.chunk_size,
-        ctx.backend, needs[0], needs[1], need_bias,
-    )  # fmt: skip
-    return (
+        hidden, weight, bias, tokens, *stats, ctx.temperature, ctx.chunk_size, ctx.backend,
+        needs[0], needs[1], need_bias,
+    )
+    grads = (
         grad_hidden if needs[0] else None,
         grad_weight if needs[1] else None,
         grad_bias if need_bias else None,
-    ) + (None,) * 20
+    )
+    return grads + (None,) * (ctx.n_inputs - len(grads))
 
 
 _ftis_linear_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -317,6 +328,7 @@ def _check_linear_inputs(hidden: object, weight: object, bias: object, chunk_siz
     return B, T, H, V
 
 
+@with_option_keywords
 def ftis_linear_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -329,20 +341,10 @@ def ftis_linear_loss(
     *,
     bias: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
-    is_mode: str = "tis",
-    is_level: str = "token",
-    is_cap: float = 2.0,
-    filter: Optional[str] = "negative_offpolicy",
-    kl_threshold: float = 50.0,
-    kl_estimator: str = "k3",
-    kl_reduction: str = "sum",
-    epsilon: float = 0.2,
-    epsilon_high: Optional[float] = None,
-    beta: float = 0.0,
-    temperature: float = 1.0,
-    loss_type: str = "grpo",
+    options: Optional[FTISOptions] = None,
+    **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """F-TIS loss and metrics of `ftis_loss(hidden @ weight.T + bias, ...)`, from the hidden
+    """The loss and metrics of `ftis_loss(hidden @ weight.T + bias, ...)`, from the hidden
     states, a chunk of positions at a time: the (B, T, V) logits never exist.
 
     Args:
@@ -353,8 +355,7 @@ def ftis_linear_loss(
         bias: (V,) in the hidden dtype, or None.
         chunk_size: positions per chunk (rows of logits alive at once); None = as many as keep a
             chunk within AUTO_CHUNK_ELEMENTS logits. Only memory and speed depend on it.
-        is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction, epsilon,
-        epsilon_high, beta, temperature, loss_type: see `FTISOptions`.
+        options, **option_keywords: as in `ftis_loss` (the fields of `FTISOptions`).
 
     The logits of a chunk are computed in the hidden dtype, as the model's lm-head would; the
     row passes and the reductions accumulate in fp32. Hidden states at masked positions are never
@@ -362,24 +363,25 @@ def ftis_linear_loss(
 
     Returns:
         loss: 0-dim fp32; gradients flow to `hidden`, `weight` and `bias`.
-        metrics: as `ftis_loss`: "logp" (B, T) fp32, "kl" (B,) fp32, "filtered" (B,) bool, and
-            0-dim fp32 "filtered_frac", "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac".
+        metrics: as `ftis_loss`.
     """
-    opt = FTISOptions(
-        is_mode=is_mode, is_level=is_level, is_cap=is_cap, filter=filter,
-        kl_threshold=kl_threshold, kl_estimator=kl_estimator, kl_reduction=kl_reduction,
-        epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, temperature=temperature,
-        loss_type=loss_type,
-    )  # fmt: skip
+    opt = resolve_options(options, option_keywords)
     B, T, H, V = _check_linear_inputs(hidden, weight, bias, chunk_size)
     backend = select_backend(hidden.device)
-    check_row_tensors(B, T, hidden.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
-                      ref_logprobs, beta)  # fmt: skip
-    loss, *metrics, _, _, _ = _ftis_linear_loss_fwd(
-        hidden, weight, bias, tokens, gen_logprobs.detach(), advantages.detach(), mask,
+    rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
+    check_row_tensors(B, T, hidden.device, *rows, opt.beta)
+    outputs = _ftis_linear_loss_fwd(
+        hidden,
+        weight,
+        bias,
+        tokens,
+        gen_logprobs.detach(),
+        advantages.detach(),
+        mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
         *option_args(opt),
-        auto_chunk_size(V) if chunk_size is None else int(chunk_size), backend,
-    )  # fmt: skip
-    return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}
+        auto_chunk_size(V) if chunk_size is None else int(chunk_size),
+        backend,
+    )
+    return outputs[0], public_metrics(outputs)

@@ -14,12 +14,20 @@ chunked PyTorch path with the same results.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from ftis_kernels.kernels import logp_lse
-from ftis_kernels.options import FTISOptions
+from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
+from ftis_kernels.options import (
+    FTISOptions,
+    option_args,
+    option_schema,
+    options_from_args,
+    resolve_options,
+    with_option_keywords,
+)
+from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
 from ftis_kernels.per_sample import per_sample_loss
 from ftis_kernels.validate import (
     LOGIT_DTYPES,
@@ -29,152 +37,172 @@ from ftis_kernels.validate import (
     check_values,
 )
 
-METRIC_NAMES = (
-    "logp",
-    "kl",
-    "filtered",
-    "filtered_frac",
-    "kl_mean",
-    "clip_frac",
-    "is_weight_mean",
-    "is_truncated_frac",
-)
+# What a forward op returns after the loss and the metrics, for the backward.
+SAVED_NAMES = ("row_max", "log_sum", "coef", "entropy_coef")
+N_OUTPUTS = 1 + len(METRIC_NAMES) + len(SAVED_NAMES)
 
 
-def select_backend(device: torch.device) -> str:
-    """"triton" for CUDA tensors and for CPU tensors under the Triton interpreter, else "torch"."""
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu":
-        return "triton" if logp_lse.triton_is_interpreted() else "torch"
-    raise ValueError(f"logits: expected a CUDA or CPU tensor, got a tensor on {device}")
+def forward_schema(leading: str) -> str:
+    """Schema of a forward custom op: `leading` tensor arguments, the row tensors, the options
+    (options.option_schema), then `trailing`; returns loss, metrics, row_max, log_sum, coef,
+    entropy_coef."""
+    outputs = ", ".join(["Tensor"] * N_OUTPUTS)
+    return f"({leading}, {option_schema()}, {{trailing}}) -> ({outputs})"
 
 
-_FORWARD = {"triton": logp_lse.logp_lse_fwd, "torch": logp_lse.logp_lse_fwd_torch}
-_BACKWARD = {"triton": logp_lse.logits_bwd, "torch": logp_lse.logits_bwd_torch}
+def arguments(op, inputs: tuple) -> dict[str, Any]:
+    """A custom op's inputs by name, from its schema: setup_context reads them by name."""
+    names = [a.name for a in op._opoverload._schema.arguments]
+    return dict(zip(names, inputs))
+
+
+def forward_outputs(result, row_max: torch.Tensor, log_sum: torch.Tensor) -> tuple:
+    """(loss, *metrics in METRIC_NAMES order, row_max, log_sum, coef, entropy_coef)."""
+    metrics = (result.metrics[name] for name in METRIC_NAMES)
+    return (result.loss, *metrics, row_max, log_sum, result.coef, result.entropy_coef)
+
+
+def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
+    """Shape-only outputs of a forward op of this library, on the device of `like`; shared by
+    `ftis_loss` and `ftis_linear_loss`."""
+    f32, per_token = torch.float32, (B, T)
+
+    def metric(name: str) -> torch.Tensor:
+        if name in PER_TOKEN_METRICS:
+            return like.new_empty(per_token, dtype=f32)
+        if name in PER_SAMPLE_METRICS:
+            return like.new_empty((B,), dtype=torch.bool if name == "filtered" else f32)
+        return like.new_empty((), dtype=f32)
+
+    saved = (like.new_empty(per_token, dtype=f32) for _ in SAVED_NAMES)
+    return (like.new_empty((), dtype=f32), *(metric(n) for n in METRIC_NAMES), *saved)
+
+
+def public_metrics(outputs: tuple) -> dict[str, torch.Tensor]:
+    """The metrics of a forward op's outputs, detached, by name."""
+    return {name: value.detach() for name, value in zip(METRIC_NAMES, outputs[1:])}
 
 
 # The op is registered with torch.library so that torch.compile(fullgraph=True) sees one opaque
 # node with a fake (shape-only) implementation and an autograd formula, instead of graph-breaking
-# on Triton launches and data-dependent Python. The options travel unpacked: a custom op's schema
-# takes tensors and plain scalars only.
+# on Triton launches and data-dependent Python. The options travel unpacked (a custom op's schema
+# takes tensors and plain scalars only), in the schema built from `FTISOptions`.
+
+_FWD_SCHEMA = forward_schema(
+    "Tensor logits, Tensor tokens, Tensor gen_logprobs, Tensor advantages, Tensor? mask, "
+    "Tensor? old_logprobs, Tensor? ref_logprobs"
+).format(trailing="bool inplace_backward, str backend")
 
 
-@torch.library.custom_op("ftis_kernels::ftis_loss_fwd", mutates_args=())
-def _ftis_loss_fwd(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    gen_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    old_logprobs: Optional[torch.Tensor],
-    ref_logprobs: Optional[torch.Tensor],
-    is_mode: str,
-    is_level: str,
-    is_cap: float,
-    filter: Optional[str],
-    kl_threshold: float,
-    kl_estimator: str,
-    kl_reduction: str,
-    epsilon: float,
-    epsilon_high: Optional[float],
-    beta: float,
-    temperature: float,
-    loss_type: str,
-    inplace_backward: bool,
-    backend: str,
-) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 4)]:  # type: ignore[misc]
-    """(loss, *metrics in METRIC_NAMES order, row_max (B, T), log_sum (B, T), coef (B, T)).
-    Checks the input values and the logits' row statistics right after the row pass, with one
-    synchronisation: here they run eagerly even under torch.compile."""
-    opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
-                      epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
+def _ftis_loss_fwd_impl(*inputs):
+    """Checks the input values and the logits' row statistics right after the row pass, with
+    one synchronisation: here they run eagerly even under torch.compile."""
+    args = arguments(_ftis_loss_fwd, inputs)
+    opt = options_from_args(args)
+    logits, tokens, gen, adv = (args[k] for k in ("logits", "tokens", "gen_logprobs", "advantages"))
+    mask, old, ref = args["mask"], args["old_logprobs"], args["ref_logprobs"]
     m = None if mask is None else mask != 0
-    logp, row_max, log_sum = _FORWARD[backend](logits, tokens, m, temperature)
-    inputs = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    check_values(logits.shape[-1], *inputs, (logp, row_max, log_sum))
-    result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
-    metrics = (result.metrics[name] for name in METRIC_NAMES)
-    return (result.loss, *metrics, row_max, log_sum, result.coef)
+    logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, tokens, m, opt.temperature)
+    check_values(logits.shape[-1], tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
+    result = per_sample_loss(logp, gen, adv, m, old, ref, opt, entropy)
+    return forward_outputs(result, row_max, log_sum)
 
 
-def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
-    """Shape-only outputs of a forward op of this library (loss, metrics, row_max, log_sum, coef),
-    on the device of `like`; shared by `ftis_loss` and `ftis_linear_loss`."""
-    scalar = like.new_empty((), dtype=torch.float32)
-    per_token = like.new_empty((B, T), dtype=torch.float32)
-    return (
-        scalar,  # loss
-        per_token,  # logp
-        like.new_empty((B,), dtype=torch.float32),  # kl
-        like.new_empty((B,), dtype=torch.bool),  # filtered
-        *(torch.empty_like(scalar) for _ in range(5)),  # scalar metrics
-        torch.empty_like(per_token),  # row_max
-        torch.empty_like(per_token),  # log_sum
-        torch.empty_like(per_token),  # coef
-    )
-
-
-def option_args(opt: FTISOptions) -> tuple:
-    """The options unpacked in the custom ops' schema order, as plain Python scalars."""
-    return (
-        opt.is_mode, opt.is_level, float(opt.is_cap), opt.filter, float(opt.kl_threshold),
-        opt.kl_estimator, opt.kl_reduction, float(opt.epsilon),
-        None if opt.epsilon_high is None else float(opt.epsilon_high), float(opt.beta),
-        float(opt.temperature), opt.loss_type,
-    )  # fmt: skip
+_ftis_loss_fwd = torch.library.custom_op(
+    "ftis_kernels::ftis_loss_fwd", _ftis_loss_fwd_impl, mutates_args=(), schema=_FWD_SCHEMA
+)
 
 
 @_ftis_loss_fwd.register_fake
-def _(logits, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
+def _(logits, *_):
     return fake_forward_outputs(logits, logits.shape[0], logits.shape[1])
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
 def _ftis_loss_bwd(
-    logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
-    coef: torch.Tensor, temperature: float, backend: str,
-) -> torch.Tensor:  # fmt: skip
-    """d loss / d logits (B, T, V) in a new buffer; coef already scaled by the incoming gradient."""
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
+    coef: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    entropy_coef: Optional[torch.Tensor],
+    temperature: float,
+    backend: str,
+) -> torch.Tensor:
+    """d loss / d logits (B, T, V) in a new buffer; coef and entropy_coef already scaled by the
+    incoming gradient and 1 / temperature."""
     out = torch.empty_like(logits)
-    return _BACKWARD[backend](logits, tokens, row_max, log_sum, coef, temperature, out)
+    stats = (row_max, log_sum, coef, temperature, out, entropy, entropy_coef)
+    return BACKWARD[backend](logits, tokens, *stats)
 
 
 @_ftis_loss_bwd.register_fake
-def _(logits, tokens, row_max, log_sum, coef, temperature, backend):
+def _(logits, *_):
     return torch.empty_like(logits)
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd_", mutates_args=("logits",))
 def _ftis_loss_bwd_inplace(
-    logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
-    coef: torch.Tensor, temperature: float, backend: str,
-) -> None:  # fmt: skip
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
+    coef: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    entropy_coef: Optional[torch.Tensor],
+    temperature: float,
+    backend: str,
+) -> None:
     """d loss / d logits written over the logits themselves."""
-    _BACKWARD[backend](logits, tokens, row_max, log_sum, coef, temperature, logits)
+    stats = (row_max, log_sum, coef, temperature, logits, entropy, entropy_coef)
+    BACKWARD[backend](logits, tokens, *stats)
+
+
+def backward_stats(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(row_max, log_sum, coef, entropy, entropy_coef) from a forward op's saved tensors, with
+    the incoming gradient and 1 / temperature folded into coef and entropy_coef; entropy and
+    entropy_coef are None without an entropy bonus (the row kernels then skip that term)."""
+    *_, row_max, log_sum, coef, entropy, entropy_coef = ctx.saved_tensors
+    scale = grad_loss.float() / ctx.temperature
+    coef = (coef * scale).contiguous()
+    if not ctx.entropy_grad:
+        return row_max, log_sum, coef, None, None
+    return row_max, log_sum, coef, entropy, (entropy_coef * scale).contiguous()
+
+
+def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *tensors) -> None:
+    """Saves `tensors`, then row_max, log_sum, coef, the entropy and entropy_coef; keeps the
+    temperature and the backend, and the number of inputs (the backward's tuple length)."""
+    row_max, log_sum, coef, entropy_coef = output[-len(SAVED_NAMES) :]
+    entropy = output[1 + METRIC_NAMES.index("entropy")]
+    ctx.save_for_backward(*tensors, row_max, log_sum, coef, entropy, entropy_coef)
+    ctx.temperature, ctx.backend, ctx.n_inputs = args["temperature"], args["backend"], len(inputs)
+    ctx.entropy_grad = args["entropy_coef"] > 0
 
 
 def _setup_context(ctx, inputs, output):
-    logits, tokens = inputs[0], inputs[1]
-    ctx.save_for_backward(logits, tokens, *output[-3:])  # row_max, log_sum, coef
-    ctx.temperature, ctx.inplace_backward, ctx.backend = inputs[17], inputs[19], inputs[20]
+    args = arguments(_ftis_loss_fwd, inputs)
+    save_for_backward(ctx, args, inputs, output, args["logits"], args["tokens"])
+    ctx.inplace_backward = args["inplace_backward"]
 
 
 def _backward(ctx, grad_loss, *_):
-    logits, tokens, row_max, log_sum, coef = ctx.saved_tensors
-    coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
-    args = (logits, tokens, row_max, log_sum, coef, ctx.temperature, ctx.backend)
+    logits, tokens = ctx.saved_tensors[:2]
+    row_max, log_sum, coef, entropy, entropy_coef = backward_stats(ctx, grad_loss)
+    stats = (row_max, log_sum, coef, entropy, entropy_coef, ctx.temperature, ctx.backend)
     if ctx.inplace_backward:
-        torch.ops.ftis_kernels.ftis_loss_bwd_(*args)
+        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *stats)
         dlogits = logits
     else:
-        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(*args)
-    return (dlogits,) + (None,) * 20
+        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, *stats)
+    return (dlogits,) + (None,) * (ctx.n_inputs - 1)
 
 
 _ftis_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+@with_option_keywords
 def ftis_loss(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -184,21 +212,11 @@ def ftis_loss(
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     *,
-    is_mode: str = "tis",
-    is_level: str = "token",
-    is_cap: float = 2.0,
-    filter: Optional[str] = "negative_offpolicy",
-    kl_threshold: float = 50.0,
-    kl_estimator: str = "k3",
-    kl_reduction: str = "sum",
-    epsilon: float = 0.2,
-    epsilon_high: Optional[float] = None,
-    beta: float = 0.0,
-    temperature: float = 1.0,
-    loss_type: str = "grpo",
+    options: Optional[FTISOptions] = None,
     inplace_backward: bool | str = False,
+    **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """F-TIS loss (the quantity to minimise) and its metrics, fused from the logits.
+    """The GRPO-family loss (the quantity to minimise) and its metrics, fused from the logits.
 
     Args:
         logits: (B, T, V) fp32 | bf16 | fp16, any strides; logits[b, t] scores tokens[b, t].
@@ -207,29 +225,34 @@ def ftis_loss(
             at completion positions.
         advantages: (B,) float, group-relative advantages (filtered samples included).
         mask: (B, T) bool or 0/1, the completion tokens; None = all.
-        old_logprobs: (B, T) float, log pi_old for the PPO ratio; None = stop_grad(current).
+        old_logprobs: (B, T) float, log pi_old for the PPO ratio (and is_source="old");
+            None = stop_grad(current).
         ref_logprobs: (B, T) float for the beta * k3 penalty; required when beta > 0.
-        is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction, epsilon,
-        epsilon_high, beta, temperature, loss_type: see `FTISOptions`.
+        options: an `FTISOptions` (e.g. `FTISOptions.preset("gspo")`); None = the defaults.
+        **option_keywords: any field of `FTISOptions` (is_mode, filter, loss_type, ratio_level,
+            entropy_coef, ...), applied over `options`; help(ftis_loss) lists them all.
         inplace_backward: write d loss / d logits into the logits buffer during backward, saving
             a (B, T, V) allocation. Only when nothing reads the logits after the loss: they are
             overwritten by their gradient. Refused (ValueError) for logits whose elements share
             memory (expanded or overlapping views) and, unless "force", for a leaf tensor that
             requires grad or a view of one (your own tensor would become its gradient).
 
-    Per token, with A = 0 for filtered samples:
+    Per token, with A = 0 for rejected samples and the defaults (F-TIS, loss_type "grpo"):
         loss_t = -min(pi/pi_gen, C) * min(R A, clip(R, 1-eps, 1+eps_high) A) + beta * k3(ref - logp)
-    reduced by `loss_type` ("grpo": per-sample token mean, then mean over B).
+    reduced by `loss_type`; `per_sample.py` writes out every loss type and correction.
 
     Returns:
         loss: 0-dim fp32; gradients flow to `logits` only.
-        metrics: detached tensors: "logp" (B, T) fp32 (0 where masked), "kl" (B,) fp32,
-            "filtered" (B,) bool, and 0-dim fp32 "filtered_frac", "kl_mean", "clip_frac",
-            "is_weight_mean", "is_truncated_frac" (the last three over completion tokens).
+        metrics: detached tensors (per_sample.METRIC_NAMES): "logp", "entropy" (B, T) fp32 (0
+            where masked), "kl" (B,) fp32, "filtered" (B,) bool, and 0-dim fp32 "filtered_frac",
+            "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac",
+            "is_ratio_mean", "is_ratio_max", "is_ratio_min", "entropy_mean" (over completion
+            tokens; is_ratio_* is the raw IS ratio before truncation or masking).
 
     Raises:
-        ValueError naming the argument, in one line: shapes, dtypes, devices, options and the
-        in-place backward's preconditions before any kernel runs; values (token ids, finiteness
+        ValueError naming the argument, in one line: shapes, dtypes, devices, options (an unknown
+        name, a bad value, a bad combination naming both options) and the in-place backward's
+        preconditions before any kernel runs; values (token ids, finiteness
         and sign in float32, the logits) with one synchronisation right after the row pass, with
         the number of failing positions, the first one and its value. Logits at a completion
         position must give a finite log pi_theta(token): a row with a NaN or +inf logit (after
@@ -237,25 +260,26 @@ def ftis_loss(
         refused, on every backend. -inf at other tokens is legal (vocabulary masking) and exact.
         Logits at masked positions may hold anything and never reach the loss or the gradient.
     """
-    opt = FTISOptions(
-        is_mode=is_mode, is_level=is_level, is_cap=is_cap, filter=filter,
-        kl_threshold=kl_threshold, kl_estimator=kl_estimator, kl_reduction=kl_reduction,
-        epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, temperature=temperature,
-        loss_type=loss_type,
-    )  # fmt: skip
+    opt = resolve_options(options, option_keywords)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or min(logits.shape) < 1:
-        raise ValueError(f"logits: expected a (B, T, V) tensor with B, T, V >= 1, got "
-                         f"{logits.shape if isinstance(logits, torch.Tensor) else logits!r}")  # fmt: skip
+        got = logits.shape if isinstance(logits, torch.Tensor) else logits
+        raise ValueError(f"logits: expected a (B, T, V) tensor with B, T, V >= 1, got {got!r}")
     B, T, V = logits.shape
     check_tensor("logits", logits, (B, T, V), LOGIT_DTYPES, logits.device)
     backend = select_backend(logits.device)
-    check_row_tensors(B, T, logits.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
-                      ref_logprobs, beta)  # fmt: skip
+    rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
+    check_row_tensors(B, T, logits.device, *rows, opt.beta)
     inplace = check_inplace_backward(logits, inplace_backward)
-    loss, *metrics, _, _, _ = _ftis_loss_fwd(
-        logits, tokens, gen_logprobs.detach(), advantages.detach(), mask,
+    outputs = _ftis_loss_fwd(
+        logits,
+        tokens,
+        gen_logprobs.detach(),
+        advantages.detach(),
+        mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
-        *option_args(opt), inplace, backend,
-    )  # fmt: skip
-    return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}
+        *option_args(opt),
+        inplace,
+        backend,
+    )
+    return outputs[0], public_metrics(outputs)

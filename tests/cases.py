@@ -20,9 +20,13 @@ from ftis_kernels.options import (
     FILTERS,
     IS_LEVELS,
     IS_MODES,
+    IS_SOURCES,
     KL_ESTIMATORS,
     KL_REDUCTIONS,
     LOSS_TYPES,
+    RATIO_LEVELS,
+    REJECT_MODES,
+    FTISOptions,
 )
 from ref import ref_ftis_loss
 
@@ -31,7 +35,18 @@ ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")
 linear_module = importlib.import_module("ftis_kernels.ftis_linear_loss")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SCALAR_METRICS = ("filtered_frac", "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac")
+SCALAR_METRICS = (
+    "filtered_frac",
+    "kl_mean",
+    "clip_frac",
+    "is_weight_mean",
+    "is_truncated_frac",
+    "is_masked_frac",
+    "is_ratio_mean",
+    "is_ratio_max",
+    "is_ratio_min",
+    "entropy_mean",
+)
 
 
 @dataclass(frozen=True)
@@ -143,22 +158,41 @@ def make_case(
 
 # --- hypothesis strategies ---------------------------------------------------------------------
 
+def _valid(opts: dict) -> bool:
+    try:
+        FTISOptions(**opts)
+    except ValueError:
+        return False
+    return True
+
+
+# Every option, drawn; the combinations FTISOptions refuses are filtered out.
 options = st.fixed_dictionaries(
     {
         "is_mode": st.sampled_from(IS_MODES),
         "is_level": st.sampled_from(IS_LEVELS),
+        "is_source": st.sampled_from(IS_SOURCES),
         "is_cap": st.sampled_from([2.0, 1.3, math.inf]),
+        "is_cap_min": st.sampled_from([None, None, 0.5, 0.9]),
         "filter": st.sampled_from(FILTERS),
         "kl_threshold": st.sampled_from([0.0, 0.4, 2.0, 50.0]),
+        "kl_threshold_low": st.sampled_from([None, None, -0.3]),
         "kl_estimator": st.sampled_from(KL_ESTIMATORS),
         "kl_reduction": st.sampled_from(KL_REDUCTIONS),
-        "epsilon": st.sampled_from([0.2, 0.1]),
-        "epsilon_high": st.sampled_from([None, 0.28]),
-        "beta": st.sampled_from([0.0, 0.0, 0.04]),
-        "temperature": st.sampled_from([1.0, 0.7, 1.6]),
+        "kl_source": st.sampled_from(IS_SOURCES),
+        "reject_mode": st.sampled_from(REJECT_MODES),
         "loss_type": st.sampled_from(LOSS_TYPES),
+        "ratio_level": st.sampled_from(RATIO_LEVELS),
+        "epsilon": st.sampled_from([0.2, 0.1]),
+        "epsilon_high": st.sampled_from([None, 0.28, 3.0]),
+        "delta": st.sampled_from([None, None, 1.1]),
+        "max_completion_length": st.sampled_from([None, 8]),
+        "beta": st.sampled_from([0.0, 0.0, 0.04]),
+        "use_bias_correction_kl": st.booleans(),
+        "entropy_coef": st.sampled_from([0.0, 0.0, 0.05]),
+        "temperature": st.sampled_from([1.0, 0.7, 1.6]),
     }
-)
+).filter(_valid)
 dtypes = st.sampled_from(DTYPES)
 masks = st.sampled_from(["none", "random", "empty_row"])
 gen_spreads = st.sampled_from([0.05, 1.0, 4.0])

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse
+from ftis_kernels.options import FTISOptions, option_args
+from ftis_kernels.per_sample import METRIC_NAMES
 from tests import numerics
 from tests.cases import (
     DTYPES,
@@ -58,7 +60,7 @@ def check_against_reference(case, dtype, impl, *, exact, chunk_size=None, record
         # The logits are exact in every dtype: fp32 accuracy, as ftis_loss on those logits.
         f32_loss, f32_metrics, _ = run_linear_ref(case, torch.float64, torch.float32, **opts)
         errors["loss"] = check("loss", loss, o_loss, f32_loss, numerics.FP32)
-        for name in ("logp", "kl", *SCALAR_METRICS):
+        for name in ("logp", "entropy", "kl", *SCALAR_METRICS):
             errors[name] = check(name, metrics[name], o_metrics[name], f32_metrics[name], numerics.FP32)
         assert torch.equal(metrics["filtered"].cpu(), o_metrics["filtered"].cpu())
     else:
@@ -270,11 +272,13 @@ def test_custom_ops_pass_opcheck(device):
     case = make_case(2, 3, 17, H=4, seed=11, device=device)
     tokens, gen, adv, mask, old, ref = case.inputs
     hidden, weight, bias = (x.float() for x in (case.hidden, case.weight, case.bias))
-    options = ("tis", "token", 2.0, "negative_offpolicy", 50.0, "k3", "sum", 0.2, None, 0.0, 1.0, "grpo")
+    options = option_args(FTISOptions(entropy_coef=0.01))
     fwd_args = (hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options, 2, "torch")
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_fwd.default, fwd_args)
-    *_, row_max, log_sum, coef = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
-    stats = (row_max, log_sum, coef)
+    outputs = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
+    *_, row_max, log_sum, coef, entropy_coef = outputs
+    entropy = outputs[1 + METRIC_NAMES.index("entropy")]
+    stats = (row_max, log_sum, coef, entropy, entropy_coef)
     bwd_args = (hidden, weight, bias, tokens, *stats, 1.0, 2, "torch", True, True, True)
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_bwd.default, bwd_args)
 

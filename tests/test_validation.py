@@ -27,7 +27,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss
+from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, kernels
 from ref import ref_ftis_loss
 from tests import numerics
 from tests.cases import (
@@ -83,7 +83,7 @@ def replace(name, value):
 
 def kernels_must_not_run():
     kernel = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
-    return mock.patch.dict(ftis_loss_module._FORWARD, {"triton": kernel, "torch": kernel})
+    return mock.patch.dict(kernels.FORWARD, {"triton": kernel, "torch": kernel})
 
 
 BAD_LOGITS = [
@@ -455,7 +455,20 @@ BAD_OPTIONS = [
     ("is_level", "batch"),
     ("filter", "positive"),
     ("kl_estimator", "k4"),
-    ("kl_reduction", "max"),
+    ("kl_reduction", "median"),
+    ("is_source", "gen"),
+    ("kl_source", "ref"),
+    ("reject_mode", "drop"),
+    ("ratio_level", "batch"),
+    ("is_cap_min", -0.5),
+    ("kl_threshold_low", math.inf),
+    ("delta", 0.0),
+    ("max_completion_length", 0),
+    ("max_completion_length", 2.5),
+    ("sapo_temperature_pos", 0.0),
+    ("vespo_k_neg", math.nan),
+    ("use_bias_correction_kl", 1),
+    ("entropy_coef", -0.01),
     ("loss_type", "ppo"),
     ("temperature", 0.0),
     ("temperature", -1.0),
@@ -467,7 +480,8 @@ BAD_OPTIONS = [
     ("epsilon", 0.0),
     ("epsilon", 1.0),
     ("epsilon", 1.5),
-    ("epsilon_high", 1.2),
+    ("epsilon_high", 0.0),
+    ("epsilon_high", math.inf),
     ("beta", -0.1),
 ]
 
@@ -480,6 +494,33 @@ def test_bad_option_raises_value_error_naming_it(name, value):
         ftis_linear_loss(**linear_args(), **{name: value})
     with pytest.raises(ValueError, match=rf"^{name}: expected"):
         FTISOptions(**{name: value})
+
+
+BAD_COMBINATIONS = [
+    ("ratio_level", dict(ratio_level="sequence", loss_type="cispo")),
+    ("ratio_level", dict(ratio_level="sequence", loss_type="sapo")),
+    ("ratio_level", dict(ratio_level="sequence", loss_type="vespo")),
+    ("delta", dict(delta=1.5, loss_type="sapo")),
+    ("is_level", dict(loss_type="vespo", is_level="sequence")),
+    ("is_cap_min", dict(is_cap_min=3.0, is_cap=2.0)),
+    ("kl_threshold_low", dict(kl_threshold_low=1.0, kl_threshold=0.5)),
+]
+
+
+@pytest.mark.parametrize("name,combo", BAD_COMBINATIONS, ids=[str(c) for _, c in BAD_COMBINATIONS])
+def test_bad_combination_raises_value_error_naming_both_options_before_any_kernel(name, combo):
+    other = next(k for k in combo if k != name)
+    with kernels_must_not_run():
+        for op in ("ftis_loss", "ftis_linear_loss"):
+            with pytest.raises(ValueError, match=rf"^{name}: expected .*{other}"):
+                call(op, good_args(), **combo)
+
+
+def test_unknown_option_name_raises_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"^is_cap_max: expected a keyword option"):
+        ftis_loss(**good_args(), is_cap_max=3.0)
+    with pytest.raises(ValueError, match=r"^preset: expected one of"):
+        FTISOptions.preset("ppo2")
 
 
 def test_garbage_at_masked_positions_of_logprob_inputs_is_accepted():
