@@ -225,8 +225,8 @@ def ftis_loss(
             at completion positions.
         advantages: (B,) float, group-relative advantages (filtered samples included).
         mask: (B, T) bool or 0/1, the completion tokens; None = all.
-        old_logprobs: (B, T) float, log pi_old for the PPO ratio (and is_source="old");
-            None = stop_grad(current).
+        old_logprobs: (B, T) float, log pi_old for the PPO ratio (and for is_source="old",
+            kl_source="old"); None = stop_grad(current).
         ref_logprobs: (B, T) float for the beta * k3 penalty; required when beta > 0.
         options: an `FTISOptions` (e.g. `FTISOptions.preset("gspo")`); None = the defaults.
         **option_keywords: any field of `FTISOptions` (is_mode, filter, loss_type, ratio_level,

@@ -197,8 +197,9 @@ class FTISOptions:
     )
     entropy_coef: float = _option(
         0.0,
-        "Entropy bonus: loss -= entropy_coef * (mean per-token entropy over the completion "
-        "tokens), as TRL's static entropy_coef.",
+        "Entropy bonus: loss -= entropy_coef * (mean per-token entropy over the tokens in the "
+        "loss: completion tokens less those of samples rejected with reject_mode='mask'), as "
+        "TRL's static entropy_coef.",
         check="non_negative_finite",
     )
     temperature: float = _option(
@@ -360,7 +361,8 @@ PRESETS: dict[str, Preset] = {
             kl_threshold=0.5,
         ),
         "off-policy sequence masking (DeepSeek-V3.2 eq. 9; TRL off_policy_mask_threshold=0.5): "
-        "A < 0 and mean_t(log pi_gen - log pi_theta) > delta",
+        "A <= 0 and mean_t(log pi_gen - log pi_theta) > delta (TRL rejects A < 0 only: the loss is "
+        "the same, `filtered` also counts the A = 0 samples)",
     ),
     "gspo": Preset(
         dict(_ON_POLICY, ratio_level="sequence", epsilon=3e-4, epsilon_high=4e-4),

@@ -38,8 +38,8 @@ METRIC_NAMES = (
     "entropy_mean",
 )
 """Metrics of both ops, in the custom ops' output order: logp, entropy (B, T); kl (B,); filtered
-(B,) bool; the rest 0-dim fp32 (over completion tokens; is_ratio_* is the raw IS ratio before
-truncation or masking, at the chosen level)."""
+(B,) bool; the rest 0-dim fp32 (filtered_frac and kl_mean over samples, the others over completion
+tokens; is_ratio_* is the raw IS ratio before truncation or masking, at the chosen level)."""
 PER_TOKEN_METRICS = ("logp", "entropy")
 PER_SAMPLE_METRICS = ("kl", "filtered")
 
