@@ -27,7 +27,7 @@ the chunked PyTorch row passes.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -40,22 +40,29 @@ from ftis_kernels.ftis_loss import (
     select_backend,
 )
 from ftis_kernels.options import FTISOptions
-from ftis_kernels.per_sample import per_sample_loss
+from ftis_kernels.per_sample import PerSample, per_sample_loss
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_values, check_tensor
 
-# With chunk_size=None, a chunk holds at most this many logits (2^25: 64 MiB in bf16, 128 MiB in
-# fp32, i.e. 220 rows of Qwen2.5's 151,936-token vocabulary; still a GEMM of 100 GFLOP at H=1536).
-AUTO_CHUNK_ELEMENTS = 1 << 25
+# With chunk_size=None, a chunk holds at most this many logits (2^26: 128 MiB in bf16, 256 MiB in
+# fp32, i.e. 441 rows of Qwen2.5's 151,936-token vocabulary)...
+AUTO_CHUNK_ELEMENTS = 1 << 26
+# ...or, when more, the longest sample's completion, if its logits are at most this many (2^28:
+# 1 GiB in fp32, 1,766 rows of 151,936): chunks of whole samples let the forward compute the
+# gradients from the logits it already holds (6 N H V FLOPs instead of 8), and larger GEMMs run
+# faster on CPU (measured: bench/README.md).
+AUTO_SAMPLE_CHUNK_ELEMENTS = 1 << 28
 
 # Vocabulary rows per fp32 partial product of grad_weight when the weight is bf16/fp16
 # (8192 x H x 4 bytes: 48 MiB at H = 1536).
 GRAD_WEIGHT_BLOCK_V = 8192
 
 
-
-def auto_chunk_size(V: int) -> int:
-    """Rows per chunk when `chunk_size` is None: AUTO_CHUNK_ELEMENTS // V, at least 1."""
-    return max(1, AUTO_CHUNK_ELEMENTS // V)
+def auto_chunk_size(V: int, longest: int) -> int:
+    """Rows per chunk when `chunk_size` is None, for `longest` completion tokens in one sample:
+    AUTO_CHUNK_ELEMENTS // V, raised to `longest` when that many rows hold at most
+    AUTO_SAMPLE_CHUNK_ELEMENTS logits; at least 1."""
+    rows = max(1, AUTO_CHUNK_ELEMENTS // V)
+    return max(rows, longest) if longest * V <= AUTO_SAMPLE_CHUNK_ELEMENTS else rows
 
 
 def _chunks(rows: tuple[torch.Tensor, torch.Tensor], chunk_size: int) -> Iterator[tuple]:
@@ -63,6 +70,27 @@ def _chunks(rows: tuple[torch.Tensor, torch.Tensor], chunk_size: int) -> Iterato
     b, t = rows
     for i in range(0, b.numel(), chunk_size):
         yield b[i : i + chunk_size], t[i : i + chunk_size]
+
+
+def _sample_chunks(
+    rows: tuple[torch.Tensor, torch.Tensor], per_sample: torch.Tensor, chunk_size: int
+) -> Optional[list[tuple]]:
+    """(b, t) index tensors of chunks that each hold whole samples (at most chunk_size positions),
+    from the row-major completion positions `rows` and their count per sample (B,); None when a
+    sample has more than chunk_size positions."""
+    counts = per_sample.tolist()
+    if max(counts, default=0) > chunk_size:
+        return None
+    chunks, start, size = [], 0, 0
+    for n in counts:
+        if size + n > chunk_size:
+            chunks.append((start, start + size))
+            start, size = start + size, 0
+        size += n
+    if size:
+        chunks.append((start, start + size))
+    b, t = rows
+    return [(b[i0:i1], t[i0:i1]) for i0, i1 in chunks]
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -87,85 +115,96 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.T
             acc[block].addmm_(dlogits[:, block].t().float(), h.float())
 
 
-def linear_logp_lse(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    rows: tuple[torch.Tensor, torch.Tensor],
-    temperature: float,
-    chunk_size: int,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward pass. hidden (B, T, H), weight (V, H), bias (V,) or None, tokens (B, T);
-    rows = (b, t) int64 index tensors of the positions to compute.
-
-    Returns logp, lse (B, T) fp32: log pi_theta(token) and logsumexp(logits / temperature) at
-    `rows`, 0 elsewhere.
-    """
-    B, T, _ = hidden.shape
-    logp = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-    lse = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-    for b, t in _chunks(rows, chunk_size):
-        logp[b, t], lse[b, t] = _chunk_forward(hidden[b, t], weight, bias, tokens[b, t], temperature, backend)
-    return logp, lse
-
-
 def _chunk_forward(h, weight, bias, tokens, temperature, backend):
-    # One function per chunk so that its logits are freed before the next chunk allocates its own.
-    logits = _chunk_logits(h, weight, bias)
-    chunk_logp, chunk_lse = _FORWARD[backend](logits[None], tokens[None], None, temperature)
-    return chunk_logp[0], chunk_lse[0]
-
-
-def linear_grads(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    lse: torch.Tensor,
-    coef: torch.Tensor,
-    temperature: float,
-    chunk_size: int,
-    backend: str,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Backward pass. lse (B, T) fp32 from the forward; coef (B, T) fp32 = d loss / d logp times
-    the incoming gradient, over temperature; needs = which of (hidden, weight, bias) want a grad.
-
-    With dlogits[r, v] = coef[r] * (1[v == token[r]] - softmax(logits[r] / temperature)[v]):
-    grad_hidden = dlogits @ weight (hidden dtype), grad_weight = dlogits.T @ hidden and
-    grad_bias = sum_r dlogits[r] (fp32 accumulation, returned in the weight's dtype).
-    """
-    need_h, need_w, need_b = needs
-    f32 = torch.float32
-    grad_hidden = torch.zeros_like(hidden) if need_h else None
-    grad_weight = None
-    if need_w:
-        grad_weight = torch.zeros(weight.shape, dtype=f32, device=weight.device)
-    grad_bias = torch.zeros(weight.shape[0], dtype=f32, device=weight.device) if need_b else None
-    if any(needs):
-        for b, t in _chunks((coef != 0).nonzero(as_tuple=True), chunk_size):
-            _chunk_backward(hidden[b, t], weight, bias, tokens[b, t], lse[b, t], coef[b, t], temperature,
-                            backend, grad_hidden, (b, t), grad_weight, grad_bias)  # fmt: skip
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    if grad_bias is not None:
-        grad_bias = grad_bias.to(weight.dtype)
-    return grad_hidden, grad_weight, grad_bias
-
-
-def _chunk_backward(h, weight, bias, tokens, lse, coef, temperature, backend, grad_hidden, rows,
-                    grad_weight, grad_bias) -> None:  # fmt: skip
+    """The chunk's logits (1, c, V) and their row statistics logp, row_max, log_sum (1, c)."""
     logits = _chunk_logits(h, weight, bias)[None]
-    # In place: the chunk's logits become their gradient.
-    dlogits = _BACKWARD[backend](logits, tokens[None], lse[None], coef[None], temperature, logits)[0]
+    return logits, _FORWARD[backend](logits, tokens[None], None, temperature)
+
+
+def _chunk_grads(
+    logits, h, weight, tokens, row_max, log_sum, coef, temperature, backend, rows, grads
+) -> None:
+    """Overwrites the chunk's logits (1, c, V) with their gradient and accumulates it into
+    grads = (grad_hidden (B, T, H) at `rows`, grad_weight (V, H) fp32, grad_bias (V,) fp32)."""
+    stats = (row_max, log_sum, coef[None], temperature)
+    dlogits = _BACKWARD[backend](logits, tokens[None], *stats, logits)[0]
+    grad_hidden, grad_weight, grad_bias = grads
     if grad_hidden is not None:
         grad_hidden[rows] = dlogits @ weight
     if grad_weight is not None:
         _accumulate_grad_weight(grad_weight, dlogits, h)
     if grad_bias is not None:
         grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
+
+
+def linear_loss_and_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    tokens: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor], PerSample],
+    temperature: float,
+    chunk_size: Optional[int],
+    backend: str,
+    needs: tuple[bool, bool, bool],
+) -> tuple[PerSample, tuple[Optional[torch.Tensor], ...]]:
+    """The loss and the gradients of (hidden, weight, bias) flagged in `needs`, for an incoming
+    gradient of 1. hidden (B, T, H), weight (V, H), bias (V,) or None, tokens (B, T), mask (B, T)
+    bool or None; loss_fn(logp (B, T) fp32) -> `PerSample`; chunk_size None = auto_chunk_size.
+
+    With dlogits[r, v] = coef[r] / tau * (1[v == token[r]] - softmax(logits[r] / tau)[v]):
+    grad_hidden = dlogits @ weight (hidden dtype), grad_weight = dlogits.T @ hidden and
+    grad_bias = sum_r dlogits[r] (fp32 accumulation, returned in the weight's dtype).
+
+    Two orders, the same gradients: when every chunk holds whole samples, a sample's coef is known
+    as soon as its logits are (it depends on no other sample's logp), so each chunk's logits are
+    computed once and turned into their gradient at once (6 N H V FLOPs). Otherwise a first pass
+    gives every logp, and a second recomputes each chunk's logits for the gradient (8 N H V).
+    """
+    B, T, _ = hidden.shape
+    V = weight.shape[0]
+    f32 = torch.float32
+    need_h, need_w, need_b = needs
+    rows = _completion_rows(mask, B, T, hidden.device)
+    per_sample = torch.full((B,), T, device=hidden.device) if mask is None else mask.sum(dim=1)
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(V, int(per_sample.max()))
+    grads = (
+        torch.zeros_like(hidden) if need_h else None,
+        torch.zeros(weight.shape, dtype=f32, device=weight.device) if need_w else None,
+        torch.zeros(V, dtype=f32, device=weight.device) if need_b else None,
+    )
+    logp = torch.zeros(B, T, dtype=f32, device=hidden.device)
+    sample_chunks = _sample_chunks(rows, per_sample, chunk_size) if any(needs) else None
+    for b, t in sample_chunks if sample_chunks is not None else _chunks(rows, chunk_size):
+        h = hidden[b, t]
+        tok = tokens[b, t]
+        logits, stats = _chunk_forward(h, weight, bias, tok, temperature, backend)
+        chunk_logp, row_max, log_sum = stats
+        logp[b, t] = chunk_logp[0]
+        if sample_chunks is not None:
+            coef = loss_fn(logp).coef[b, t] / temperature
+            if bool((coef != 0).any()):
+                stats = (row_max, log_sum, coef, temperature, backend)
+                _chunk_grads(logits, h, weight, tok, *stats, (b, t), grads)
+        del logits
+    result = loss_fn(logp)
+    if sample_chunks is None and any(needs):
+        coef = result.coef / temperature
+        for b, t in _chunks((coef != 0).nonzero(as_tuple=True), chunk_size):
+            h, tok = hidden[b, t], tokens[b, t]
+            logits, (_, row_max, log_sum) = _chunk_forward(h, weight, bias, tok, temperature,
+                                                           backend)
+            stats = (row_max, log_sum, coef[b, t], temperature, backend)
+            _chunk_grads(logits, h, weight, tok, *stats, (b, t), grads)
+            del logits
+    grad_hidden, grad_weight, grad_bias = grads
+    return result, (
+        grad_hidden,
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(weight.dtype),
+    )
 
 
 def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tuple[torch.Tensor, ...]:
@@ -177,8 +216,10 @@ def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tu
 
 
 # Registered with torch.library like `ftis_loss`, so that torch.compile(fullgraph=True) sees one
-# opaque node per pass with a fake (shape-only) implementation and an autograd formula. The
-# options travel unpacked: a custom op's schema takes tensors and plain scalars only.
+# opaque node with a fake (shape-only) implementation and an autograd formula. The options travel
+# unpacked: a custom op's schema takes tensors and plain scalars only. The forward computes the
+# gradients as well (for an incoming gradient of 1, as Liger's chunked losses do): the backward
+# only scales them.
 
 
 @torch.library.custom_op("ftis_kernels::ftis_linear_loss_fwd", mutates_args=())
@@ -206,52 +247,36 @@ def _ftis_linear_loss_fwd(
     loss_type: str,
     chunk_size: int,
     backend: str,
-) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 3)]:  # type: ignore[misc]
-    """(loss, *metrics in METRIC_NAMES order, lse (B, T), coef (B, T)). Checks the input values
-    first: here they run eagerly even under torch.compile."""
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 4)]:  # type: ignore[misc]
+    """(loss, *metrics in METRIC_NAMES order, grad_hidden, grad_weight, grad_bias): the gradients
+    for an incoming gradient of 1, an empty tensor for each one not needed (a custom op returns no
+    None). chunk_size 0 = auto_chunk_size. Checks the input values first: here they run eagerly
+    even under torch.compile."""
     check_row_values(weight.shape[0], tokens, gen_logprobs, advantages, mask, old_logprobs,
                      ref_logprobs)  # fmt: skip
     opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
                       epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
-    B, T, _ = hidden.shape
     m = None if mask is None else mask != 0
-    rows = _completion_rows(m, B, T, hidden.device)
-    logp, lse = linear_logp_lse(hidden, weight, bias, tokens, rows, temperature, chunk_size, backend)
-    result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
-    return (result.loss, *(result.metrics[name] for name in METRIC_NAMES), lse, result.coef)
+
+    def loss_fn(logp: torch.Tensor) -> PerSample:
+        return per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
+
+    needs = (need_hidden, need_weight, need_bias)
+    result, grads = linear_loss_and_grads(
+        hidden, weight, bias, tokens, m, loss_fn, temperature, chunk_size or None, backend, needs
+    )
+    metrics = (result.metrics[name] for name in METRIC_NAMES)
+    return (result.loss, *metrics, *(hidden.new_empty(0) if g is None else g for g in grads))
 
 
 @_ftis_linear_loss_fwd.register_fake
-def _(hidden, weight, bias, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
-    return fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1])
-
-
-@torch.library.custom_op("ftis_kernels::ftis_linear_loss_bwd", mutates_args=())
-def _ftis_linear_loss_bwd(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    lse: torch.Tensor,
-    coef: torch.Tensor,
-    temperature: float,
-    chunk_size: int,
-    backend: str,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed (a custom
-    op returns no None). coef already scaled by the incoming gradient and 1 / temperature."""
-    grads = linear_grads(hidden, weight, bias, tokens, lse, coef, temperature, chunk_size, backend,
-                         (need_hidden, need_weight, need_bias))  # fmt: skip
-    return tuple(hidden.new_empty(0) if g is None else g for g in grads)
-
-
-@_ftis_linear_loss_bwd.register_fake
-def _(hidden, weight, bias, tokens, lse, coef, temperature, chunk_size, backend, need_hidden,
-      need_weight, need_bias):  # fmt: skip
+def _(hidden, weight, bias, tokens, gen_logprobs, advantages, mask, old, ref, *options):
+    need_hidden, need_weight, need_bias = options[-3:]
     return (
+        *fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1])[: len(METRIC_NAMES) + 1],
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else hidden.new_empty(0),
         weight.new_empty(weight.shape[0]) if need_bias else hidden.new_empty(0),
@@ -259,26 +284,15 @@ def _(hidden, weight, bias, tokens, lse, coef, temperature, chunk_size, backend,
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, tokens = inputs[:4]
-    lse, coef = output[-2], output[-1]
-    ctx.save_for_backward(hidden, weight, bias, tokens, lse, coef)
-    ctx.temperature, ctx.chunk_size, ctx.backend = inputs[19], inputs[21], inputs[22]
+    ctx.save_for_backward(*output[-3:])
 
 
 def _backward(ctx, grad_loss, *_):
-    hidden, weight, bias, tokens, lse, coef = ctx.saved_tensors
-    coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
-    needs = ctx.needs_input_grad
-    need_bias = bias is not None and needs[2]
-    grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
-        hidden, weight, bias, tokens, lse, coef, ctx.temperature, ctx.chunk_size, ctx.backend,
-        needs[0], needs[1], need_bias,
-    )  # fmt: skip
-    return (
-        grad_hidden if needs[0] else None,
-        grad_weight if needs[1] else None,
-        grad_bias if need_bias else None,
-    ) + (None,) * 20
+    # In place: these gradients exist for this backward alone (a second backward through the same
+    # graph fails autograd's version check instead of scaling them twice).
+    needs = ctx.needs_input_grad[:3]
+    grads = tuple(g.mul_(grad_loss) if need else None for g, need in zip(ctx.saved_tensors, needs))
+    return grads + (None,) * 23
 
 
 _ftis_linear_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -364,11 +378,13 @@ def ftis_linear_loss(
     backend = select_backend(hidden.device)
     check_row_tensors(B, T, hidden.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
                       ref_logprobs, beta)  # fmt: skip
-    loss, *metrics, _, _ = _ftis_linear_loss_fwd(
+    grad_on = torch.is_grad_enabled()
+    loss, *metrics, _, _, _ = _ftis_linear_loss_fwd(
         hidden, weight, bias, tokens, gen_logprobs.detach(), advantages.detach(), mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
-        *option_args(opt),
-        auto_chunk_size(V) if chunk_size is None else int(chunk_size), backend,
+        *option_args(opt), 0 if chunk_size is None else int(chunk_size), backend,
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
     )  # fmt: skip
     return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}

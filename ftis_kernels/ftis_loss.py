@@ -76,22 +76,23 @@ def _ftis_loss_fwd(
     loss_type: str,
     inplace_backward: bool,
     backend: str,
-) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 3)]:  # type: ignore[misc]
-    """(loss, *metrics in METRIC_NAMES order, lse (B, T), coef (B, T)). Checks the input values
-    first: here they run eagerly even under torch.compile."""
+) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 4)]:  # type: ignore[misc]
+    """(loss, *metrics in METRIC_NAMES order, row_max, log_sum, coef (B, T)). Checks the input
+    values first: here they run eagerly even under torch.compile."""
     check_row_values(logits.shape[-1], tokens, gen_logprobs, advantages, mask, old_logprobs,
                      ref_logprobs)  # fmt: skip
     opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
                       epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
     m = None if mask is None else mask != 0
-    logp, lse = _FORWARD[backend](logits, tokens, m, temperature)
+    logp, row_max, log_sum = _FORWARD[backend](logits, tokens, m, temperature)
     result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
-    return (result.loss, *(result.metrics[name] for name in METRIC_NAMES), lse, result.coef)
+    metrics = (result.metrics[name] for name in METRIC_NAMES)
+    return (result.loss, *metrics, row_max, log_sum, result.coef)
 
 
 def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
-    """Shape-only outputs of a forward op of this library (loss, metrics, lse, coef), on the
-    device of `like`; shared by `ftis_loss` and `ftis_linear_loss`."""
+    """Shape-only outputs of a forward op of this library (loss, metrics, row_max, log_sum,
+    coef), on the device of `like`; shared by `ftis_loss` and `ftis_linear_loss`."""
     scalar = like.new_empty((), dtype=torch.float32)
     per_token = like.new_empty((B, T), dtype=torch.float32)
     return (
@@ -100,7 +101,8 @@ def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tens
         like.new_empty((B,), dtype=torch.float32),  # kl
         like.new_empty((B,), dtype=torch.bool),  # filtered
         *(torch.empty_like(scalar) for _ in range(5)),  # scalar metrics
-        torch.empty_like(per_token),  # lse
+        torch.empty_like(per_token),  # row_max
+        torch.empty_like(per_token),  # log_sum
         torch.empty_like(per_token),  # coef
     )
 
@@ -122,43 +124,44 @@ def _(logits, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
 def _ftis_loss_bwd(
-    logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
-    temperature: float, backend: str,
+    logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+    coef: torch.Tensor, temperature: float, backend: str,
 ) -> torch.Tensor:  # fmt: skip
     """d loss / d logits (B, T, V) in a new buffer; coef already scaled by the incoming gradient."""
-    return _BACKWARD[backend](logits, tokens, lse, coef, temperature, torch.empty_like(logits))
+    stats = (row_max, log_sum, coef, temperature)
+    return _BACKWARD[backend](logits, tokens, *stats, torch.empty_like(logits))
 
 
 @_ftis_loss_bwd.register_fake
-def _(logits, tokens, lse, coef, temperature, backend):
+def _(logits, tokens, row_max, log_sum, coef, temperature, backend):
     return torch.empty_like(logits)
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd_", mutates_args=("logits",))
 def _ftis_loss_bwd_inplace(
-    logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
-    temperature: float, backend: str,
+    logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+    coef: torch.Tensor, temperature: float, backend: str,
 ) -> None:  # fmt: skip
     """d loss / d logits written over the logits themselves."""
-    _BACKWARD[backend](logits, tokens, lse, coef, temperature, logits)
+    _BACKWARD[backend](logits, tokens, row_max, log_sum, coef, temperature, logits)
 
 
 def _setup_context(ctx, inputs, output):
     logits, tokens = inputs[0], inputs[1]
-    lse, coef = output[-2], output[-1]
-    ctx.save_for_backward(logits, tokens, lse, coef)
+    row_max, log_sum, coef = output[-3:]
+    ctx.save_for_backward(logits, tokens, row_max, log_sum, coef)
     ctx.temperature, ctx.inplace_backward, ctx.backend = inputs[17], inputs[19], inputs[20]
 
 
 def _backward(ctx, grad_loss, *_):
-    logits, tokens, lse, coef = ctx.saved_tensors
+    logits, tokens, row_max, log_sum, coef = ctx.saved_tensors
     coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
+    stats = (row_max, log_sum, coef, ctx.temperature, ctx.backend)
     if ctx.inplace_backward:
-        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, lse, coef, ctx.temperature, ctx.backend)
+        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *stats)
         dlogits = logits
     else:
-        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, lse, coef, ctx.temperature,
-                                                       ctx.backend)  # fmt: skip
+        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, *stats)
     return (dlogits,) + (None,) * 20
 
 
@@ -229,7 +232,7 @@ def ftis_loss(
     backend = select_backend(logits.device)
     check_row_tensors(B, T, logits.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
                       ref_logprobs, beta)  # fmt: skip
-    loss, *metrics, _, _ = _ftis_loss_fwd(
+    loss, *metrics, _, _, _ = _ftis_loss_fwd(
         logits, tokens, gen_logprobs.detach(), advantages.detach(), mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
