@@ -37,7 +37,7 @@ log = logging.getLogger("bench.compare")
 # The library's implementations: measured at both revisions.
 OURS = ("ftis_loss", "ftis_loss_inplace", "ftis_linear_loss")
 # What each of ours is compared against, in the table.
-BASELINES = ("ref_eager", "trl_eager", "ref_compile")
+BASELINES = ("ref_eager", "trl_eager", "ref_compile", "ftis_loss")
 
 
 def _worktree(base: str) -> tuple[Path, str]:
@@ -86,6 +86,7 @@ def main(argv=None) -> None:
     p.add_argument("--base", default="main", help="git revision measured as 'before'")
     p.add_argument("--out", default="bench/results/cpu")
     p.add_argument("--impls", type=lambda s: s.split(","), default=None, help="comma-separated subset")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="fwd,fwd+bwd")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--min-reps", type=int, default=5)
     p.add_argument("--max-reps", type=int, default=20)
@@ -108,7 +109,7 @@ def main(argv=None) -> None:
             for impl in IMPLS[case.family]:
                 if args.impls and impl not in args.impls:
                     continue
-                for mode in MODES:
+                for mode in args.modes:
                     if unavailable(impl, case.family, mode, device) is not None:
                         continue
                     spec = {"device": "cpu", "case": case.as_dict(), "impl": impl, "mode": mode,

@@ -207,6 +207,32 @@ def test_chunk_size_changes_nothing_but_memory(device):
             numerics.assert_close(name, grads[name], base_grads[name], numerics.Tol(1e-5, 1e-7))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_in_the_forward_equal_those_of_the_recomputing_order(dtype, monkeypatch, device):
+    """Chunks of whole samples: each chunk's logits are computed once and turned into their
+    gradient in the forward (6 N H V FLOPs); otherwise they are recomputed after every logp is
+    known (8 N H V). With the same chunks, the two orders give bitwise the same gradients."""
+    case = make_linear_case(3, 4, 12, 70, seed=14, exact=False, mask="none", with_old=False,
+                            device=device)
+    opts = dict(filter=None, is_mode="vis", temperature=0.8)  # every row carries a gradient
+    matmuls = []
+    real_logits = linear_module._chunk_logits
+    counted = lambda *a: matmuls.append(1) or real_logits(*a)  # noqa: E731
+    monkeypatch.setattr(linear_module, "_chunk_logits", counted)
+    for impl in implementations(device):
+        matmuls.clear()
+        fused = run_linear(case, dtype, impl, chunk_size=8, **opts)  # chunks of 2 samples, then 1
+        assert len(matmuls) == 2
+        with monkeypatch.context() as mp:
+            mp.setattr(linear_module, "_sample_chunks", lambda *a: None)
+            matmuls.clear()
+            recomputed = run_linear(case, dtype, impl, chunk_size=8, **opts)
+            assert len(matmuls) == 4
+        assert torch.equal(fused[0], recomputed[0])
+        for name in fused[2]:
+            assert torch.equal(fused[2][name], recomputed[2][name]), name
+
+
 @pytest.mark.parametrize("garbage", [float("nan"), float("inf"), 1e4])
 def test_hidden_at_masked_positions_is_never_read(garbage, device):
     case = make_linear_case(3, 6, 12, 50, seed=4, mask="empty_row", device=device)

@@ -299,3 +299,43 @@ def test_cuda_tensors_use_the_compiled_kernels():
     case = make_case(4, 16, 1000, torch.bfloat16, seed=18, device="cuda")
     assert ftis_loss_module.select_backend(case.logits.device) == "triton"
     check_against_reference(case, torch.bfloat16, "triton")
+
+
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 1e4), (torch.bfloat16, 100.0)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cpu_row_passes_match_float64_softmax_at_large_logits(dtype, offset, temperature, inplace):
+    """The chunked PyTorch passes against float64, on logits far from 0 (where one rounded
+    log-sum-exp would cost ~1e-3 of every probability), across several chunks, with a masked row
+    of nan, a row without gradient holding inf, -inf at untaken tokens, written in place or not."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 2, 5, 100  # 2 rows per chunk (CPU_CHUNK_ELEMENTS = 256 here)
+    x = (torch.randn(B, T, V, generator=g) * 3 + offset).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    x[1, 3, (tokens[1, 3] + 1) % V] = -math.inf
+    x[0, 1] = math.nan
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 1] = False
+    logp, row_max, log_sum = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
+    live_logits = torch.where(mask[..., None], x.double(), 0.0) / temperature
+    want_logp = torch.log_softmax(live_logits, -1).gather(-1, tokens[..., None])[..., 0]
+    numerics.assert_close("logp", logp, torch.where(mask, want_logp, 0.0), numerics.FP32)
+    assert logp[0, 1] == 0 and row_max[0, 1] == 0 and log_sum[0, 1] == 0
+    assert torch.equal(row_max[mask], (x.float().amax(-1) / temperature)[mask])
+    # A mask of only live rows is skipped, not applied: the same as none.
+    all_live = logp_lse.logp_lse_fwd_torch(x[1:], tokens[1:], mask[1:], temperature)
+    no_mask = logp_lse.logp_lse_fwd_torch(x[1:], tokens[1:], None, temperature)
+    assert all(torch.equal(a, b) for a, b in zip(all_live, no_mask))
+
+    coef = torch.randn(B, T, generator=g)
+    coef[0, 1] = 0.0
+    coef[1, 0] = 0.0
+    x[1, 0] = math.inf  # no gradient: never read
+    out = x if inplace else torch.empty_like(x)
+    grad = logp_lse.logits_bwd_torch(x, tokens, row_max, log_sum, coef, temperature, out)
+    onehot = torch.nn.functional.one_hot(tokens, V).double()
+    want = coef.double()[..., None] * (onehot - torch.softmax(live_logits, -1))
+    want = torch.where((coef != 0)[..., None], want, 0.0)
+    assert grad is out and grad.dtype == dtype
+    tol = numerics.FP32 if dtype == torch.float32 else numerics.Tol(2.0**-8, 1e-6)
+    numerics.assert_close("grad", grad, want, tol)
