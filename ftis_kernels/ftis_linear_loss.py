@@ -1,20 +1,26 @@
 """`ftis_linear_loss`: the F-TIS loss from the last hidden states and the lm-head, without ever
 materialising the (B, T, V) logits (FTIS_SPEC.md §2, applied to `hidden @ weight.T + bias`).
 
-The completion positions are processed in chunks of `chunk_size` rows. Forward: for each chunk,
-one matmul gives the chunk's logits (c, V) in the hidden dtype, and the streaming row kernel of
-`ftis_loss` (`kernels/logp_lse.py`) reads them for log pi_theta of the taken token and the row's
-log-sum-exp. The per-sample part (`per_sample.py`) then needs every token of a sample at once
-(KL filter, sequence-level weight, normaliser), so it runs after the loop and yields the loss, the
-metrics and coef = d loss / d logp. Backward: each chunk's logits are recomputed, the row backward
-kernel overwrites them with dlogits = coef * (onehot - softmax) / temperature, and two matmuls
-accumulate grad_hidden and grad_weight (fp32 accumulation). Rows without gradient (masked,
-filtered, zero advantage) are skipped in both passes, so their hidden states may hold anything.
+The completion positions are processed in chunks of `chunk_size` rows, and the gradients are
+computed in the forward (for an incoming gradient of 1; the backward only scales them, as Liger's
+chunked losses do). For each chunk, one matmul gives the chunk's logits (c, V) in the hidden
+dtype, and the streaming row kernel of `ftis_loss` (`kernels/logp_lse.py`) reads them for
+log pi_theta of the taken token and the row's statistics (max and log-sum). The per-sample part
+(`per_sample.py`) needs every token of a sample (KL filter, sequence-level weight), and a
+sample's coef = d loss / d logp depends on no other sample's tokens. So when the chunks hold
+whole samples (the default chunk size makes them so whenever one sample's logits fit in
+AUTO_SAMPLE_CHUNK_ELEMENTS), each chunk's coef is known as soon as its logits are: the row
+backward kernel overwrites them at once with dlogits = coef * (onehot - softmax) / temperature,
+and two matmuls accumulate grad_hidden and grad_weight (fp32 accumulation): 6 N H V FLOPs.
+Otherwise every chunk's logp comes first, then each chunk's logits are recomputed for its
+gradient (8 N H V FLOPs); both orders give the same gradients. Masked rows are never read, so
+their hidden states may hold anything.
 
 Extra memory is one chunk of logits (c * V in the hidden dtype, plus the CPU row passes' fp32
 scratch), for bf16/fp16 weights an fp32 grad_weight accumulator and one fp32 partial product of
-GRAD_WEIGHT_BLOCK_V vocabulary rows, and O(B * T) per-token scalars: nothing grows with
-B * T * V (`bench/linear_memory.py` measures it).
+GRAD_WEIGHT_BLOCK_V vocabulary rows, and O(B * T) per-token scalars: nothing grows with the
+number of samples (`bench/linear_memory.py` measures it). The gradients exist from the forward
+on, instead of from the backward on.
 
 This is the "cuBLAS matmul per chunk + the row kernels" design. The matmul itself is torch's
 (cuBLAS on GPU, oneDNN/MKL on CPU); only the row passes are Triton. Fusing the log-sum-exp into a

@@ -24,10 +24,11 @@ from ftis_kernels.kernels.tl_utils import NEG_BIG, online_lse_update
 # Largest vocabulary block one program holds in registers at once (the tests lower it to cover
 # the multi-block loop with small vocabularies).
 MAX_BLOCK_V = 4096
-# Logits per chunk of the CPU path, and the size of its one fp32 scratch buffer (8 MiB): small
-# enough that a chunk stays in cache between its passes, large enough that its ~5 parallel loops
-# per pass stay few (measured: bench/README.md, CPU path).
-CPU_CHUNK_ELEMENTS = 1 << 21
+# Logits per chunk of the CPU path, and the size of its one fp32 scratch buffer (16 MiB): small
+# enough that a chunk mostly stays in cache between its passes, large enough that the parallel
+# loops (~5 per chunk and direction) stay few: on a loaded machine each one waits for both
+# threads to be scheduled (measured: bench/README.md, CPU path).
+CPU_CHUNK_ELEMENTS = 1 << 22
 
 
 def _block_v(V: int) -> int:
