@@ -53,28 +53,33 @@ def _worktree(base: str) -> tuple[Path, str]:
 
 def _table(records: list[dict]) -> str:
     """One row per (case, ours, mode): before, after, and after against each baseline."""
-    ok = {(r["case"]["label"], r["impl"], r["mode"], r["version"]): r for r in records if r["status"] == "ok"}
+    ok = {(r["case"]["label"], r["impl"], r["mode"], r["version"]): r
+          for r in records if r["status"] == "ok"}
 
-    def ms(key):
+    def ms(key, stat="median"):
         r = ok.get(key)
-        return None if r is None else r["time_ms"]["median"]
+        return None if r is None else r["time_ms"][stat]
 
-    head = ("| shape | implementation | mode | before ms | after ms | after / before | "
-            + " | ".join(f"after / {b}" for b in BASELINES)
-            + " | after of roofline | peak MiB before | peak MiB after | load after |")
+    head = ("| shape | implementation | mode | before ms median (min) | after ms median (min) | "
+            "after / before (of mins) | "
+            + " | ".join(f"after / {b} (of mins)" for b in BASELINES)
+            + " | after of roofline (of min) | peak MiB before | peak MiB after | load after |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if r["version"] != "after" or r["impl"] not in OURS or r["status"] != "ok":
             continue
         label, impl, mode = r["case"]["label"], r["impl"], r["mode"]
         before, after = ms((label, impl, mode, "before")), ms((label, impl, mode, "after"))
+        bmin = ms((label, impl, mode, "before"), "min")
+        amin = ms((label, impl, mode, "after"), "min")
         rb = ok.get((label, impl, mode, "before"))
-        cells = [label, impl, mode, f"{before:.0f}" if before else "", f"{after:.0f}",
-                 f"{after / before:.2f}x" if before else ""]
+        cells = [label, impl, mode, f"{before:.0f} ({bmin:.0f})" if before else "",
+                 f"{after:.0f} ({amin:.0f})",
+                 f"{after / before:.2f}x ({amin / bmin:.2f}x)" if before else ""]
         for b in BASELINES:
-            t = ms((label, b, mode, "after"))
-            cells.append(f"{after / t:.2f}x" if t else "")
-        cells += [f"{r['roofline_fraction']:.0%}",
+            t, tmin = ms((label, b, mode, "after")), ms((label, b, mode, "after"), "min")
+            cells.append(f"{after / t:.2f}x ({amin / tmin:.2f}x)" if t and b != impl else "")
+        cells += [f"{r['roofline_fraction']:.0%} ({r['roofline_ms'] / amin:.0%})",
                   f"{rb['peak_extra_bytes'] / 2**20:.0f}" if rb else "",
                   f"{r['peak_extra_bytes'] / 2**20:.0f}", f"{r['loadavg_1min_after']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -85,13 +90,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.splitlines()[0])
     p.add_argument("--base", default="main", help="git revision measured as 'before'")
     p.add_argument("--out", default="bench/results/cpu")
-    p.add_argument("--impls", type=lambda s: s.split(","), default=None, help="comma-separated subset")
+    p.add_argument("--impls", type=lambda s: s.split(","), default=None, help="a subset, a,b,c")
     p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="fwd,fwd+bwd")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--min-reps", type=int, default=5)
     p.add_argument("--max-reps", type=int, default=20)
     p.add_argument("--min-time-s", type=float, default=1.0)
+    p.add_argument("--table", help="only print the table of an earlier run's compare.json")
     args = p.parse_args(argv)
+    if args.table:
+        print(_table(json.loads(Path(args.table).read_text())["records"]))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,8 +135,9 @@ def main(argv=None) -> None:
                         rec.update(version=version, commit=commit)
                         records.append(rec)
                         t = raw.get("time_ms", {}).get("median")
-                        log.info("%-22s %-18s %-7s %-6s %s  load %.1f", case.label, impl, mode, version,
-                                 f"{t:9.1f} ms" if t else raw["status"], os.getloadavg()[0])
+                        log.info("%-22s %-18s %-7s %-6s %s  load %.1f", case.label, impl, mode,
+                                 version, f"{t:9.1f} ms" if t else raw["status"],
+                                 os.getloadavg()[0])
                     common = {"meta": meta, "ceilings": ceilings, "workload": TIS_OPTIONS,
                               "elapsed_s": time.monotonic() - start}
                     (out / "compare.json").write_text(json.dumps(dict(common, base=base_commit,
@@ -144,8 +154,8 @@ def main(argv=None) -> None:
     plot.plot_all(results, out)
     table = _table(records)
     (out / "compare.md").write_text(
-        f"Before = {args.base} ({base_commit}), after = {meta['commit']}, measured alternately in one run; "
-        f"load average {meta['loadavg_1min']:.1f} at the start.\n\n{table}\n"
+        f"Before = {args.base} ({base_commit}), after = {meta['commit']}, measured alternately "
+        f"in one run; load average {meta['loadavg_1min']:.1f} at the start.\n\n{table}\n"
     )
     print(table)
 
