@@ -361,7 +361,9 @@ def ftis_linear_loss(
             ((B, T) tokens in [0, V), (B, T) gen/old/ref logprobs, (B,) advantages, (B, T) mask).
         bias: (V,) in the hidden dtype, or None.
         chunk_size: positions per chunk (rows of logits alive at once); None = as many as keep a
-            chunk within AUTO_CHUNK_ELEMENTS logits. Only memory and speed depend on it.
+            chunk within AUTO_CHUNK_ELEMENTS logits, or one whole sample's completion when larger
+            and within AUTO_SAMPLE_CHUNK_ELEMENTS (`auto_chunk_size`). Only memory and speed
+            depend on it (chunks of whole samples: 6 N H V FLOPs instead of 8).
         is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction, epsilon,
         epsilon_high, beta, temperature, loss_type: see `FTISOptions`.
 
