@@ -119,7 +119,8 @@ def run_worker_subprocess(spec: dict, repo: Path = measure.REPO) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "bench.run", "--worker", json.dumps(spec)]
     try:
-        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"status": "error", "reason": f"worker timed out after {WORKER_TIMEOUT_S} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

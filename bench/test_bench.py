@@ -22,7 +22,8 @@ import torch
 
 from bench import measure, plot, report
 from bench.impls import IMPLS, MODES, liger_version, prepare, unavailable
-from bench.run import finish_record, measure_ceilings, measure_one, reference_loss, run_worker_subprocess
+from bench.run import (finish_record, measure_ceilings, measure_one, reference_loss,
+                       run_worker_subprocess)
 from bench.workload import FTIS_OPTIONS, TEST_CASES, TIS_OPTIONS, Case, make_inputs
 
 DEVICES = [
@@ -133,8 +134,8 @@ def test_timed_calls_use_the_default_allocator_and_the_peak_call_sees_reused_mem
     env = dict(os.environ, PYTHONPATH=str(measure.REPO))
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     cmd = [sys.executable, "-c", _ALLOCATOR_PROBE]
-    out = subprocess.run(cmd, env=env, cwd=measure.REPO, capture_output=True, text=True, timeout=120,
-                         check=True)
+    out = subprocess.run(cmd, env=env, cwd=measure.REPO, capture_output=True, text=True,
+                         timeout=120, check=True)
     peak = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0.97 * (16 << 20) <= peak <= 1.10 * (16 << 20), peak / 2**20
     seen = {}
