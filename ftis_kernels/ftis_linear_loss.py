@@ -48,7 +48,7 @@ from ftis_kernels.options import (
     resolve_options,
     with_option_keywords,
 )
-from ftis_kernels.per_sample import per_sample_loss
+from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor, check_values
 
 # With chunk_size=None, a chunk holds at most this many logits (2^25: 64 MiB in bf16, 128 MiB in
@@ -204,7 +204,7 @@ def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tu
 _FWD_SCHEMA = forward_schema(
     "Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor gen_logprobs, "
     "Tensor advantages, Tensor? mask, Tensor? old_logprobs, Tensor? ref_logprobs"
-).format(trailing="int chunk_size, str backend")
+).format(trailing="Tensor? cu_seqlens, int max_seqlen, int chunk_size, str backend")
 
 
 def _ftis_linear_loss_fwd_impl(*inputs):
@@ -222,7 +222,8 @@ def _ftis_linear_loss_fwd_impl(*inputs):
     logp, row_max, log_sum, entropy = linear_logp_lse(hidden, weight, bias, tokens, rows, *chunking)
     stats = (logp, row_max, log_sum)
     check_values(weight.shape[0], tokens, gen, adv, mask, old, ref, stats, logits_name="hidden")
-    result = per_sample_loss(logp, gen, adv, m, old, ref, opt, entropy)
+    packing = (args["cu_seqlens"], args["max_seqlen"])
+    result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
     return forward_outputs(result, row_max, log_sum)
 
 
@@ -235,8 +236,10 @@ _ftis_linear_loss_fwd = torch.library.custom_op(
 
 
 @_ftis_linear_loss_fwd.register_fake
-def _(hidden, *_):
-    return fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1])
+def _(*inputs):
+    args = arguments(_ftis_linear_loss_fwd, inputs)
+    hidden = args["hidden"]
+    return fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"])
 
 
 @torch.library.custom_op("ftis_kernels::ftis_linear_loss_bwd", mutates_args=())
@@ -340,6 +343,7 @@ def ftis_linear_loss(
     bias: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
     options: Optional[FTISOptions] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
     **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and metrics of `ftis_loss(hidden @ weight.T + bias, ...)`, from the hidden
@@ -354,6 +358,7 @@ def ftis_linear_loss(
         chunk_size: positions per chunk (rows of logits alive at once); None = as many as keep a
             chunk within AUTO_CHUNK_ELEMENTS logits. Only memory and speed depend on it.
         options, **option_keywords: as in `ftis_loss` (the fields of `FTISOptions`).
+        cu_seqlens: packed batches as in `ftis_loss`: hidden (N, H) or (1, N, H).
 
     The logits of a chunk are computed in the hidden dtype, as the model's lm-head would; the
     row passes and the reductions accumulate in fp32. Hidden states at masked positions are never
@@ -364,10 +369,21 @@ def ftis_linear_loss(
         metrics: as `ftis_loss`.
     """
     opt = resolve_options(options, option_keywords)
+    flat = cu_seqlens is not None and isinstance(hidden, torch.Tensor) and hidden.dim() == 2
+    hidden = hidden.unsqueeze(0) if flat else hidden
     B, T, H, V = _check_linear_inputs(hidden, weight, bias, chunk_size)
     backend = select_backend(hidden.device)
+    samples, max_seqlen = B, 0
+    if cu_seqlens is not None:
+        if B != 1:
+            shape = tuple(hidden.shape)
+            raise ValueError(f"hidden: expected (N, H) or (1, N, H) with cu_seqlens, got {shape}")
+        samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, hidden.device)
+        tokens, gen_logprobs, mask, old_logprobs, ref_logprobs = packed_rows(
+            T, tokens, gen_logprobs, mask, old_logprobs, ref_logprobs
+        )
     rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    check_row_tensors(B, T, hidden.device, *rows, opt.beta)
+    check_row_tensors(B, T, hidden.device, *rows, opt.beta, samples=samples)
     outputs = _ftis_linear_loss_fwd(
         hidden,
         weight,
@@ -379,7 +395,9 @@ def ftis_linear_loss(
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
         *option_args(opt),
+        cu_seqlens,
+        max_seqlen,
         auto_chunk_size(V) if chunk_size is None else int(chunk_size),
         backend,
     )
-    return outputs[0], public_metrics(outputs)
+    return outputs[0], public_metrics(outputs, T if flat else None)

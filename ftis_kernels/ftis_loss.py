@@ -28,7 +28,7 @@ from ftis_kernels.options import (
     with_option_keywords,
 )
 from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
-from ftis_kernels.per_sample import per_sample_loss
+from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.validate import (
     LOGIT_DTYPES,
     check_inplace_backward,
@@ -62,25 +62,33 @@ def forward_outputs(result, row_max: torch.Tensor, log_sum: torch.Tensor) -> tup
     return (result.loss, *metrics, row_max, log_sum, result.coef, result.entropy_coef)
 
 
-def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
+def fake_forward_outputs(
+    like: torch.Tensor, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, ...]:
     """Shape-only outputs of a forward op of this library, on the device of `like`; shared by
-    `ftis_loss` and `ftis_linear_loss`."""
+    `ftis_loss` and `ftis_linear_loss`. Packed (cu_seqlens given): B = 1 row of T tokens and
+    cu_seqlens.shape[0] - 1 samples."""
     f32, per_token = torch.float32, (B, T)
+    samples = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
     def metric(name: str) -> torch.Tensor:
         if name in PER_TOKEN_METRICS:
             return like.new_empty(per_token, dtype=f32)
         if name in PER_SAMPLE_METRICS:
-            return like.new_empty((B,), dtype=torch.bool if name == "filtered" else f32)
+            return like.new_empty((samples,), dtype=torch.bool if name == "filtered" else f32)
         return like.new_empty((), dtype=f32)
 
     saved = (like.new_empty(per_token, dtype=f32) for _ in SAVED_NAMES)
     return (like.new_empty((), dtype=f32), *(metric(n) for n in METRIC_NAMES), *saved)
 
 
-def public_metrics(outputs: tuple) -> dict[str, torch.Tensor]:
-    """The metrics of a forward op's outputs, detached, by name."""
-    return {name: value.detach() for name, value in zip(METRIC_NAMES, outputs[1:])}
+def public_metrics(outputs: tuple, flat: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The metrics of a forward op's outputs, detached, by name; per-token ones as (flat,) when
+    given (packed inputs passed as (N, V) or (N, H))."""
+    metrics = {name: value.detach() for name, value in zip(METRIC_NAMES, outputs[1:])}
+    for name in PER_TOKEN_METRICS if flat is not None else ():
+        metrics[name] = metrics[name].reshape(flat)
+    return metrics
 
 
 # The op is registered with torch.library so that torch.compile(fullgraph=True) sees one opaque
@@ -91,7 +99,7 @@ def public_metrics(outputs: tuple) -> dict[str, torch.Tensor]:
 _FWD_SCHEMA = forward_schema(
     "Tensor logits, Tensor tokens, Tensor gen_logprobs, Tensor advantages, Tensor? mask, "
     "Tensor? old_logprobs, Tensor? ref_logprobs"
-).format(trailing="bool inplace_backward, str backend")
+).format(trailing="Tensor? cu_seqlens, int max_seqlen, bool inplace_backward, str backend")
 
 
 def _ftis_loss_fwd_impl(*inputs):
@@ -104,7 +112,8 @@ def _ftis_loss_fwd_impl(*inputs):
     m = None if mask is None else mask != 0
     logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, tokens, m, opt.temperature)
     check_values(logits.shape[-1], tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
-    result = per_sample_loss(logp, gen, adv, m, old, ref, opt, entropy)
+    packing = (args["cu_seqlens"], args["max_seqlen"])
+    result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
     return forward_outputs(result, row_max, log_sum)
 
 
@@ -114,8 +123,10 @@ _ftis_loss_fwd = torch.library.custom_op(
 
 
 @_ftis_loss_fwd.register_fake
-def _(logits, *_):
-    return fake_forward_outputs(logits, logits.shape[0], logits.shape[1])
+def _(*inputs):
+    args = arguments(_ftis_loss_fwd, inputs)
+    logits = args["logits"]
+    return fake_forward_outputs(logits, logits.shape[0], logits.shape[1], args["cu_seqlens"])
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
@@ -210,6 +221,7 @@ def ftis_loss(
     *,
     options: Optional[FTISOptions] = None,
     inplace_backward: bool | str = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
     **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss (the quantity to minimise) and its metrics, fused from the logits.
@@ -232,6 +244,11 @@ def ftis_loss(
             overwritten by their gradient. Refused (ValueError) for logits whose elements share
             memory (expanded or overlapping views) and, unless "force", for a leaf tensor that
             requires grad or a view of one (your own tensor would become its gradient).
+        cu_seqlens: (S + 1,) int32 | int64 offsets of a packed (padding-free) batch, or None.
+            Then logits are (N, V) or (1, N, V), the per-token tensors (N,) or (1, N), advantages
+            (S,), and sample s is tokens cu_seqlens[s] : cu_seqlens[s + 1]; the result is the
+            padded call's on the same data (dr_grpo's L: max_completion_length, else the longest
+            segment). Starts at 0, non-decreasing, ends at N (one synchronisation to check).
 
     Per token, with A = 0 for rejected samples and the defaults (F-TIS, loss_type "grpo"):
         loss_t = -min(pi/pi_gen, C) * min(R A, clip(R, 1-eps, 1+eps_high) A) + beta * k3(ref - logp)
@@ -240,7 +257,8 @@ def ftis_loss(
     Returns:
         loss: 0-dim fp32; gradients flow to `logits` only.
         metrics: detached tensors (per_sample.METRIC_NAMES): "logp", "entropy" (B, T) fp32 (0
-            where masked), "kl" (B,) fp32, "filtered" (B,) bool, and 0-dim fp32 "filtered_frac",
+            where masked; packed: (N,) or (1, N) as the logits), "kl" (B,) fp32, "filtered" (B,)
+            bool (packed: (S,)), and 0-dim fp32 "filtered_frac",
             "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac",
             "is_ratio_mean", "is_ratio_max", "is_ratio_min", "entropy_mean" (over completion
             tokens; is_ratio_* is the raw IS ratio before truncation or masking).
@@ -257,14 +275,25 @@ def ftis_loss(
         Logits at masked positions may hold anything and never reach the loss or the gradient.
     """
     opt = resolve_options(options, option_keywords)
+    flat = cu_seqlens is not None and isinstance(logits, torch.Tensor) and logits.dim() == 2
+    logits = logits.unsqueeze(0) if flat else logits
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or min(logits.shape) < 1:
         got = logits.shape if isinstance(logits, torch.Tensor) else logits
         raise ValueError(f"logits: expected a (B, T, V) tensor with B, T, V >= 1, got {got!r}")
     B, T, V = logits.shape
     check_tensor("logits", logits, (B, T, V), LOGIT_DTYPES, logits.device)
     backend = select_backend(logits.device)
+    samples, max_seqlen = B, 0
+    if cu_seqlens is not None:
+        if B != 1:
+            shape = tuple(logits.shape)
+            raise ValueError(f"logits: expected (N, V) or (1, N, V) with cu_seqlens, got {shape}")
+        samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, logits.device)
+        tokens, gen_logprobs, mask, old_logprobs, ref_logprobs = packed_rows(
+            T, tokens, gen_logprobs, mask, old_logprobs, ref_logprobs
+        )
     rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    check_row_tensors(B, T, logits.device, *rows, opt.beta)
+    check_row_tensors(B, T, logits.device, *rows, opt.beta, samples=samples)
     inplace = check_inplace_backward(logits, inplace_backward)
     outputs = _ftis_loss_fwd(
         logits,
@@ -275,7 +304,9 @@ def ftis_loss(
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
         *option_args(opt),
+        cu_seqlens,
+        max_seqlen,
         inplace,
         backend,
     )
-    return outputs[0], public_metrics(outputs)
+    return outputs[0], public_metrics(outputs, T if flat else None)
