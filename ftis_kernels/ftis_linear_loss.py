@@ -48,6 +48,7 @@ from ftis_kernels.options import (
     resolve_options,
     with_option_keywords,
 )
+from ftis_kernels.sharded import all_reduce_sum, check_shards, combine_row_stats, group_name
 from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor, check_values
 
@@ -204,7 +205,10 @@ def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tu
 _FWD_SCHEMA = forward_schema(
     "Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor gen_logprobs, "
     "Tensor advantages, Tensor? mask, Tensor? old_logprobs, Tensor? ref_logprobs"
-).format(trailing="Tensor? cu_seqlens, int max_seqlen, int chunk_size, str backend")
+).format(
+    trailing="Tensor? cu_seqlens, int max_seqlen, int vocab_start, str? group_name, "
+    "int chunk_size, str backend"
+)
 
 
 def _ftis_linear_loss_fwd_impl(*inputs):
@@ -218,10 +222,17 @@ def _ftis_linear_loss_fwd_impl(*inputs):
     B, T, _ = hidden.shape
     m = None if mask is None else mask != 0
     rows = _completion_rows(m, B, T, hidden.device)
+    V, name, start = weight.shape[0], args["group_name"], args["vocab_start"]
+    local = tokens if name is None else tokens - start
+    if name is not None:
+        group, V = check_shards(name, hidden.device, start, weight.shape[0], hidden.shape[2])
     chunking = (opt.temperature, args["chunk_size"], args["backend"])
-    logp, row_max, log_sum, entropy = linear_logp_lse(hidden, weight, bias, tokens, rows, *chunking)
+    logp, row_max, log_sum, entropy = linear_logp_lse(hidden, weight, bias, local, rows, *chunking)
+    if name is not None:
+        stats = (logp, row_max, log_sum, entropy)
+        logp, row_max, log_sum, entropy = combine_row_stats(group, local, weight.shape[0], m, *stats)
     stats = (logp, row_max, log_sum)
-    check_values(weight.shape[0], tokens, gen, adv, mask, old, ref, stats, logits_name="hidden")
+    check_values(V, tokens, gen, adv, mask, old, ref, stats, logits_name="hidden")
     packing = (args["cu_seqlens"], args["max_seqlen"])
     result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
     return forward_outputs(result, row_max, log_sum)
@@ -259,20 +270,24 @@ def _ftis_linear_loss_bwd(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    group_name: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed (a custom
     op returns no None). coef and entropy_coef already scaled by the incoming gradient and
-    1 / temperature."""
+    1 / temperature. With group_name (a vocabulary shard per rank), grad_hidden is summed over the
+    ranks; grad_weight and grad_bias stay this shard's."""
     needs = (need_hidden, need_weight, need_bias)
     stats = (row_max, log_sum, coef, entropy, entropy_coef)
     grads = linear_grads(hidden, weight, bias, tokens, *stats, temperature, chunk_size, backend,
                          needs)
+    if group_name is not None and grads[0] is not None:
+        all_reduce_sum(grads[0], group_name)
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 
 @_ftis_linear_loss_bwd.register_fake
-def _(hidden, weight, bias, tokens, *rest):
-    need_hidden, need_weight, need_bias = rest[-3:]
+def _(hidden, weight, bias, tokens, *stats_and_flags, group_name=None):
+    need_hidden, need_weight, need_bias = stats_and_flags[-3:]
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else hidden.new_empty(0),
@@ -282,9 +297,12 @@ def _(hidden, weight, bias, tokens, *rest):
 
 def _setup_context(ctx, inputs, output):
     args = arguments(_ftis_linear_loss_fwd, inputs)
-    tensors = (args["hidden"], args["weight"], args["bias"], args["tokens"])
+    tokens = args["tokens"]
+    if args["group_name"] is not None:  # this shard's ids; another shard's token is never hit
+        tokens = tokens - args["vocab_start"]
+    tensors = (args["hidden"], args["weight"], args["bias"], tokens)
     save_for_backward(ctx, args, inputs, output, *tensors)
-    ctx.chunk_size = args["chunk_size"]
+    ctx.chunk_size, ctx.group_name = args["chunk_size"], args["group_name"]
 
 
 def _backward(ctx, grad_loss, *_):
@@ -294,7 +312,7 @@ def _backward(ctx, grad_loss, *_):
     need_bias = bias is not None and needs[2]
     grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
         hidden, weight, bias, tokens, *stats, ctx.temperature, ctx.chunk_size, ctx.backend,
-        needs[0], needs[1], need_bias,
+        needs[0], needs[1], need_bias, ctx.group_name,
     )
     grads = (
         grad_hidden if needs[0] else None,
@@ -344,6 +362,8 @@ def ftis_linear_loss(
     chunk_size: Optional[int] = None,
     options: Optional[FTISOptions] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_start: int = 0,
+    process_group: Optional[Any] = None,
     **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and metrics of `ftis_loss(hidden @ weight.T + bias, ...)`, from the hidden
@@ -359,6 +379,11 @@ def ftis_linear_loss(
             chunk within AUTO_CHUNK_ELEMENTS logits. Only memory and speed depend on it.
         options, **option_keywords: as in `ftis_loss` (the fields of `FTISOptions`).
         cu_seqlens: packed batches as in `ftis_loss`: hidden (N, H) or (1, N, H).
+        vocab_start, process_group: a vocabulary-sharded lm-head, as in `ftis_loss`: weight
+            (V_local, H) (and bias (V_local,)) are the rows vocab_start : vocab_start + V_local of
+            the full lm-head on this rank; hidden and the rows are the same on every rank.
+            grad_hidden is summed over the ranks (one all-reduce of (B, T, H) in the backward);
+            grad_weight and grad_bias are this shard's.
 
     The logits of a chunk are computed in the hidden dtype, as the model's lm-head would; the
     row passes and the reductions accumulate in fp32. Hidden states at masked positions are never
@@ -397,6 +422,8 @@ def ftis_linear_loss(
         *option_args(opt),
         cu_seqlens,
         max_seqlen,
+        vocab_start,
+        group_name(process_group, vocab_start),
         auto_chunk_size(V) if chunk_size is None else int(chunk_size),
         backend,
     )

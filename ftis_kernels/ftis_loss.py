@@ -27,6 +27,7 @@ from ftis_kernels.options import (
     resolve_options,
     with_option_keywords,
 )
+from ftis_kernels.sharded import check_shards, combine_row_stats, group_name
 from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
 from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.validate import (
@@ -99,7 +100,10 @@ def public_metrics(outputs: tuple, flat: Optional[int] = None) -> dict[str, torc
 _FWD_SCHEMA = forward_schema(
     "Tensor logits, Tensor tokens, Tensor gen_logprobs, Tensor advantages, Tensor? mask, "
     "Tensor? old_logprobs, Tensor? ref_logprobs"
-).format(trailing="Tensor? cu_seqlens, int max_seqlen, bool inplace_backward, str backend")
+).format(
+    trailing="Tensor? cu_seqlens, int max_seqlen, int vocab_start, str? group_name, "
+    "bool inplace_backward, str backend"
+)
 
 
 def _ftis_loss_fwd_impl(*inputs):
@@ -110,8 +114,15 @@ def _ftis_loss_fwd_impl(*inputs):
     logits, tokens, gen, adv = (args[k] for k in ("logits", "tokens", "gen_logprobs", "advantages"))
     mask, old, ref = args["mask"], args["old_logprobs"], args["ref_logprobs"]
     m = None if mask is None else mask != 0
-    logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, tokens, m, opt.temperature)
-    check_values(logits.shape[-1], tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
+    V, name, start = logits.shape[-1], args["group_name"], args["vocab_start"]
+    local = tokens if name is None else tokens - start
+    if name is not None:
+        group, V = check_shards(name, logits.device, start, logits.shape[-1])
+    logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, local, m, opt.temperature)
+    if name is not None:
+        stats = (logp, row_max, log_sum, entropy)
+        logp, row_max, log_sum, entropy = combine_row_stats(group, local, logits.shape[-1], m, *stats)
+    check_values(V, tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
     packing = (args["cu_seqlens"], args["max_seqlen"])
     result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
     return forward_outputs(result, row_max, log_sum)
@@ -190,7 +201,10 @@ def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *
 
 def _setup_context(ctx, inputs, output):
     args = arguments(_ftis_loss_fwd, inputs)
-    save_for_backward(ctx, args, inputs, output, args["logits"], args["tokens"])
+    tokens = args["tokens"]
+    if args["group_name"] is not None:  # this shard's ids; another shard's token is never hit
+        tokens = tokens - args["vocab_start"]
+    save_for_backward(ctx, args, inputs, output, args["logits"], tokens)
     ctx.inplace_backward = args["inplace_backward"]
 
 
@@ -222,6 +236,8 @@ def ftis_loss(
     options: Optional[FTISOptions] = None,
     inplace_backward: bool | str = False,
     cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_start: int = 0,
+    process_group: Optional[Any] = None,
     **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss (the quantity to minimise) and its metrics, fused from the logits.
@@ -249,6 +265,12 @@ def ftis_loss(
             (S,), and sample s is tokens cu_seqlens[s] : cu_seqlens[s + 1]; the result is the
             padded call's on the same data (dr_grpo's L: max_completion_length, else the longest
             segment). Starts at 0, non-decreasing, ends at N (one synchronisation to check).
+        vocab_start, process_group: a vocabulary-sharded lm-head: logits (B, T, V_local) are the
+            columns vocab_start : vocab_start + V_local of the full logits, held by this rank of
+            `process_group` (the shards tile [0, V) in rank order); tokens are global ids. Loss,
+            metrics and the saved row statistics are global (sharded.py: one all-reduce of max,
+            one of sum over 3 (B, T) floats, and an all-gather of the shard sizes per forward);
+            d loss / d logits covers this rank's columns. Every rank calls with the same rows.
 
     Per token, with A = 0 for rejected samples and the defaults (F-TIS, loss_type "grpo"):
         loss_t = -min(pi/pi_gen, C) * min(R A, clip(R, 1-eps, 1+eps_high) A) + beta * k3(ref - logp)
@@ -306,6 +328,8 @@ def ftis_loss(
         *option_args(opt),
         cu_seqlens,
         max_seqlen,
+        vocab_start,
+        group_name(process_group, vocab_start),
         inplace,
         backend,
     )

@@ -357,7 +357,10 @@ def logits_bwd_torch(
             grad.mul_(c[:, None]).add_(h_grad.mul_(ec[:, None])).neg_()
         else:
             grad.mul_(c[:, None]).neg_()
-        grad.scatter_add_(-1, tokens[b, t0:t1].long()[:, None], c[:, None].clone())
+        # A token outside [0, V) is another vocabulary shard's (sharded.py): it adds nothing here.
+        token = tokens[b, t0:t1].long()
+        owned = (token >= 0) & (token < V)
+        grad.scatter_add_(-1, token.clamp(0, V - 1)[:, None], torch.where(owned, c, 0.0)[:, None])
         # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
         grad = torch.where(live[:, None], grad, 0.0)
         out[b, t0:t1] = grad.to(out.dtype)
