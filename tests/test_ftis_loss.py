@@ -281,7 +281,11 @@ def test_large_logits_do_not_overflow(device):
         check_against_reference(case, torch.float32, impl)
 
 
-@pytest.mark.parametrize("opts", [{}, dict(temperature=0.5, beta=0.04)], ids=["plain", "tau-beta"])
+@pytest.mark.parametrize(
+    "opts",
+    [{}, dict(temperature=0.5, beta=0.04, entropy_coef=0.05)],
+    ids=["plain", "tau-beta-entropy"],
+)
 @pytest.mark.parametrize("magnitude", [1e4, 1e6, 1e8, 1e30])
 def test_large_logits_keep_the_digits_of_log_softmax(magnitude, opts, device):
     """Rows at +-|x| with small differences: logp = (x_t - max) - log sum exp(x - max) loses no
@@ -290,6 +294,20 @@ def test_large_logits_keep_the_digits_of_log_softmax(magnitude, opts, device):
     case = make_case(2, 4, 150, seed=13, offset=magnitude, with_ref=True, device=device)
     for impl in implementations(device):
         check_against_reference(case, torch.float32, impl, **opts)
+
+
+def test_entropy_and_its_gradient_are_exact_with_minus_inf_logits(device):
+    # Vocabulary masking: -inf logits have p = 0 and add 0 to the entropy's running sum and to
+    # its gradient (not 0 * -inf = nan), on every path.
+    case = make_case(2, 3, 50, seed=21, device=device)
+    logits = case.logits.clone()
+    logits[..., ::3] = -math.inf
+    tokens = case.tokens // 3 * 3 + 1
+    case = Case(logits, tokens, *case.inputs[1:])
+    for impl in implementations(device):
+        _, metrics, grad = run_op(case, impl, entropy_coef=0.1, is_mode="none")
+        assert torch.isfinite(metrics["entropy"]).all() and torch.isfinite(grad).all()
+        check_against_reference(case, torch.float32, impl, entropy_coef=0.1, is_mode="none")
 
 
 def test_inplace_backward_writes_the_same_gradient_into_the_logits(device):
@@ -360,3 +378,16 @@ def test_triton_interpreter_is_detected_through_the_kernels_heuristics():
         pytest.skip("compiled Triton on CUDA")
     assert logp_lse.triton_is_interpreted()
     assert implementations(torch.device("cpu")) == ["triton", "torch"]
+
+
+def test_both_sequence_weights_are_offered_the_product_is_the_mean_to_the_power_T(device):
+    # Ours: exp(mean_t log ratio); TRL's sequence_* and verl's: exp(sum_t), the product of the
+    # token ratios. They agree at T = 1 only.
+    for T in (1, 5):
+        case = make_case(1, T, 40, seed=22, mask="none", device=device)
+        opts = dict(is_mode="vis", filter=None)
+        _, mean_w, _ = run_op(case, is_level="sequence", **opts)
+        _, prod_w, _ = run_op(case, is_level="sequence_product", **opts)
+        geometric, product = mean_w["is_ratio_max"], prod_w["is_ratio_max"]
+        numerics.assert_close("product", product, geometric**T)
+        assert (T == 1) == bool(torch.isclose(product, geometric))

@@ -92,17 +92,26 @@ VLLM_IS_MODES = {
     "sequence_mask": dict(is_mode="mask", is_level="sequence_product"),
 }
 IS_OPTIONS = ("is_mode", "is_level", "is_source", "is_cap", "is_cap_min")
-FILTER_OPTIONS = ("filter", "kl_threshold", "kl_threshold_low", "kl_estimator", "kl_reduction",
-                  "kl_source", "reject_mode")  # fmt: skip
+FILTER_OPTIONS = (
+    "filter",
+    "kl_threshold",
+    "kl_threshold_low",
+    "kl_estimator",
+    "kl_reduction",
+    "kl_source",
+    "reject_mode",
+)
+
+
+def _option_field(name: str) -> tuple:
+    f = OPTION_FIELDS[name]
+    hint = typing.get_type_hints(FTISOptions)[name]
+    return name, hint, field(default=f.default, metadata={"help": f.metadata["help"]})
+
 
 FTISOptionFields = dataclasses.make_dataclass(
-    "FTISOptionFields",
-    [
-        (name, typing.get_type_hints(FTISOptions)[name],
-         field(default=OPTION_FIELDS[name].default, metadata={"help": OPTION_FIELDS[name].metadata["help"]}))
-        for name in OWN_OPTIONS
-    ],
-)  # fmt: skip
+    "FTISOptionFields", [_option_field(name) for name in OWN_OPTIONS]
+)
 
 
 @dataclass
@@ -114,8 +123,9 @@ class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
     same names (`importance_sampling_level` is `ratio_level`). TRL's corrections are mapped:
     `off_policy_mask_threshold` is the OPSM preset of the filter, and on the vLLM path
     `vllm_importance_sampling_correction` with its mode and clip bounds is the IS weight
-    pi_old / pi_gen (is_source="old"); either refuses filter / IS options set away from their
-    defaults, which it would replace. One TRL default changes to False:
+    pi_old / pi_gen (is_source="old"); these replace the filter and the IS weight options, and
+    refuse a `filter` / `is_mode` set to anything but its default or off. One TRL default
+    changes to False:
     `vllm_importance_sampling_correction` (F-TIS's own weight min(pi_theta / pi_gen, is_cap), with
     pi_gen = vLLM's logprobs, is the correction).
     """
@@ -129,9 +139,11 @@ class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
     )
     vllm_importance_sampling_correction: bool = field(
         default=False,
-        metadata={"help": "TRL's vLLM IS correction, mapped onto the op's IS weight (is_source='old'); "
-                  "False by default: F-TIS's weight with pi_gen = vLLM's logprobs is the correction."},
-    )  # fmt: skip
+        metadata={
+            "help": "TRL's vLLM IS correction, mapped onto the op's IS weight (is_source='old'); "
+            "False by default: F-TIS's weight with pi_gen = vLLM's logprobs is the correction."
+        },
+    )
 
     def __post_init__(self):
         for name in OWN_OPTIONS:  # the command line passes None as a string
@@ -148,25 +160,28 @@ class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
         vLLM IS correction mapped onto the filter and the IS weight."""
         values = {name: getattr(self, TRL_NAMES.get(name, name)) for name in OPTION_NAMES}
         if self.off_policy_mask_threshold is not None:
-            _replace(values, FILTER_OPTIONS, "off_policy_mask_threshold",
-                     dict(FTISOptions.preset("opsm", kl_threshold=self.off_policy_mask_threshold)
-                          .as_kwargs()))  # fmt: skip
+            opsm = FTISOptions.preset("opsm", kl_threshold=self.off_policy_mask_threshold)
+            _replace(values, FILTER_OPTIONS, "off_policy_mask_threshold", opsm.as_kwargs())
         if self.use_vllm and self.vllm_importance_sampling_correction:
-            mode = dispatch(VLLM_IS_MODES, self.vllm_importance_sampling_mode,
-                            "vllm_importance_sampling_mode")  # fmt: skip
+            mode = self.vllm_importance_sampling_mode
+            mapped = dict(dispatch(VLLM_IS_MODES, mode, "vllm_importance_sampling_mode"))
             cap = self.vllm_importance_sampling_clip_max
-            mapped = dict(mode, is_source="old", is_cap=math.inf if cap is None else cap,
-                          is_cap_min=self.vllm_importance_sampling_clip_min)  # fmt: skip
+            mapped.update(
+                is_source="old",
+                is_cap=math.inf if cap is None else cap,
+                is_cap_min=self.vllm_importance_sampling_clip_min,
+            )
             _replace(values, IS_OPTIONS, "vllm_importance_sampling_correction", mapped)
         return FTISOptions(**values)
 
 
 def _replace(values: dict, names: tuple, trl_option: str, mapped: dict) -> None:
-    """values[names] = mapped[names], refusing an option the user set away from its default."""
-    for name in names:
-        if values[name] != getattr(DEFAULTS, name):
-            _refuse(name, values[name], f"{trl_option} sets it; leave it at its default")
-        values[name] = mapped[name]
+    """values[names] = mapped[names]. The first name (filter, is_mode) is the user's choice that
+    TRL's option replaces: refused unless left at its default or off (None, "none")."""
+    key = names[0]
+    if values[key] not in (getattr(DEFAULTS, key), None, "none"):
+        _refuse(key, values[key], f"{trl_option} replaces it; leave it at its default or off")
+    values.update({name: mapped[name] for name in names})
 
 
 def _refuse(option: str, value: Any, why: str) -> None:
@@ -178,8 +193,8 @@ def check_trl_options(args: GRPOConfig) -> None:
     if args.top_entropy_quantile < 1.0:
         _refuse("top_entropy_quantile", args.top_entropy_quantile, "F-TIS trains on every completion token")
     if args.use_adaptive_entropy:
-        _refuse("use_adaptive_entropy", True,
-                "FTISGRPOTrainer has the static entropy_coef only (the op's entropy bonus)")  # fmt: skip
+        why = "FTISGRPOTrainer has the static entropy_coef only (the op's entropy bonus)"
+        _refuse("use_adaptive_entropy", True, why)
     if args.ftis_op not in FTIS_OPS:
         _refuse("ftis_op", args.ftis_op, f"expected one of {FTIS_OPS}")
 
@@ -270,9 +285,9 @@ class FTISGRPOTrainer(GRPOTrainer):
         """log pi_theta(tokens) at the loss's temperature, detached, from the same op and inputs
         as the loss, so that log pi_theta / pi_gen is exactly 0: w = 1, KL = 0."""
         with torch.no_grad():
-            neutral = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-            neutral_options = FTISOptions(is_mode="none", filter=None, temperature=self.ftis.temperature)
-            _, metrics = head(tokens, neutral, advantages, mask, options=neutral_options)
+            neutral = FTISOptions(is_mode="none", filter=None, temperature=self.ftis.temperature)
+            zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+            _, metrics = head(tokens, zeros, advantages, mask, options=neutral)
         return metrics["logp"]
 
     def _trl_scale(self, mode: str, mask: torch.Tensor, inputs) -> Any:

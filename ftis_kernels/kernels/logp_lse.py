@@ -352,9 +352,10 @@ def logits_bwd_torch(
         log_p = (x - row_max[b, t0:t1, None]).sub_(log_sum[b, t0:t1, None])
         grad = log_p.exp()
         if ec is not None and bool((ec != 0).any()):
-            # dH/dlogit_v = -p_v (log p_v + H); p_v = 0 adds 0 (not 0 * -inf).
-            h_grad = torch.where(grad > 0, (log_p + entropy[b, t0:t1, None]) * grad, 0.0)
-            grad.mul_(c[:, None]).add_(h_grad.mul_(ec[:, None])).neg_()
+            # -p_v (c + e (log p_v + H)), with dH/dlogit_v = -p_v (log p_v + H). log p_v is
+            # clamped where p_v underflows to 0 anyway, so that 0 * -inf stays 0.
+            h = (c + ec * entropy[b, t0:t1])[:, None]
+            grad.mul_(log_p.clamp_(min=-1e4).mul_(ec[:, None]).add_(h)).neg_()
         else:
             grad.mul_(c[:, None]).neg_()
         # A token outside [0, V) is another vocabulary shard's (sharded.py): it adds nothing here.
