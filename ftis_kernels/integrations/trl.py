@@ -134,7 +134,8 @@ class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
         default="ftis_linear_loss",
         metadata={
             "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never materialised; "
-            "single-process) or 'ftis_loss' (from the completion logits of the model's forward)."
+            "one process or DDP, not FSDP / DeepSpeed) or 'ftis_loss' (from the completion logits "
+            "of the model's forward)."
         },
     )
     vllm_importance_sampling_correction: bool = field(
@@ -217,10 +218,11 @@ class FTISGRPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise ValueError("processing_class: FTISGRPOTrainer supports text-only causal LMs, "
                              "got a multimodal processor")
-        if args.ftis_op == "ftis_linear_loss" and self.accelerator.num_processes > 1:
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        if args.ftis_op == "ftis_linear_loss" and sharded:
             _refuse("ftis_op", args.ftis_op,
-                    "it runs the decoder outside the distributed wrapper, so is single-process only; "
-                    "use ftis_op='ftis_loss' with several processes")  # fmt: skip
+                    "FSDP and DeepSpeed shard the lm-head weight it reads outside the model's forward "
+                    "(not supported yet); use ftis_op='ftis_loss', or DDP")  # fmt: skip
         if self.aux_loss_enabled:
             _refuse("router_aux_loss_coef", self.router_aux_loss_coef,
                     "F-TIS adds no MoE load-balancing loss; set router_aux_loss_coef=0.0")  # fmt: skip
@@ -235,8 +237,16 @@ class FTISGRPOTrainer(GRPOTrainer):
             return functools.partial(ftis_loss, out.logits[:, :-1])
         # Every completion column, so that the columns are TRL's; the loss mask goes to the op.
         columns = torch.ones(input_ids.shape[0], T, dtype=torch.bool, device=input_ids.device)
+        unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
-            x = lm_head_inputs(self.accelerator.unwrap_model(model), input_ids, attention_mask, columns)
+            states = None
+            if model is not unwrapped:
+                # Through the wrapper: DDP's forward arms the all-reduce of the gradients. One
+                # position of logits is computed and dropped.
+                out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
+                            output_hidden_states=True, use_cache=False)
+                states = out.hidden_states[-1]
+            x = lm_head_inputs(unwrapped, input_ids, attention_mask, columns, states=states)
         return functools.partial(ftis_linear_loss, x.hidden, x.weight, bias=x.bias)
 
     def _compute_loss(self, model, inputs):
