@@ -56,6 +56,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("ftis_kernels.integrations.trl needs TRL: pip install 'ftis-kernels[trl]'") from err
 
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
+from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import lm_head_inputs
 from ftis_kernels.options import DEFAULTS, OPTION_FIELDS, OPTION_NAMES, FTISOptions, dispatch
@@ -290,6 +291,33 @@ class FTISGRPOTrainer(GRPOTrainer):
         loss, metrics = head(completion_ids, gen, advantages, mask, old, ref, options=options)
         self._log_ftis_metrics(mode, metrics, mask, ref)
         return loss * scale
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **multimodal):
+        """TRL's pi_old and reference passes (no grad: the F-TIS loss computes its own log pi_theta)
+        with `ftis_logprobs` from the hidden states and the lm-head, the row kernels of the loss:
+        (B, logits_to_keep) log-probabilities at the temperature, 0 at padding."""
+        if compute_aux_loss or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal,
+            )
+        B = input_ids.shape[0]
+        batch_size = batch_size or B
+        columns = torch.ones(B, logits_to_keep, dtype=torch.bool, device=input_ids.device)
+        unwrapped = self.accelerator.unwrap_model(model)
+        logps, entropies = [], []
+        with torch.no_grad(), self.accelerator.autocast():
+            for b0 in range(0, B, batch_size):
+                rows = slice(b0, b0 + batch_size)
+                x = lm_head_inputs(unwrapped, input_ids[rows], attention_mask[rows], columns[rows])
+                logp, entropy = ftis_logprobs(x.hidden, x.tokens, x.weight, bias=x.bias,
+                                              mask=x.mask, temperature=self.temperature)
+                logps.append(logp)
+                entropies.append(entropy)
+        entropy = torch.cat(entropies) if compute_entropy else None
+        return torch.cat(logps), entropy, None
 
     def _current_logprobs(self, head: Callable, tokens, advantages, mask) -> torch.Tensor:
         """log pi_theta(tokens) at the loss's temperature, detached, from the same op and inputs
