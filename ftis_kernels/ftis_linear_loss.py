@@ -230,7 +230,8 @@ def _ftis_linear_loss_fwd_impl(*inputs):
     logp, row_max, log_sum, entropy = linear_logp_lse(hidden, weight, bias, local, rows, *chunking)
     if name is not None:
         stats = (logp, row_max, log_sum, entropy)
-        logp, row_max, log_sum, entropy = combine_row_stats(group, local, weight.shape[0], m, *stats)
+        shard = (group, local, weight.shape[0], m)
+        logp, row_max, log_sum, entropy = combine_row_stats(*shard, *stats)
     stats = (logp, row_max, log_sum)
     check_values(V, tokens, gen, adv, mask, old, ref, stats, logits_name="hidden")
     packing = (args["cu_seqlens"], args["max_seqlen"])

@@ -121,7 +121,8 @@ def _ftis_loss_fwd_impl(*inputs):
     logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, local, m, opt.temperature)
     if name is not None:
         stats = (logp, row_max, log_sum, entropy)
-        logp, row_max, log_sum, entropy = combine_row_stats(group, local, logits.shape[-1], m, *stats)
+        shard = (group, local, logits.shape[-1], m)
+        logp, row_max, log_sum, entropy = combine_row_stats(*shard, *stats)
     check_values(V, tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
     packing = (args["cu_seqlens"], args["max_seqlen"])
     result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
