@@ -101,24 +101,23 @@ def loop_stats(kernel: str, dtype: str, block_v: int, num_warps: int) -> LoopSta
     if kernel == "fwd":
         fn = K._logp_lse_fwd_kernel.fn  # under triton.heuristics
         types = dict(logits_ptr=f"*{ty}", tokens_ptr="*i64", mask_ptr="*i1", logp_ptr="*fp32",
-                     row_max_ptr="*fp32", log_sum_ptr="*fp32", temperature="fp32", T="i32",
-                     V="i32", stride_lb="i32", stride_lt="i32", stride_lv="i32",
-                     stride_tb="i32", stride_tt="i32", stride_mb="i32", stride_mt="i32")  # fmt: skip
-        consts = dict(HAS_MASK=True, BLOCK_V=block_v, stride_lv=1, stride_tt=1, stride_mt=1)
-        div16 = ["logits_ptr", "tokens_ptr", "mask_ptr", "logp_ptr", "row_max_ptr",
-                 "log_sum_ptr", "V", "stride_lb", "stride_lt",
-                 "stride_tb", "stride_mb"]  # fmt: skip
+                     row_max_ptr="*fp32", log_sum_ptr="*fp32", entropy_ptr="*fp32", temperature="fp32", T="i32",
+                     V="i32", stride_lb="i32", stride_lt="i32", stride_lv="i32", stride_tb="i32", stride_tt="i32",
+                     stride_mb="i32", stride_mt="i32")  # fmt: skip
+        consts = dict(HAS_MASK=True, WITH_ENTROPY=True, BLOCK_V=block_v, stride_lv=1, stride_tt=1,
+                      stride_mt=1)
+        div16 = ["logits_ptr", "tokens_ptr", "mask_ptr", "logp_ptr", "row_max_ptr", "log_sum_ptr", "entropy_ptr", "V",
+                 "stride_lb", "stride_lt", "stride_tb", "stride_mb"]  # fmt: skip
     else:
-        fn = K._logits_bwd_kernel
-        types = dict(logits_ptr=f"*{ty}", dlogits_ptr=f"*{ty}", tokens_ptr="*i64",
-                     row_max_ptr="*fp32", log_sum_ptr="*fp32", coef_ptr="*fp32",
-                     temperature="fp32", T="i32", V="i32", stride_lb="i32", stride_lt="i32",
-                     stride_lv="i32", stride_db="i32", stride_dt="i32", stride_dv="i32", stride_tb="i32",
-                     stride_tt="i32")  # fmt: skip
-        consts = dict(BLOCK_V=block_v, stride_lv=1, stride_dv=1, stride_tt=1)
-        div16 = ["logits_ptr", "dlogits_ptr", "tokens_ptr", "row_max_ptr",
-                 "log_sum_ptr", "coef_ptr", "V", "stride_lb", "stride_lt",
-                 "stride_db", "stride_dt", "stride_tb"]  # fmt: skip
+        fn = K._logits_bwd_kernel.fn  # under triton.heuristics
+        types = dict(logits_ptr=f"*{ty}", dlogits_ptr=f"*{ty}", tokens_ptr="*i64", row_max_ptr="*fp32",
+                     log_sum_ptr="*fp32", coef_ptr="*fp32", entropy_ptr="*fp32", entropy_coef_ptr="*fp32",
+                     temperature="fp32", T="i32", V="i32",
+                     stride_lb="i32", stride_lt="i32", stride_lv="i32", stride_db="i32", stride_dt="i32",
+                     stride_dv="i32", stride_tb="i32", stride_tt="i32")  # fmt: skip
+        consts = dict(HAS_ENTROPY_GRAD=False, BLOCK_V=block_v, stride_lv=1, stride_dv=1, stride_tt=1)
+        div16 = ["logits_ptr", "dlogits_ptr", "tokens_ptr", "row_max_ptr", "log_sum_ptr", "coef_ptr", "V",
+                 "stride_lb", "stride_lt", "stride_db", "stride_dt", "stride_tb"]  # fmt: skip
     compiled = compile_sm90(fn, types, consts, div16, num_warps)
     lines, usage = _sass(compiled)
     body = _hot_loop(lines)

@@ -166,7 +166,8 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
             fn = _compiled_ref(case)
             return Prepared(lambda: _finish(fn(x, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
         if name in ("ftis_loss", "ftis_loss_filter", "ftis_loss_inplace"):
-            inplace = name == "ftis_loss_inplace"
+            # "force": the in-place backward into a leaf is what is measured (restored each time).
+            inplace = "force" if name == "ftis_loss_inplace" else False
             restore = None
             if inplace:
                 # Its own storage: the backward overwrites it, and the shared inputs must survive.

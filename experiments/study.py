@@ -122,7 +122,11 @@ def run_cell(cell: Cell, work: Path, extra: tuple[str, ...]) -> tuple[str, float
     t0 = time.time()
     with open(out / "log.txt", "w") as log:
         # argv[0] is the console script; run its module with this interpreter.
-        rc = subprocess.call([sys.executable, "-m", "ftis_kernels.grpo", *argv[1:]], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # --overwrite: an unfinished cell's partial run is replaced (log.txt is not a run output).
+        rc = subprocess.call(
+            [sys.executable, "-m", "ftis_kernels.grpo", *argv[1:], "--overwrite"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
     seconds = time.time() - t0
     if rc == 0:
         (out / "cell.json").write_text(json.dumps(dict(

@@ -3,8 +3,9 @@
 Forward: one streaming pass over each row of logits (`kernels/logp_lse.py`) gives log pi_theta of
 the taken token and the row's log-sum-exp; the per-sample part (`per_sample.py`) turns them into
 the loss, the metrics and d loss / d logp. Backward: one pass writes
-dlogits = coef * (onehot - softmax) / temperature, recomputing the softmax from the saved
-log-sum-exp, optionally into the logits buffer itself. No (B, T, V) temporary is ever created.
+dlogits = coef * (onehot - softmax) / temperature, recomputing the softmax from the saved row
+statistics (max and log-sum-exp relative to it), optionally into the logits buffer itself. No
+(B, T, V) temporary is ever created.
 
 Dispatch, by where the logits live: CUDA -> compiled Triton kernels; CPU with the kernels
 decorated under TRITON_INTERPRET=1 -> the same Triton kernels, interpreted; CPU otherwise -> a
@@ -13,161 +14,217 @@ chunked PyTorch path with the same results.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from ftis_kernels.kernels import logp_lse
-from ftis_kernels.options import FTISOptions
-from ftis_kernels.per_sample import per_sample_loss
-from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_row_values, check_tensor
-
-METRIC_NAMES = (
-    "logp",
-    "kl",
-    "filtered",
-    "filtered_frac",
-    "kl_mean",
-    "clip_frac",
-    "is_weight_mean",
-    "is_truncated_frac",
+from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
+from ftis_kernels.options import (
+    FTISOptions,
+    option_args,
+    option_schema,
+    options_from_args,
+    resolve_options,
+    with_option_keywords,
+)
+from ftis_kernels.sharded import check_shards, combine_row_stats, group_name
+from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
+from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
+from ftis_kernels.validate import (
+    LOGIT_DTYPES,
+    check_inplace_backward,
+    check_row_tensors,
+    check_tensor,
+    check_values,
 )
 
-
-def select_backend(device: torch.device) -> str:
-    """"triton" for CUDA tensors and for CPU tensors under the Triton interpreter, else "torch"."""
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu":
-        return "triton" if logp_lse.triton_is_interpreted() else "torch"
-    raise ValueError(f"logits: expected a CUDA or CPU tensor, got a tensor on {device}")
+# What a forward op returns after the loss and the metrics, for the backward.
+SAVED_NAMES = ("row_max", "log_sum", "coef", "entropy_coef")
+N_OUTPUTS = 1 + len(METRIC_NAMES) + len(SAVED_NAMES)
 
 
-_FORWARD = {"triton": logp_lse.logp_lse_fwd, "torch": logp_lse.logp_lse_fwd_torch}
-_BACKWARD = {"triton": logp_lse.logits_bwd, "torch": logp_lse.logits_bwd_torch}
+def forward_schema(leading: str) -> str:
+    """Schema of a forward custom op: `leading` tensor arguments, the row tensors, the options
+    (options.option_schema), then `trailing`; returns loss, metrics, row_max, log_sum, coef,
+    entropy_coef."""
+    outputs = ", ".join(["Tensor"] * N_OUTPUTS)
+    return f"({leading}, {option_schema()}, {{trailing}}) -> ({outputs})"
+
+
+def arguments(op, inputs: tuple) -> dict[str, Any]:
+    """A custom op's inputs by name, from its schema: setup_context reads them by name."""
+    names = [a.name for a in op._opoverload._schema.arguments]
+    return dict(zip(names, inputs))
+
+
+def forward_outputs(result, row_max: torch.Tensor, log_sum: torch.Tensor) -> tuple:
+    """(loss, *metrics in METRIC_NAMES order, row_max, log_sum, coef, entropy_coef)."""
+    metrics = (result.metrics[name] for name in METRIC_NAMES)
+    return (result.loss, *metrics, row_max, log_sum, result.coef, result.entropy_coef)
+
+
+def fake_forward_outputs(
+    like: torch.Tensor, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, ...]:
+    """Shape-only outputs of a forward op of this library, on the device of `like`; shared by
+    `ftis_loss` and `ftis_linear_loss`. Packed (cu_seqlens given): B = 1 row of T tokens and
+    cu_seqlens.shape[0] - 1 samples."""
+    f32, per_token = torch.float32, (B, T)
+    samples = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+    def metric(name: str) -> torch.Tensor:
+        if name in PER_TOKEN_METRICS:
+            return like.new_empty(per_token, dtype=f32)
+        if name in PER_SAMPLE_METRICS:
+            return like.new_empty((samples,), dtype=torch.bool if name == "filtered" else f32)
+        return like.new_empty((), dtype=f32)
+
+    saved = (like.new_empty(per_token, dtype=f32) for _ in SAVED_NAMES)
+    return (like.new_empty((), dtype=f32), *(metric(n) for n in METRIC_NAMES), *saved)
+
+
+def public_metrics(outputs: tuple, flat: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The metrics of a forward op's outputs, detached, by name; per-token ones as (flat,) when
+    given (packed inputs passed as (N, V) or (N, H))."""
+    metrics = {name: value.detach() for name, value in zip(METRIC_NAMES, outputs[1:])}
+    for name in PER_TOKEN_METRICS if flat is not None else ():
+        metrics[name] = metrics[name].reshape(flat)
+    return metrics
 
 
 # The op is registered with torch.library so that torch.compile(fullgraph=True) sees one opaque
 # node with a fake (shape-only) implementation and an autograd formula, instead of graph-breaking
-# on Triton launches and data-dependent Python. The options travel unpacked: a custom op's schema
-# takes tensors and plain scalars only.
+# on Triton launches and data-dependent Python. The options travel unpacked (a custom op's schema
+# takes tensors and plain scalars only), in the schema built from `FTISOptions`.
+
+_FWD_SCHEMA = forward_schema(
+    "Tensor logits, Tensor tokens, Tensor gen_logprobs, Tensor advantages, Tensor? mask, "
+    "Tensor? old_logprobs, Tensor? ref_logprobs"
+).format(
+    trailing="Tensor? cu_seqlens, int max_seqlen, int vocab_start, str? group_name, "
+    "bool inplace_backward, str backend"
+)
 
 
-@torch.library.custom_op("ftis_kernels::ftis_loss_fwd", mutates_args=())
-def _ftis_loss_fwd(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    gen_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    old_logprobs: Optional[torch.Tensor],
-    ref_logprobs: Optional[torch.Tensor],
-    is_mode: str,
-    is_level: str,
-    is_cap: float,
-    filter: Optional[str],
-    kl_threshold: float,
-    kl_estimator: str,
-    kl_reduction: str,
-    epsilon: float,
-    epsilon_high: Optional[float],
-    beta: float,
-    temperature: float,
-    loss_type: str,
-    inplace_backward: bool,
-    backend: str,
-) -> tuple[(torch.Tensor,) * (len(METRIC_NAMES) + 4)]:  # type: ignore[misc]
-    """(loss, *metrics in METRIC_NAMES order, row_max, log_sum, coef (B, T)). Checks the input
-    values first: here they run eagerly even under torch.compile."""
-    check_row_values(logits.shape[-1], tokens, gen_logprobs, advantages, mask, old_logprobs,
-                     ref_logprobs)  # fmt: skip
-    opt = FTISOptions(is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction,
-                      epsilon, epsilon_high, beta, temperature, loss_type)  # fmt: skip
+def _ftis_loss_fwd_impl(*inputs):
+    """Checks the input values and the logits' row statistics right after the row pass, with
+    one synchronisation: here they run eagerly even under torch.compile."""
+    args = arguments(_ftis_loss_fwd, inputs)
+    opt = options_from_args(args)
+    logits, tokens, gen, adv = (args[k] for k in ("logits", "tokens", "gen_logprobs", "advantages"))
+    mask, old, ref = args["mask"], args["old_logprobs"], args["ref_logprobs"]
     m = None if mask is None else mask != 0
-    logp, row_max, log_sum = _FORWARD[backend](logits, tokens, m, temperature)
-    result = per_sample_loss(logp, gen_logprobs, advantages, m, old_logprobs, ref_logprobs, opt)
-    metrics = (result.metrics[name] for name in METRIC_NAMES)
-    return (result.loss, *metrics, row_max, log_sum, result.coef)
+    V, name, start = logits.shape[-1], args["group_name"], args["vocab_start"]
+    local = tokens if name is None else tokens - start
+    if name is not None:
+        group, V = check_shards(name, logits.device, start, logits.shape[-1])
+    logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, local, m, opt.temperature)
+    if name is not None:
+        stats = (logp, row_max, log_sum, entropy)
+        shard = (group, local, logits.shape[-1], m)
+        logp, row_max, log_sum, entropy = combine_row_stats(*shard, *stats)
+    check_values(V, tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
+    packing = (args["cu_seqlens"], args["max_seqlen"])
+    result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
+    return forward_outputs(result, row_max, log_sum)
 
 
-def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
-    """Shape-only outputs of a forward op of this library (loss, metrics, row_max, log_sum,
-    coef), on the device of `like`; shared by `ftis_loss` and `ftis_linear_loss`."""
-    scalar = like.new_empty((), dtype=torch.float32)
-    per_token = like.new_empty((B, T), dtype=torch.float32)
-    return (
-        scalar,  # loss
-        per_token,  # logp
-        like.new_empty((B,), dtype=torch.float32),  # kl
-        like.new_empty((B,), dtype=torch.bool),  # filtered
-        *(torch.empty_like(scalar) for _ in range(5)),  # scalar metrics
-        torch.empty_like(per_token),  # row_max
-        torch.empty_like(per_token),  # log_sum
-        torch.empty_like(per_token),  # coef
-    )
-
-
-def option_args(opt: FTISOptions) -> tuple:
-    """The options unpacked in the custom ops' schema order, as plain Python scalars."""
-    return (
-        opt.is_mode, opt.is_level, float(opt.is_cap), opt.filter, float(opt.kl_threshold),
-        opt.kl_estimator, opt.kl_reduction, float(opt.epsilon),
-        None if opt.epsilon_high is None else float(opt.epsilon_high), float(opt.beta),
-        float(opt.temperature), opt.loss_type,
-    )  # fmt: skip
+_ftis_loss_fwd = torch.library.custom_op(
+    "ftis_kernels::ftis_loss_fwd", _ftis_loss_fwd_impl, mutates_args=(), schema=_FWD_SCHEMA
+)
 
 
 @_ftis_loss_fwd.register_fake
-def _(logits, tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, *options):
-    return fake_forward_outputs(logits, logits.shape[0], logits.shape[1])
+def _(*inputs):
+    args = arguments(_ftis_loss_fwd, inputs)
+    logits = args["logits"]
+    return fake_forward_outputs(logits, logits.shape[0], logits.shape[1], args["cu_seqlens"])
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
 def _ftis_loss_bwd(
-    logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
-    coef: torch.Tensor, temperature: float, backend: str,
-) -> torch.Tensor:  # fmt: skip
-    """d loss / d logits (B, T, V) in a new buffer; coef already scaled by the incoming gradient."""
-    stats = (row_max, log_sum, coef, temperature)
-    return _BACKWARD[backend](logits, tokens, *stats, torch.empty_like(logits))
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
+    coef: torch.Tensor,
+    entropy: torch.Tensor,
+    entropy_coef: torch.Tensor,
+    temperature: float,
+    backend: str,
+) -> torch.Tensor:
+    """d loss / d logits (B, T, V) in a new buffer; coef and entropy_coef already scaled by the
+    incoming gradient and 1 / temperature."""
+    out = torch.empty_like(logits)
+    stats = (row_max, log_sum, coef, temperature, out, entropy, entropy_coef)
+    return BACKWARD[backend](logits, tokens, *stats)
 
 
 @_ftis_loss_bwd.register_fake
-def _(logits, tokens, row_max, log_sum, coef, temperature, backend):
+def _(logits, *_):
     return torch.empty_like(logits)
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd_", mutates_args=("logits",))
 def _ftis_loss_bwd_inplace(
-    logits: torch.Tensor, tokens: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
-    coef: torch.Tensor, temperature: float, backend: str,
-) -> None:  # fmt: skip
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
+    coef: torch.Tensor,
+    entropy: torch.Tensor,
+    entropy_coef: torch.Tensor,
+    temperature: float,
+    backend: str,
+) -> None:
     """d loss / d logits written over the logits themselves."""
-    _BACKWARD[backend](logits, tokens, row_max, log_sum, coef, temperature, logits)
+    stats = (row_max, log_sum, coef, temperature, logits, entropy, entropy_coef)
+    BACKWARD[backend](logits, tokens, *stats)
+
+
+def backward_stats(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(row_max, log_sum, coef, entropy, entropy_coef) from a forward op's saved tensors, with
+    the incoming gradient and 1 / temperature folded into coef and entropy_coef."""
+    *_, row_max, log_sum, coef, entropy, entropy_coef = ctx.saved_tensors
+    scale = grad_loss.float() / ctx.temperature
+    coef, entropy_coef = ((c * scale).contiguous() for c in (coef, entropy_coef))
+    return row_max, log_sum, coef, entropy, entropy_coef
+
+
+def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *tensors) -> None:
+    """Saves `tensors`, then row_max, log_sum, coef, the entropy and entropy_coef; keeps the
+    temperature and the backend, and the number of inputs (the backward's tuple length)."""
+    row_max, log_sum, coef, entropy_coef = output[-len(SAVED_NAMES) :]
+    entropy = output[1 + METRIC_NAMES.index("entropy")]
+    ctx.save_for_backward(*tensors, row_max, log_sum, coef, entropy, entropy_coef)
+    ctx.temperature, ctx.backend, ctx.n_inputs = args["temperature"], args["backend"], len(inputs)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, tokens = inputs[0], inputs[1]
-    row_max, log_sum, coef = output[-3:]
-    ctx.save_for_backward(logits, tokens, row_max, log_sum, coef)
-    ctx.temperature, ctx.inplace_backward, ctx.backend = inputs[17], inputs[19], inputs[20]
+    args = arguments(_ftis_loss_fwd, inputs)
+    tokens = args["tokens"]
+    if args["group_name"] is not None:  # this shard's ids; another shard's token is never hit
+        tokens = tokens - args["vocab_start"]
+    save_for_backward(ctx, args, inputs, output, args["logits"], tokens)
+    ctx.inplace_backward = args["inplace_backward"]
 
 
 def _backward(ctx, grad_loss, *_):
-    logits, tokens, row_max, log_sum, coef = ctx.saved_tensors
-    coef = (coef * (grad_loss.float() / ctx.temperature)).contiguous()
-    stats = (row_max, log_sum, coef, ctx.temperature, ctx.backend)
+    logits, tokens = ctx.saved_tensors[:2]
+    row_max, log_sum, coef, entropy, entropy_coef = backward_stats(ctx, grad_loss)
+    stats = (row_max, log_sum, coef, entropy, entropy_coef, ctx.temperature, ctx.backend)
     if ctx.inplace_backward:
         torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *stats)
         dlogits = logits
     else:
         dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, *stats)
-    return (dlogits,) + (None,) * 20
+    return (dlogits,) + (None,) * (ctx.n_inputs - 1)
 
 
 _ftis_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+@with_option_keywords
 def ftis_loss(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -177,21 +234,14 @@ def ftis_loss(
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     *,
-    is_mode: str = "tis",
-    is_level: str = "token",
-    is_cap: float = 2.0,
-    filter: Optional[str] = "negative_offpolicy",
-    kl_threshold: float = 50.0,
-    kl_estimator: str = "k3",
-    kl_reduction: str = "sum",
-    epsilon: float = 0.2,
-    epsilon_high: Optional[float] = None,
-    beta: float = 0.0,
-    temperature: float = 1.0,
-    loss_type: str = "grpo",
-    inplace_backward: bool = False,
+    options: Optional[FTISOptions] = None,
+    inplace_backward: bool | str = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_start: int = 0,
+    process_group: Optional[Any] = None,
+    **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """F-TIS loss (the quantity to minimise) and its metrics, fused from the logits.
+    """The GRPO-family loss (the quantity to minimise) and its metrics, fused from the logits.
 
     Args:
         logits: (B, T, V) fp32 | bf16 | fp16, any strides; logits[b, t] scores tokens[b, t].
@@ -200,42 +250,88 @@ def ftis_loss(
             at completion positions.
         advantages: (B,) float, group-relative advantages (filtered samples included).
         mask: (B, T) bool or 0/1, the completion tokens; None = all.
-        old_logprobs: (B, T) float, log pi_old for the PPO ratio; None = stop_grad(current).
+        old_logprobs: (B, T) float, log pi_old for the PPO ratio (and is_source="old");
+            None = stop_grad(current).
         ref_logprobs: (B, T) float for the beta * k3 penalty; required when beta > 0.
-        is_mode, is_level, is_cap, filter, kl_threshold, kl_estimator, kl_reduction, epsilon,
-        epsilon_high, beta, temperature, loss_type: see `FTISOptions`.
+        options: an `FTISOptions` (e.g. `FTISOptions.preset("gspo")`); None = the defaults.
+        **option_keywords: any field of `FTISOptions` (is_mode, filter, loss_type, ratio_level,
+            entropy_coef, ...), applied over `options`; help(ftis_loss) lists them all.
         inplace_backward: write d loss / d logits into the logits buffer during backward, saving
             a (B, T, V) allocation. Only when nothing reads the logits after the loss: they are
-            overwritten by their gradient.
+            overwritten by their gradient. Refused (ValueError) for logits whose elements share
+            memory (expanded or overlapping views) and, unless "force", for a leaf tensor that
+            requires grad or a view of one (your own tensor would become its gradient).
+        cu_seqlens: (S + 1,) int32 | int64 offsets of a packed (padding-free) batch, or None.
+            Then logits are (N, V) or (1, N, V), the per-token tensors (N,) or (1, N), advantages
+            (S,), and sample s is tokens cu_seqlens[s] : cu_seqlens[s + 1]; the result is the
+            padded call's on the same data (dr_grpo's L: max_completion_length, else the longest
+            segment). Starts at 0, non-decreasing, ends at N (one synchronisation to check).
+        vocab_start, process_group: a vocabulary-sharded lm-head: logits (B, T, V_local) are the
+            columns vocab_start : vocab_start + V_local of the full logits, held by this rank of
+            `process_group` (the shards tile [0, V) in rank order); tokens are global ids. Loss,
+            metrics and the saved row statistics are global (sharded.py: one all-reduce of max,
+            one of sum over 3 (B, T) floats, and an all-gather of the shard sizes per forward);
+            d loss / d logits covers this rank's columns. Every rank calls with the same rows.
 
-    Per token, with A = 0 for filtered samples:
+    Per token, with A = 0 for rejected samples and the defaults (F-TIS, loss_type "grpo"):
         loss_t = -min(pi/pi_gen, C) * min(R A, clip(R, 1-eps, 1+eps_high) A) + beta * k3(ref - logp)
-    reduced by `loss_type` ("grpo": per-sample token mean, then mean over B).
+    reduced by `loss_type`; `per_sample.py` writes out every loss type and correction.
 
     Returns:
         loss: 0-dim fp32; gradients flow to `logits` only.
-        metrics: detached tensors: "logp" (B, T) fp32 (0 where masked), "kl" (B,) fp32,
-            "filtered" (B,) bool, and 0-dim fp32 "filtered_frac", "kl_mean", "clip_frac",
-            "is_weight_mean", "is_truncated_frac" (the last three over completion tokens).
+        metrics: detached tensors (per_sample.METRIC_NAMES): "logp", "entropy" (B, T) fp32 (0
+            where masked; packed: (N,) or (1, N) as the logits), "kl" (B,) fp32, "filtered" (B,)
+            bool (packed: (S,)), and 0-dim fp32 "filtered_frac",
+            "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac",
+            "is_ratio_mean", "is_ratio_max", "is_ratio_min", "entropy_mean" (over completion
+            tokens; is_ratio_* is the raw IS ratio before truncation or masking).
+
+    Raises:
+        ValueError naming the argument, in one line: shapes, dtypes, devices, options (an unknown
+        name, a bad value, a bad combination naming both options) and the in-place backward's
+        preconditions before any kernel runs; values (token ids, finiteness
+        and sign in float32, the logits) with one synchronisation right after the row pass, with
+        the number of failing positions, the first one and its value. Logits at a completion
+        position must give a finite log pi_theta(token): a row with a NaN or +inf logit (after
+        dividing by temperature), with every logit -inf, or with -inf at the taken token is
+        refused, on every backend. -inf at other tokens is legal (vocabulary masking) and exact.
+        Logits at masked positions may hold anything and never reach the loss or the gradient.
     """
-    opt = FTISOptions(
-        is_mode=is_mode, is_level=is_level, is_cap=is_cap, filter=filter,
-        kl_threshold=kl_threshold, kl_estimator=kl_estimator, kl_reduction=kl_reduction,
-        epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, temperature=temperature,
-        loss_type=loss_type,
-    )  # fmt: skip
+    opt = resolve_options(options, option_keywords)
+    flat = cu_seqlens is not None and isinstance(logits, torch.Tensor) and logits.dim() == 2
+    logits = logits.unsqueeze(0) if flat else logits
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or min(logits.shape) < 1:
-        raise ValueError(f"logits: expected a (B, T, V) tensor with B, T, V >= 1, got "
-                         f"{logits.shape if isinstance(logits, torch.Tensor) else logits!r}")  # fmt: skip
+        got = logits.shape if isinstance(logits, torch.Tensor) else logits
+        raise ValueError(f"logits: expected a (B, T, V) tensor with B, T, V >= 1, got {got!r}")
     B, T, V = logits.shape
     check_tensor("logits", logits, (B, T, V), LOGIT_DTYPES, logits.device)
     backend = select_backend(logits.device)
-    check_row_tensors(B, T, logits.device, tokens, gen_logprobs, advantages, mask, old_logprobs,
-                      ref_logprobs, beta)  # fmt: skip
-    loss, *metrics, _, _, _ = _ftis_loss_fwd(
-        logits, tokens, gen_logprobs.detach(), advantages.detach(), mask,
+    samples, max_seqlen = B, 0
+    if cu_seqlens is not None:
+        if B != 1:
+            shape = tuple(logits.shape)
+            raise ValueError(f"logits: expected (N, V) or (1, N, V) with cu_seqlens, got {shape}")
+        samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, logits.device)
+        tokens, gen_logprobs, mask, old_logprobs, ref_logprobs = packed_rows(
+            T, tokens, gen_logprobs, mask, old_logprobs, ref_logprobs
+        )
+    rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
+    check_row_tensors(B, T, logits.device, *rows, opt.beta, samples=samples)
+    inplace = check_inplace_backward(logits, inplace_backward)
+    outputs = _ftis_loss_fwd(
+        logits,
+        tokens,
+        gen_logprobs.detach(),
+        advantages.detach(),
+        mask,
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
-        *option_args(opt), bool(inplace_backward), backend,
-    )  # fmt: skip
-    return loss, {name: value.detach() for name, value in zip(METRIC_NAMES, metrics)}
+        *option_args(opt),
+        cu_seqlens,
+        max_seqlen,
+        vocab_start,
+        group_name(process_group, vocab_start),
+        inplace,
+        backend,
+    )
+    return outputs[0], public_metrics(outputs, T if flat else None)

@@ -1,99 +1,251 @@
-"""The F-TIS hyperparameters, defined once.
+"""The loss options, defined once: names, defaults, allowed values, help text and presets.
 
-`FTISOptions` carries every keyword option of the op contract (FTIS_SPEC.md §2). The reference
-(`ref/`), the kernels, the fused lm-head variant and the GRPO driver all take this one object, so a
-new option touches the contract, the reference, the kernel and one test, and nothing else.
+`FTISOptions` is the single definition of every keyword option of the ops (FTIS_SPEC.md §2). The
+public ops (`ftis_loss`, `ftis_linear_loss`), their custom-op plumbing (the options travel as one
+JSON string), `FTISGRPOConfig` (TRL) and the GRPO driver's config read their fields, defaults and
+help from `OPTION_FIELDS`: adding an option is one `_option(...)` line here plus its meaning in
+`per_sample.py` and `ref/`. Every enumerated option dispatches through a table (`dispatch`) that
+raises on an unknown value.
+
+The menu covers the paper's F-TIS and its ablations, and what TRL 1.16's GRPOTrainer, Liger-Kernel
+0.8.5's chunked GRPO loss and verl's rollout correction offer (loss types, sequence-level PPO
+ratio, two-sided clip, IS weight from the current or the old policy, truncation or masking with
+C_min, sample rejection, OPSM, entropy bonus); `PRESETS` names them with their sources.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Mapping, Optional
 
-IS_MODES = ("none", "vis", "tis")
-IS_LEVELS = ("token", "sequence")
+IS_MODES = ("none", "vis", "tis", "mask")
+IS_LEVELS = ("token", "sequence", "sequence_product")
+IS_SOURCES = ("current", "old")
 FILTERS = ("negative_offpolicy", "negative_or_offpolicy", "negative", "offpolicy", None)
 KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_REDUCTIONS = ("sum", "mean")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-
-# The paper's ablation variants, by name, as option overrides (FTIS_SPEC.md §1).
-VARIANTS: dict[str, dict[str, Any]] = {
-    "nois": dict(is_mode="none", filter=None),
-    "vis": dict(is_mode="vis", filter=None),
-    "tis": dict(is_mode="tis", filter=None),
-    "f-nois": dict(is_mode="none", filter="negative_offpolicy"),
-    "f-vis": dict(is_mode="vis", filter="negative_offpolicy"),
-    "f-tis": dict(is_mode="tis", filter="negative_offpolicy"),
-}
+KL_REDUCTIONS = ("sum", "mean", "max")
+REJECT_MODES = ("advantage", "mask")
+RATIO_LEVELS = ("token", "sequence")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+# Loss types whose surrogate is PPO's clipped min (TRL: the ones `delta` applies to).
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")
 
 
 def _fail(name: str, expected: str, got: Any) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got!r}")
 
 
+def dispatch(table: Mapping[Any, Any], value: Any, option: str) -> Any:
+    """table[value], or a ValueError naming the option and the allowed values: no silent else."""
+    if value not in table:
+        _fail(option, f"one of {tuple(table)}", value)
+    return table[value]
+
+
+def _is_real(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v)
+
+
+# Value checks by kind: (what is expected, predicate). None passes where the default is None.
+CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "positive": ("a number > 0", lambda v: _is_real(v) and v > 0),
+    "positive_finite": ("a finite number > 0", lambda v: _is_real(v) and 0 < v < math.inf),
+    "non_negative": ("a number >= 0", lambda v: _is_real(v) and v >= 0),
+    "non_negative_finite": ("a finite number >= 0", lambda v: _is_real(v) and 0 <= v < math.inf),
+    "finite": ("a finite number", lambda v: _is_real(v) and abs(v) < math.inf),
+    "unit_open": ("a number in (0, 1)", lambda v: _is_real(v) and 0 < v < 1),
+    "count": ("an int >= 1", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+    "bool": ("True or False", lambda v: isinstance(v, bool)),
+}
+
+
+def _option(default: Any, help: str, *, choices: Optional[tuple] = None, check: str = "") -> Any:
+    """A field of `FTISOptions` with its help text and its allowed values (a tuple of choices or
+    a CHECKS kind); a None default makes None allowed too."""
+    if check and check not in CHECKS:
+        raise KeyError(check)
+    return field(default=default, metadata={"help": help, "choices": choices, "check": check})
+
+
 @dataclass(frozen=True)
 class FTISOptions:
-    """Keyword options of `ftis_loss` (FTIS_SPEC.md §2); validated on construction.
+    """Keyword options of `ftis_loss` / `ftis_linear_loss`; validated on construction
+    (ValueError naming the option, or both options of a bad combination). Per field, `help` is
+    in `OPTION_FIELDS[name].metadata`; the semantics are written in `per_sample.py`."""
 
-    is_mode:      "none" (w = 1) | "vis" (w = pi_theta / pi_gen) | "tis" (w = min(ratio, is_cap)).
-    is_level:     "token" (one weight per token) | "sequence" (w = exp(mean_t log ratio), same cap).
-    is_cap:       C, the truncation of the IS weight (> 0; inf makes "tis" equal "vis").
-    filter:       which samples get Ahat = 0. With KL_i > g called "off-policy":
-                  "negative_offpolicy" A <= 0 AND off-policy (the paper) | "negative_or_offpolicy"
-                  A <= 0 OR off-policy | "negative" A <= 0 | "offpolicy" | None.
-    kl_threshold: g (>= 0).
-    kl_estimator: "k1" d | "k2" d^2/2 | "k3" exp(-d) - 1 + d, with d = log pi_gen - log pi_theta.
-    kl_reduction: "sum" | "mean" over the sample's masked tokens.
-    epsilon, epsilon_high: PPO clip range [1 - epsilon, 1 + (epsilon_high or epsilon)], in (0, 1).
-    beta:         weight of the per-token k3(ref_logprobs - logp) penalty (>= 0).
-    temperature:  logits are divided by it before the softmax (> 0).
-    loss_type:    "grpo" per-sample mean then mean | "bnpo"/"dapo" token mean | "dr_grpo" sum/(B*T).
-    """
-
-    is_mode: str = "tis"
-    is_level: str = "token"
-    is_cap: float = 2.0
-    filter: Optional[str] = "negative_offpolicy"
-    kl_threshold: float = 50.0
-    kl_estimator: str = "k3"
-    kl_reduction: str = "sum"
-    epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
-    beta: float = 0.0
-    temperature: float = 1.0
-    loss_type: str = "grpo"
+    # --- IS weight w (detached) --------------------------------------------------------------
+    is_mode: str = _option(
+        "tis",
+        "IS weight: 'none' (w = 1), 'vis' (w = ratio), 'tis' (w = clamp(ratio, is_cap_min, "
+        "is_cap)), 'mask' (w = ratio inside [is_cap_min, is_cap], else 0: TRL's *_mask, IcePop).",
+        choices=IS_MODES,
+    )
+    is_level: str = _option(
+        "token",
+        "'token' (one weight per token), 'sequence' (exp of the mean log ratio over the "
+        "completion: ours) or 'sequence_product' (exp of the sum: the product of the token "
+        "ratios, TRL's sequence_* and verl's rollout_is='sequence').",
+        choices=IS_LEVELS,
+    )
+    is_source: str = _option(
+        "current",
+        "Policy of the IS ratio's numerator: 'current' (pi_theta / pi_gen, the paper) or 'old' "
+        "(pi_old / pi_gen: decoupled PPO, trainer-vs-sampler TIS as in TRL and verl).",
+        choices=IS_SOURCES,
+    )
+    is_cap: float = _option(
+        2.0,
+        "C (C_max): truncation of 'tis', upper band edge of 'mask' (inf: none).",
+        check="positive",
+    )
+    is_cap_min: Optional[float] = _option(
+        None,
+        "C_min: lower truncation of 'tis', lower band edge of 'mask'; None: no lower bound.",
+        check="non_negative_finite",
+    )
+    # --- sample rejection (the filter) -------------------------------------------------------
+    filter: Optional[str] = _option(
+        "negative_offpolicy",
+        "Which samples are rejected, with 'off-policy' meaning KL_i > kl_threshold (or < "
+        "kl_threshold_low): 'negative_offpolicy' A <= 0 AND off-policy (the paper), "
+        "'negative_or_offpolicy', 'negative', 'offpolicy' (advantage-agnostic), or None.",
+        choices=FILTERS,
+    )
+    kl_threshold: float = _option(50.0, "g, the upper KL_i threshold.", check="non_negative")
+    kl_threshold_low: Optional[float] = _option(
+        None,
+        "Lower KL_i threshold (verl's k1 ratio band: -log of its upper ratio); None: none.",
+        check="finite",
+    )
+    kl_estimator: str = _option(
+        "k3",
+        "Per token, with d = log pi_gen - log pi_src: 'k1' d | 'k2' d^2/2 | 'k3' exp(-d) - 1 + d.",
+        choices=KL_ESTIMATORS,
+    )
+    kl_reduction: str = _option(
+        "sum",
+        "KL_i over the sample's completion tokens: 'sum', 'mean' or 'max'.",
+        choices=KL_REDUCTIONS,
+    )
+    kl_source: str = _option(
+        "current",
+        "Policy the filter's KL compares with pi_gen: 'current' (pi_theta, the paper "
+        "and TRL's OPSM) or 'old' (pi_old, verl's rejection sampling).",
+        choices=IS_SOURCES,
+    )
+    reject_mode: str = _option(
+        "advantage",
+        "What rejection does: 'advantage' (A = 0, the sample still counts in every "
+        "normaliser: the paper, TRL's OPSM) or 'mask' (its tokens leave the completion mask: "
+        "verl's rejection sampling).",
+        choices=REJECT_MODES,
+    )
+    # --- policy loss -------------------------------------------------------------------------
+    loss_type: str = _option(
+        "grpo",
+        "Surrogate and reduction, as TRL 1.16: 'grpo' (per-sample token mean, then mean), "
+        "'bnpo'/'dapo' (token mean), 'dr_grpo' (sum / (B * max_completion_length)), 'cispo' "
+        "(-sg(min(R, epsilon_high)) A logp, token mean), 'sapo' (soft sigmoid gate, grpo's "
+        "reduction), 'luspo' (per-sample token sum, mean over B), 'vespo' (gamma-weighted "
+        "-phi(w) A logp, token mean).",
+        choices=LOSS_TYPES,
+    )
+    ratio_level: str = _option(
+        "token",
+        "PPO ratio R = pi_theta / pi_old per 'token' or per 'sequence' (GSPO: exp of "
+        "the mean log ratio, TRL's importance_sampling_level).",
+        choices=RATIO_LEVELS,
+    )
+    epsilon: float = _option(0.2, "Lower clip: R >= 1 - epsilon.", check="unit_open")
+    epsilon_high: Optional[float] = _option(
+        None,
+        "Upper clip 1 + epsilon_high (None: epsilon); for 'cispo' the cap on R itself.",
+        check="positive_finite",
+    )
+    delta: Optional[float] = _option(
+        None,
+        "Two-sided clip (INTELLECT-2): R is also capped at delta in the unclipped branch; "
+        "clipped loss types only.",
+        check="positive_finite",
+    )
+    max_completion_length: Optional[int] = _option(
+        None,
+        "dr_grpo's constant L in sum / (B * L) (TRL: max_completion_length); None: T.",
+        check="count",
+    )
+    sapo_temperature_pos: float = _option(
+        1.0, "SAPO gate temperature for A > 0.", check="positive_finite"
+    )
+    sapo_temperature_neg: float = _option(
+        1.05, "SAPO gate temperature for A <= 0.", check="positive_finite"
+    )
+    vespo_k_pos: float = _option(2.0, "VESPO gamma shape k for A >= 0.", check="finite")
+    vespo_lambda_pos: float = _option(3.0, "VESPO gamma rate lambda for A >= 0.", check="finite")
+    vespo_k_neg: float = _option(3.0, "VESPO gamma shape k for A < 0.", check="finite")
+    vespo_lambda_neg: float = _option(2.0, "VESPO gamma rate lambda for A < 0.", check="finite")
+    # --- penalties and bonus -----------------------------------------------------------------
+    beta: float = _option(
+        0.0, "Weight of the per-token k3(ref_logprobs - logp) penalty.", check="non_negative_finite"
+    )
+    use_bias_correction_kl: bool = _option(
+        False,
+        "Multiply the beta term by the PPO ratio exp(logp - log pi_old), with its "
+        "gradient (TRL's default, DeepSeek-V3.2): same value on-policy, more gradient.",
+        check="bool",
+    )
+    entropy_coef: float = _option(
+        0.0,
+        "Entropy bonus: loss -= entropy_coef * (mean per-token entropy over the completion "
+        "tokens), as TRL's static entropy_coef.",
+        check="non_negative_finite",
+    )
+    temperature: float = _option(
+        1.0, "Logits are divided by it before the softmax.", check="positive_finite"
+    )
 
     def __post_init__(self) -> None:
-        for name, allowed in (
-            ("is_mode", IS_MODES),
-            ("is_level", IS_LEVELS),
-            ("filter", FILTERS),
-            ("kl_estimator", KL_ESTIMATORS),
-            ("kl_reduction", KL_REDUCTIONS),
-            ("loss_type", LOSS_TYPES),
-        ):
-            if getattr(self, name) not in allowed:
-                _fail(name, f"one of {allowed}", getattr(self, name))
-        for name in ("is_cap", "kl_threshold", "epsilon", "beta", "temperature"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-                _fail(name, "a real number", value)
-        if not self.is_cap > 0:
-            _fail("is_cap", "a number > 0 (math.inf for no truncation)", self.is_cap)
-        if not self.kl_threshold >= 0:
-            _fail("kl_threshold", "a number >= 0", self.kl_threshold)
-        if not 0 < self.epsilon < 1:
-            _fail("epsilon", "a number in (0, 1)", self.epsilon)
-        if self.epsilon_high is not None:
-            eh = self.epsilon_high
-            if isinstance(eh, bool) or not isinstance(eh, (int, float)) or not 0 < eh < 1:
-                _fail("epsilon_high", "None or a number in (0, 1)", eh)
-        if not (0 <= self.beta < math.inf):
-            _fail("beta", "a finite number >= 0", self.beta)
-        if not (0 < self.temperature < math.inf):
-            _fail("temperature", "a finite number > 0", self.temperature)
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None and f.default is None:
+                continue
+            if meta["choices"] is not None and value not in meta["choices"]:
+                _fail(f.name, f"one of {meta['choices']}", value)
+            if meta["check"]:
+                expected, ok = CHECKS[meta["check"]]
+                if not ok(value):
+                    _fail(f.name, expected + (" or None" if f.default is None else ""), value)
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Combinations the peers refuse or that have no meaning; the error names both options."""
+        lt = self.loss_type
+        if self.ratio_level == "sequence" and lt in ("cispo", "sapo", "vespo"):
+            _fail(
+                "ratio_level",
+                f"'token' with loss_type={lt!r} (Liger refuses it; VESPO builds "
+                "its own sequence weight)",
+                self.ratio_level,
+            )
+        if self.delta is not None and lt not in CLIPPED_LOSS_TYPES:
+            _fail(
+                "delta",
+                f"None with loss_type={lt!r} (two-sided clipping applies to {CLIPPED_LOSS_TYPES})",
+                self.delta,
+            )
+        if lt == "vespo" and self.is_level != "token" and self.is_mode != "none":
+            _fail(
+                "is_level",
+                "'token' with loss_type='vespo' (TRL: VESPO folds token-level IS "
+                "weights into its sequence weight)",
+                self.is_level,
+            )
+        if self.is_cap_min is not None and self.is_cap_min > self.is_cap:
+            _fail("is_cap_min", f"a number <= is_cap = {self.is_cap}", self.is_cap_min)
+        low = self.kl_threshold_low
+        if low is not None and low > self.kl_threshold:
+            _fail("kl_threshold_low", f"a number <= kl_threshold = {self.kl_threshold}", low)
 
     @property
     def clip_high(self) -> float:
@@ -105,6 +257,26 @@ class FTISOptions:
         return asdict(self)
 
     @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "FTISOptions":
+        """FTISOptions(**kwargs), with an unknown name refused as a ValueError naming it."""
+        for name in kwargs:
+            if name not in OPTION_FIELDS:
+                _fail(name, f"a keyword option, one of {tuple(OPTION_FIELDS)}", "an unknown option")
+        return cls(**kwargs)
+
+    def replace(self, **overrides: Any) -> "FTISOptions":
+        FTISOptions.from_kwargs(**overrides)  # unknown names refused by name
+        return replace(self, **overrides)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "FTISOptions":
+        """The options of a named method (`PRESETS`; README lists each with its source), then
+        `overrides`. Presets start from the defaults (F-TIS)."""
+        key = name.lower()
+        preset = dispatch(PRESETS, key, "preset")
+        return cls.from_kwargs(**{**preset.options, **overrides})
+
+    @classmethod
     def for_variant(cls, variant: str, **overrides: Any) -> "FTISOptions":
         """Options of a paper ablation variant ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis")."""
         key = variant.lower()
@@ -113,4 +285,169 @@ class FTISOptions:
         return cls(**{**VARIANTS[key], **overrides})
 
 
-OPTION_NAMES = tuple(f.name for f in fields(FTISOptions))
+OPTION_FIELDS: dict[str, Field] = {f.name: f for f in fields(FTISOptions)}
+OPTION_NAMES = tuple(OPTION_FIELDS)
+DEFAULTS = FTISOptions()
+
+
+def option_default(name: str) -> Any:
+    f = OPTION_FIELDS[name]
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def option_help(name: str) -> str:
+    return OPTION_FIELDS[name].metadata["help"]
+
+
+def option_choices(name: str) -> Optional[tuple]:
+    return OPTION_FIELDS[name].metadata["choices"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named method: its option overrides and where they come from."""
+
+    options: dict[str, Any]
+    source: str
+
+
+# The paper's ablation variants (FTIS_SPEC.md §1), as option overrides.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "nois": dict(is_mode="none", filter=None),
+    "vis": dict(is_mode="vis", filter=None),
+    "tis": dict(is_mode="tis", filter=None),
+    "f-nois": dict(is_mode="none", filter="negative_offpolicy"),
+    "f-vis": dict(is_mode="vis", filter="negative_offpolicy"),
+    "f-tis": dict(is_mode="tis", filter="negative_offpolicy"),
+}
+_PAPER = "F-TIS paper (arXiv 2605.22537), ablation"
+_ON_POLICY = dict(is_mode="none", filter=None)
+_VERL_RS = "verl rollout correction, rollout_rs="
+
+
+def _verl_rs(reduction: str, estimator: str, threshold: float, low: Optional[float] = None):
+    options = dict(
+        is_mode="none",
+        filter="offpolicy",
+        kl_source="old",
+        reject_mode="mask",
+        kl_reduction=reduction,
+        kl_estimator=estimator,
+        kl_threshold=threshold,
+        kl_threshold_low=low,
+    )
+    return Preset(options, f"{_VERL_RS}'seq_{reduction}_{estimator}' (threshold from its tests)")
+
+
+PRESETS: dict[str, Preset] = {
+    **{name: Preset(dict(v), f"{_PAPER} {name.upper()}") for name, v in VARIANTS.items()},
+    "grpo": Preset(dict(_ON_POLICY), "GRPO (DeepSeekMath), on-policy: no IS weight, no filter"),
+    "sampler-tis": Preset(
+        dict(is_mode="tis", is_source="old", filter=None),
+        "trainer-vs-sampler TIS (Yao et al. 2025; TRL vllm_importance_sampling_mode="
+        "'token_truncate', verl rollout_is='token'): w = min(pi_old / pi_gen, C)",
+    ),
+    "icepop": Preset(
+        dict(is_mode="mask", is_source="old", is_cap_min=0.5, is_cap=5.0, filter=None),
+        "IcePop (Ring-1T): token weight pi_old / pi_gen kept inside [0.5, 5], else 0",
+    ),
+    "opsm": Preset(
+        dict(
+            is_mode="none",
+            filter="negative_offpolicy",
+            kl_estimator="k1",
+            kl_reduction="mean",
+            kl_threshold=0.5,
+        ),
+        "off-policy sequence masking (DeepSeek-V3.2 eq. 9; TRL off_policy_mask_threshold=0.5): "
+        "A < 0 and mean_t(log pi_gen - log pi_theta) > delta",
+    ),
+    "gspo": Preset(
+        dict(_ON_POLICY, ratio_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+        "GSPO (Zheng et al. 2025; TRL importance_sampling_level='sequence'), eps 3e-4 / 4e-4",
+    ),
+    "dapo": Preset(
+        dict(_ON_POLICY, loss_type="dapo", epsilon_high=0.28),
+        "DAPO (Yu et al. 2025): token-mean loss, clip-higher 0.28",
+    ),
+    "dr_grpo": Preset(dict(_ON_POLICY, loss_type="dr_grpo"), "Dr. GRPO (Liu et al. 2025)"),
+    "cispo": Preset(
+        dict(_ON_POLICY, loss_type="cispo", epsilon_high=5.0),
+        "CISPO (MiniMax-M1; ScaleRL's eps_max = 5.0, TRL docs)",
+    ),
+    "sapo": Preset(
+        dict(_ON_POLICY, loss_type="sapo"), "SAPO (Gao et al. 2025), TRL's temperatures 1.0 / 1.05"
+    ),
+    "luspo": Preset(
+        dict(_ON_POLICY, loss_type="luspo", ratio_level="sequence"),
+        "LUSPO (TRL: loss_type='luspo' with importance_sampling_level='sequence')",
+    ),
+    "vespo": Preset(
+        dict(_ON_POLICY, loss_type="vespo"), "VESPO (TRL 1.16 defaults k 2 / 3, lambda 3 / 2)"
+    ),
+    "seq_sum_k1": _verl_rs("sum", "k1", -math.log(0.6), -math.log(1.4)),
+    "seq_sum_k2": _verl_rs("sum", "k2", 2.5),
+    "seq_sum_k3": _verl_rs("sum", "k3", 2.5),
+    "seq_mean_k1": _verl_rs("mean", "k1", -math.log(0.5), -math.log(1.5)),
+    "seq_mean_k2": _verl_rs("mean", "k2", 2.0),
+    "seq_mean_k3": _verl_rs("mean", "k3", 2.0),
+    "seq_max_k2": _verl_rs("max", "k2", 2.0),
+    "seq_max_k3": _verl_rs("max", "k3", 2.0),
+}
+
+
+# --- the options across a custom-op boundary ---------------------------------------------------
+# A torch.library custom op takes tensors and plain scalars only: the options travel unpacked, in
+# OPTION_NAMES order, with schema types derived from the field annotations.
+
+_SCHEMA_TYPES: dict[str, tuple[str, type]] = {
+    "str": ("str", str),
+    "Optional[str]": ("str?", str),
+    "float": ("float", float),
+    "Optional[float]": ("float?", float),
+    "Optional[int]": ("int?", int),
+    "bool": ("bool", bool),
+}
+
+
+def option_schema() -> str:
+    """The options as custom-op schema arguments: "str is_mode, str is_level, float is_cap, ..."."""
+    return ", ".join(
+        f"{dispatch(_SCHEMA_TYPES, f.type, f'the type of {name}')[0]} {name}"
+        for name, f in OPTION_FIELDS.items()
+    )
+
+
+def option_args(opt: FTISOptions) -> tuple:
+    """The options unpacked in OPTION_NAMES order, as plain Python scalars of their schema type."""
+    casts = [_SCHEMA_TYPES[f.type][1] for f in OPTION_FIELDS.values()]
+    values = (getattr(opt, name) for name in OPTION_NAMES)
+    return tuple(None if v is None else cast(v) for cast, v in zip(casts, values))
+
+
+def options_from_args(args: Mapping[str, Any]) -> FTISOptions:
+    """FTISOptions from a custom op's arguments, read by name."""
+    return FTISOptions(**{name: args[name] for name in OPTION_NAMES})
+
+
+def resolve_options(options: Optional[FTISOptions], overrides: Mapping[str, Any]) -> FTISOptions:
+    """What the public ops do with `options=` and their keyword options: the object (or the
+    defaults) with the keywords on top; an unknown keyword is a ValueError naming it."""
+    if options is None:
+        return FTISOptions.from_kwargs(**overrides)
+    if not isinstance(options, FTISOptions):
+        _fail("options", "None or an FTISOptions", options)
+    return options.replace(**overrides) if overrides else options
+
+
+def with_option_keywords(func: Callable) -> Callable:
+    """Give `func(..., **options)` a signature listing every option keyword with its default and
+    annotation (for help(), IDEs and the drift test); the function itself is unchanged."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for name, f in OPTION_FIELDS.items()
+    ]
+    func.__signature__ = sig.replace(parameters=params)
+    return func

@@ -1,39 +1,84 @@
-"""The per-sample part of F-TIS on (B, T) tensors: KL estimate, filter, IS weight, clipped
-surrogate, reduction, metrics, and the coefficient d loss / d logp that the backward kernels need.
+"""The per-sample part of the loss on (B, T) tensors: KL estimate, rejection, IS weight, policy
+surrogate (every loss type of `options.LOSS_TYPES`), penalties, reduction, metrics, and the
+coefficients d loss / d logp and d loss / d entropy that the backward row kernels need.
 
 It is a handful of PyTorch ops on (B, T) fp32 tensors rather than a Triton kernel on purpose: it
 moves O(B * T) bytes against the O(B * T * V) of the row kernels (a 1 / V fraction, < 0.01% for
 real vocabularies), so fusing it would save nothing measurable, while here it is written once, in
-the paper's words, for `ftis_loss` and `ftis_linear_loss` alike. Its gradient is written out by
-hand (not autograd) so the row kernels can take it as one scalar per token.
+the methods' words, for `ftis_loss` and `ftis_linear_loss` alike. Its gradient with respect to the
+(B, T) log-probabilities (and entropies) is taken by autograd on these small tensors: with eight
+loss types, sequence-level ratios and weights, a hand-written derivative per combination would be
+the largest source of bugs, and the row kernels still receive one scalar per token.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from ftis_kernels.options import FTISOptions
+from ftis_kernels.options import FTISOptions, dispatch
+
+METRIC_NAMES = (
+    "logp",
+    "entropy",
+    "kl",
+    "filtered",
+    "filtered_frac",
+    "kl_mean",
+    "clip_frac",
+    "is_weight_mean",
+    "is_truncated_frac",
+    "is_masked_frac",
+    "is_ratio_mean",
+    "is_ratio_max",
+    "is_ratio_min",
+    "entropy_mean",
+)
+"""Metrics of both ops, in the custom ops' output order: logp, entropy (B, T); kl (B,); filtered
+(B,) bool; the rest 0-dim fp32 (over completion tokens; is_ratio_* is the raw IS ratio before
+truncation or masking, at the chosen level)."""
+PER_TOKEN_METRICS = ("logp", "entropy")
+PER_SAMPLE_METRICS = ("kl", "filtered")
 
 
 @dataclass
 class PerSample:
-    """Results of `per_sample_loss`. loss 0-dim fp32; coef (B, T) fp32 = d loss / d logp."""
+    """Results of `per_sample_loss`. loss 0-dim fp32; coef, entropy_coef (B, T) fp32 =
+    d loss / d logp and d loss / d entropy (zero where nothing flows)."""
 
     loss: torch.Tensor
     coef: torch.Tensor
+    entropy_coef: torch.Tensor
     metrics: dict[str, torch.Tensor]
 
 
+KL_ESTIMATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda d: d,
+    "k2": lambda d: 0.5 * d * d,
+    "k3": lambda d: torch.expm1(-d) + d,
+}
+
+
 def kl_estimate(d: torch.Tensor, estimator: str) -> torch.Tensor:
-    """k1 d, k2 d^2 / 2 or k3 exp(-d) - 1 + d, elementwise, with d = log pi_gen - log pi_theta."""
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    return torch.expm1(-d) + d
+    """k1 d, k2 d^2 / 2 or k3 exp(-d) - 1 + d, elementwise, with d = log pi_gen - log pi_src."""
+    return dispatch(KL_ESTIMATES, estimator, "kl_estimator")(d)
+
+
+# Filter rules: (negative, offpolicy) -> rejected.
+FILTER_RULES: dict[Optional[str], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "negative_offpolicy": lambda neg, off: neg & off,
+    "negative_or_offpolicy": lambda neg, off: neg | off,
+    "negative": lambda neg, off: neg,
+    "offpolicy": lambda neg, off: off,
+    None: lambda neg, off: torch.zeros_like(neg),
+}
+
+# Log of VESPO's clamps (TRL get_gamma_weights): log(1e-8) below, 20 above.
+VESPO_LOG_MIN = math.log(1e-8)
+VESPO_LOG_MAX = 20.0
 
 
 def per_sample_loss(
@@ -44,95 +89,224 @@ def per_sample_loss(
     old_logprobs: Optional[torch.Tensor],
     ref_logprobs: Optional[torch.Tensor],
     opt: FTISOptions,
+    entropy: Optional[torch.Tensor] = None,
 ) -> PerSample:
-    """F-TIS loss from the per-token log-probabilities of the taken tokens.
+    """The loss from the per-token log-probabilities (and entropies) of the taken tokens.
 
-    logp (B, T) fp32, log pi_theta(token), 0 at masked positions; gen_logprobs, old_logprobs,
-    ref_logprobs (B, T) float; advantages (B,) float; mask (B, T) bool or None (all tokens).
-    Per token: loss_t = -w_t * min(R_t A, clip(R_t, 1 - eps, 1 + eps_high) A) + beta * k3(ref - logp),
-    with A = 0 for filtered samples, then the `loss_type` reduction. Values at masked positions
-    are ignored (they may be anything, even nan).
+    logp (B, T) fp32, log pi_theta(token), 0 at masked positions; entropy (B, T) fp32 per-token
+    entropy of pi_theta or None (then entropy_coef must be 0 and the metric is 0); gen_logprobs,
+    old_logprobs, ref_logprobs (B, T) float; advantages (B,) float; mask (B, T) bool or None.
+    Values at masked positions are ignored (they may be anything, even nan).
     """
+    with torch.inference_mode(False), torch.enable_grad():
+        logp_leaf = logp.detach().float().clone().requires_grad_()
+        ent = torch.zeros_like(logp_leaf) if entropy is None else entropy.detach().float().clone()
+        ent.requires_grad_()
+        loss, metrics = _loss(
+            logp_leaf, ent, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, opt
+        )
+        if loss.requires_grad:
+            coef, ecoef = torch.autograd.grad(loss, (logp_leaf, ent), allow_unused=True)
+        else:
+            coef = ecoef = None
+    zeros = torch.zeros_like(logp_leaf, requires_grad=False)
+    coef = zeros if coef is None else coef.detach().contiguous()
+    ecoef = zeros if ecoef is None else ecoef.detach().contiguous()
+    metrics = {k: v.detach() for k, v in metrics.items()}
+    metrics["logp"] = logp.detach().float()
+    metrics["entropy"] = ent.detach()
+    return PerSample(loss.detach(), coef, ecoef, metrics)
+
+
+def _loss(logp, ent, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, opt):
     B, T = logp.shape
     f32 = torch.float32
-    m = torch.ones(B, T, dtype=torch.bool, device=logp.device) if mask is None else mask
-    mf = m.to(f32)
-    zero = torch.zeros((), dtype=f32, device=logp.device)
+    dev = logp.device
+    m = torch.ones(B, T, dtype=torch.bool, device=dev) if mask is None else mask.bool()
+    zero = torch.zeros((), dtype=f32, device=dev)
 
     def masked(x: torch.Tensor) -> torch.Tensor:
         return torch.where(m, x.to(f32), zero)
 
-    n_tok = mf.sum(dim=1)
-    n_safe = n_tok.clamp(min=1.0)
-    n_all = n_tok.sum().clamp(min=1.0)
+    def seq_sum(x: torch.Tensor) -> torch.Tensor:
+        return masked(x).sum(dim=1)
+
+    n_safe = m.to(f32).sum(dim=1).clamp(min=1.0)
     gen = masked(gen_logprobs)
     adv = advantages.to(f32)
+    logp_d = logp.detach()
+    old = logp_d if old_logprobs is None else masked(old_logprobs)
+    source = {"current": logp_d, "old": old}
 
-    kl = masked(kl_estimate(gen - logp, opt.kl_estimator)).sum(dim=1)
-    if opt.kl_reduction == "mean":
-        kl = kl / n_safe
-
-    negative = adv <= 0
+    # Rejection: KL_i of pi_src against pi_gen over the sample's completion tokens.
+    kl_tok = masked(
+        kl_estimate(gen - dispatch(source, opt.kl_source, "kl_source"), opt.kl_estimator)
+    )
+    kl = dispatch(
+        {
+            "sum": lambda: kl_tok.sum(dim=1),
+            "mean": lambda: kl_tok.sum(dim=1) / n_safe,
+            # An empty sample has no evidence: KL 0.
+            "max": lambda: torch.where(
+                m.any(dim=1), torch.where(m, kl_tok, -math.inf).amax(dim=1), zero
+            ),
+        },
+        opt.kl_reduction,
+        "kl_reduction",
+    )()
     offpolicy = kl > opt.kl_threshold
-    if opt.filter == "negative_offpolicy":
-        filtered = negative & offpolicy
-    elif opt.filter == "negative_or_offpolicy":
-        filtered = negative | offpolicy
-    elif opt.filter == "negative":
-        filtered = negative
-    elif opt.filter == "offpolicy":
-        filtered = offpolicy
-    else:
-        filtered = torch.zeros_like(negative)
+    if opt.kl_threshold_low is not None:
+        offpolicy = offpolicy | (kl < opt.kl_threshold_low)
+    filtered = dispatch(FILTER_RULES, opt.filter, "filter")(adv <= 0, offpolicy)
+    # The tokens of the loss: rejection by mask (verl) takes the sample out of every normaliser.
+    m_loss = dispatch(
+        {"advantage": m, "mask": m & ~filtered[:, None]}, opt.reject_mode, "reject_mode"
+    )
     adv_hat = torch.where(filtered, zero, adv)[:, None].expand(B, T)
 
-    log_ratio = masked(logp - gen)
-    if opt.is_level == "sequence":
-        log_ratio = (log_ratio.sum(dim=1) / n_safe)[:, None].expand(B, T)
+    # IS weight (detached): ratio of pi_src to pi_gen per token or per sequence, then the mode.
+    log_ratio = masked(dispatch(source, opt.is_source, "is_source") - gen)
+    log_ratio = dispatch(
+        {
+            "token": lambda: log_ratio,
+            "sequence": lambda: (log_ratio.sum(dim=1) / n_safe)[:, None].expand(B, T),
+            "sequence_product": lambda: log_ratio.sum(dim=1)[:, None].expand(B, T),
+        },
+        opt.is_level,
+        "is_level",
+    )()
     raw_weight = torch.exp(log_ratio)
-    if opt.is_mode == "none":
-        weight = torch.ones_like(raw_weight)
-    elif opt.is_mode == "vis":
-        weight = raw_weight
-    else:
-        weight = raw_weight.clamp(max=opt.is_cap)
+    lo_w = 0.0 if opt.is_cap_min is None else opt.is_cap_min
+    in_band = (raw_weight >= lo_w) & (raw_weight <= opt.is_cap)
+    weight = dispatch(
+        {
+            "none": lambda: torch.ones_like(raw_weight),
+            "vis": lambda: raw_weight,
+            "tis": lambda: raw_weight.clamp(min=opt.is_cap_min, max=opt.is_cap),
+            "mask": lambda: torch.where(in_band, raw_weight, zero),
+        },
+        opt.is_mode,
+        "is_mode",
+    )()
 
-    # R = pi_theta / pi_old; with old_logprobs None, R = exp(logp - stop_grad(logp)) = 1.
-    ratio = torch.ones_like(logp) if old_logprobs is None else torch.exp(logp - masked(old_logprobs))
+    # PPO ratio R = pi_theta / pi_old (value 1, gradient d logp when old_logprobs is None).
+    log_r = masked(logp - old)
+    log_r = dispatch(
+        {"token": lambda: log_r, "sequence": lambda: (log_r.sum(dim=1) / n_safe)[:, None]},
+        opt.ratio_level,
+        "ratio_level",
+    )()
+    ratio = torch.exp(log_r).expand(B, T)
     lo, hi = 1.0 - opt.epsilon, 1.0 + opt.clip_high
-    clipped = ((adv_hat > 0) & (ratio > hi)) | ((adv_hat < 0) & (ratio < lo))
-    surrogate = torch.minimum(ratio * adv_hat, ratio.clamp(lo, hi) * adv_hat)
-    # d surrogate / d logp = R * A where the unclipped branch is the minimum, else 0.
-    dsurrogate = torch.where(clipped, zero, ratio * adv_hat)
-    # A zero advantage (a filtered sample) contributes nothing, even where w is inf (VIS).
+    surrogate_loss, clipped = dispatch(
+        {name: _surrogate for name in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")}
+        | {"cispo": _cispo, "sapo": _sapo, "vespo": _vespo},
+        opt.loss_type,
+        "loss_type",
+    )(logp=logp, ratio=ratio, adv=adv_hat, lo=lo, hi=hi, opt=opt, m=m_loss, old=old, weight=weight)
+    # VESPO folds the IS weight into its sequence weight; the others multiply it. A zero advantage
+    # (a rejected sample) contributes nothing, even where w is inf (VIS).
     has_adv = adv_hat != 0
-    loss_tok = torch.where(has_adv, -weight * surrogate, zero)
-    dloss_tok = torch.where(has_adv, -weight * dsurrogate, zero)
+    w = torch.ones_like(weight) if opt.loss_type == "vespo" else weight
+    loss_tok = torch.where(has_adv, w, zero) * torch.where(has_adv, surrogate_loss, zero)
     if opt.beta > 0:
         ref_minus = masked(ref_logprobs) - logp
-        loss_tok = loss_tok + opt.beta * (torch.expm1(ref_minus) - ref_minus)
-        dloss_tok = dloss_tok - opt.beta * torch.expm1(ref_minus)
+        penalty = torch.expm1(ref_minus) - ref_minus
+        if opt.use_bias_correction_kl:
+            penalty = penalty * torch.exp(log_r)
+        loss_tok = loss_tok + opt.beta * penalty
 
     # The one normaliser: the forward's reduction weights are the backward's scale.
-    if opt.loss_type == "grpo":
-        scale = (1.0 / (B * n_safe))[:, None].expand(B, T)
-    elif opt.loss_type in ("bnpo", "dapo"):
-        scale = (1.0 / n_all).expand(B, T)
-    else:
-        scale = torch.full((B, T), 1.0 / (B * T), dtype=f32, device=logp.device)
-    scale = torch.where(m, scale, zero)
-    loss = (loss_tok * scale).sum()
-    coef = (dloss_tok * scale).contiguous()
+    n_tok = m_loss.to(f32).sum(dim=1)
+    n_all = n_tok.sum().clamp(min=1.0)
+    length = T if opt.max_completion_length is None else opt.max_completion_length
+    scale = dispatch(
+        {
+            "grpo": lambda: (1.0 / (B * n_tok.clamp(min=1.0)))[:, None],
+            "sapo": lambda: (1.0 / (B * n_tok.clamp(min=1.0)))[:, None],
+            "bnpo": lambda: 1.0 / n_all,
+            "dapo": lambda: 1.0 / n_all,
+            "cispo": lambda: 1.0 / n_all,
+            "vespo": lambda: 1.0 / n_all,
+            "dr_grpo": lambda: torch.tensor(1.0 / (B * length), device=dev),
+            "luspo": lambda: torch.tensor(1.0 / B, device=dev),
+        },
+        opt.loss_type,
+        "loss_type",
+    )()
+    scale = torch.where(m_loss, scale, zero)
+    loss = (torch.where(m_loss, loss_tok, zero) * scale).sum()
+    if opt.entropy_coef > 0:
+        # TRL: the bonus is the mean entropy over the completion tokens, whatever the loss type.
+        loss = loss - opt.entropy_coef * (torch.where(m_loss, ent, zero).sum() / n_all)
 
-    truncated = raw_weight > opt.is_cap if opt.is_mode == "tis" else torch.zeros_like(m)
-    metrics = {
-        "logp": logp,
-        "kl": kl,
-        "filtered": filtered,
-        "filtered_frac": filtered.to(f32).mean(),
-        "kl_mean": kl.mean(),
-        "clip_frac": (clipped & m).to(f32).sum() / n_all,
-        "is_weight_mean": (weight * mf).sum() / n_all,
-        "is_truncated_frac": (truncated & m).to(f32).sum() / n_all,
-    }
-    return PerSample(loss=loss, coef=coef, metrics=metrics)
+    with torch.no_grad():
+        m_all = m
+        mf = m_all.to(f32)
+        n_live = mf.sum().clamp(min=1.0)
+        any_live = m_all.any()
+        truncated = {"tis": ~in_band, "mask": zero.bool(), "none": zero.bool(), "vis": zero.bool()}
+        masked_out = ~in_band if opt.is_mode == "mask" else zero.bool()
+        metrics = {
+            "kl": kl,
+            "filtered": filtered,
+            "filtered_frac": filtered.to(f32).mean(),
+            "kl_mean": kl.mean(),
+            "clip_frac": (clipped & m_all).to(f32).sum() / n_live,
+            "is_weight_mean": (weight * mf).sum() / n_live,
+            "is_truncated_frac": (truncated[opt.is_mode] & m_all).to(f32).sum() / n_live,
+            "is_masked_frac": (masked_out & m_all).to(f32).sum() / n_live,
+            "is_ratio_mean": (raw_weight * mf).sum() / n_live,
+            "is_ratio_max": torch.where(
+                any_live, torch.where(m_all, raw_weight, -math.inf).max(), zero
+            ),
+            "is_ratio_min": torch.where(
+                any_live, torch.where(m_all, raw_weight, math.inf).min(), zero
+            ),
+            "entropy_mean": (ent.detach() * mf).sum() / n_live,
+        }
+    return loss, metrics
+
+
+def _surrogate(*, ratio, adv, lo, hi, opt, **_):
+    """PPO's clipped surrogate as a loss, -min(R' A, clip(R, lo, hi) A), with R' = min(R, delta)
+    under two-sided clipping (TRL: delta caps the unclipped branch only)."""
+    unclipped = ratio if opt.delta is None else ratio.clamp(max=opt.delta)
+    loss = -torch.minimum(unclipped * adv, ratio.clamp(lo, hi) * adv)
+    r = ratio.detach()
+    clipped = ((adv > 0) & (r > hi)) | ((adv < 0) & (r < lo))
+    return loss, clipped
+
+
+def _cispo(*, logp, ratio, adv, opt, **_):
+    """CISPO: -sg(min(R, epsilon_high)) A logp (TRL caps R at epsilon_high itself)."""
+    cap = opt.clip_high
+    r = ratio.detach()
+    return -r.clamp(max=cap) * adv * logp, (adv > 0) & (r > cap)
+
+
+def _sapo(*, ratio, adv, opt, **_):
+    """SAPO: -sigmoid(tau (R - 1)) * 4 / tau * A, tau by the sign of A (TRL: A > 0 -> pos)."""
+    tau = torch.where(adv > 0, opt.sapo_temperature_pos, opt.sapo_temperature_neg)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, torch.zeros_like(
+        adv, dtype=torch.bool
+    )
+
+
+def _vespo(*, logp, adv, opt, m, old, weight, **_):
+    """VESPO (TRL get_gamma_weights): -phi(w) A logp, phi(w) = exp(lambda + k log w - lambda w)
+    detached, with log w = sum_t clamp(logp - old, +-20) + sum_t clamp(log IS weight, log 1e-8,
+    20), clamped to [log 1e-8, 20]; (k, lambda) by A >= 0."""
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        log_r = torch.where(m, (logp - old).clamp(-20.0, 20.0), zero).sum(dim=1)
+        log_is = torch.log(weight).clamp(VESPO_LOG_MIN, VESPO_LOG_MAX)
+        log_w = (log_r + torch.where(m, log_is, zero).sum(dim=1)).clamp(
+            VESPO_LOG_MIN, VESPO_LOG_MAX
+        )
+        nonneg = adv[:, 0] >= 0
+        k = torch.where(nonneg, opt.vespo_k_pos, opt.vespo_k_neg)
+        lam = torch.where(nonneg, opt.vespo_lambda_pos, opt.vespo_lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[:, None]
+    return -phi * adv * logp, torch.zeros_like(adv, dtype=torch.bool)

@@ -1,12 +1,16 @@
 """Input checks of the public ops, done once at the boundary, before any kernel runs.
 
-Every failure is a ValueError that names the argument and says what was expected. The value
-checks (token range, finiteness, signs) are reduced on the inputs' device into one small tensor
-and read back with a single synchronisation.
+Every failure is a ValueError that names the argument and says what was expected, in one line.
+Shapes, dtypes, devices and the in-place backward's preconditions are checked before any kernel
+runs. The value checks (token range, finiteness in float32, signs, and the logits' row statistics)
+are reduced on the inputs' device into one small tensor and read back with a single
+synchronisation, after the forward pass: the kernels never use a bad token id as an address, and
+the error comes before any loss or gradient is returned.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -60,11 +64,14 @@ def check_row_tensors(
     old_logprobs: object,
     ref_logprobs: object,
     beta: float,
+    samples: Optional[int] = None,
 ) -> None:
-    """Shapes, dtypes and devices of everything but the logits (or hidden states): no sync."""
+    """Shapes, dtypes and devices of everything but the logits (or hidden states): no sync.
+    `samples`: the number of advantages when it is not B (packed batches)."""
     check_tensor("tokens", tokens, (B, T), TOKEN_DTYPES, device)
     check_tensor("gen_logprobs", gen_logprobs, (B, T), None, device, floating=True)
-    check_tensor("advantages", advantages, (B,), None, device, floating=True)
+    n = B if samples is None else samples
+    check_tensor("advantages", advantages, (n,), None, device, floating=True)
     if mask is not None:
         check_tensor("mask", mask, (B, T), None, device)
         if mask.is_complex():
@@ -76,7 +83,80 @@ def check_row_tensors(
         _fail("ref_logprobs", "a (B, T) tensor when beta > 0", None)
 
 
-def check_row_values(
+def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> bool:
+    """The in-place backward's preconditions, before any kernel runs; returns it as a bool.
+
+    Refused: logits whose elements share memory (an expanded, stride-0 view, or any layout where
+    two indices reach one address: each would receive two gradients, one overwriting the other),
+    and, unless inplace_backward == "force", a leaf tensor that requires grad or a view of one (the
+    caller's own tensor would be overwritten by its gradient).
+    """
+    if not (isinstance(inplace_backward, bool) or inplace_backward == "force"):
+        _fail("inplace_backward", 'False, True or "force"', repr(inplace_backward))
+    if inplace_backward is False:
+        return False
+    if overlaps_itself(logits):
+        _fail(
+            "inplace_backward",
+            "logits whose elements do not share memory (an expanded or "
+            "overlapping view gets one gradient written over another; use "
+            "inplace_backward=False or .contiguous() logits)",
+            f"sizes {tuple(logits.shape)} with strides {logits.stride()}",
+        )
+    base = logits if logits._base is None else logits._base
+    if inplace_backward is True and base.is_leaf and base.requires_grad:
+        _fail(
+            "inplace_backward",
+            "logits computed by the graph, not a leaf tensor that requires "
+            "grad or a view of one (its values would become its gradient; pass "
+            'inplace_backward="force" to allow that)',
+            "a leaf tensor",
+        )
+    return True
+
+
+def overlaps_itself(x: torch.Tensor) -> bool:
+    """True when two indices of x may reach the same memory. Exact for the layouts torch builds
+    (dense, sliced, permuted, expanded); an exotic interleaved layout may be called overlapping:
+    with dimensions sorted by stride, each stride must exceed the furthest offset the smaller
+    ones reach."""
+    reach = 0
+    for stride, size in sorted((st, n) for st, n in zip(x.stride(), x.shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+# Names of the ways a row of logits fails, by the code `_logit_faults` gives it.
+LOGIT_FAULTS = {
+    1: "a NaN among its logits",
+    2: "+inf among its logits / temperature",
+    3: "every logit -inf",
+    4: "log pi_theta(token) = -inf (the taken token's logit is -inf, or far below the others')",
+}
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _logit_faults(logp: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
+    """(B, T) int code of each row's fault (0: none; LOGIT_FAULTS), from the forward's row
+    statistics; the same on both backends (`kernels/logp_lse.py` says how each fault shows)."""
+    code = torch.where(~torch.isfinite(logp), 4, 0)
+    code = torch.where(log_sum == -torch.inf, 3, code)
+    code = torch.where(torch.isnan(row_max) | torch.isnan(log_sum), 1, code)
+    return torch.where(row_max == torch.inf, 2, code)
+
+
+def _summary(bad: torch.Tensor, values: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
+    """(4,) float64 on the device: number of bad positions, the first one (flat index), its value
+    and a hint flag; no synchronisation."""
+    first = bad.flatten().to(torch.int8).argmax()
+    return torch.stack(
+        [bad.sum().double(), first.double(), values.flatten()[first].double(), hint.double()]
+    )
+
+
+def check_values(
     V: int,
     tokens: torch.Tensor,
     gen_logprobs: torch.Tensor,
@@ -84,25 +164,94 @@ def check_row_values(
     mask: Optional[torch.Tensor],
     old_logprobs: Optional[torch.Tensor],
     ref_logprobs: Optional[torch.Tensor],
+    row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    logits_name: str = "logits",
 ) -> None:
-    """Values, with one synchronisation. Token ids are checked at every position (they index
-    memory); gen/old/ref logprobs only at completion positions, where they are used (padding may
-    hold anything there)."""
+    """Values of every input and of the logits, with one synchronisation, after the forward.
+
+    Token ids are checked at every position (they index memory); gen/old/ref logprobs only at
+    completion positions, where they are used (padding may hold anything there), and in float32,
+    the precision of the math (fp64 -1e300 becomes -inf there). The logits are judged by the
+    forward's row statistics row_stats = (logp, row_max, log_sum), each (B, T) fp32: a completion
+    row with a NaN or +inf logit, with every logit -inf, or with log pi_theta(token) = -inf is
+    refused (pi_theta(token) = 0 leaves the ratios, the KL and the beta penalty undefined).
+    The error names the argument, counts the failing positions and gives the first one, its
+    value and, where the mistake is recognisable, a hint: one line.
+    """
     keep = torch.ones((), dtype=torch.bool, device=tokens.device) if mask is None else mask != 0
-    bad = [
-        ("tokens", f"ids in [0, {V}) at every position (pad masked positions with a valid id)",
-         ((tokens < 0) | (tokens >= V)).any()),
-        ("gen_logprobs", "finite values <= 0 at completion positions",
-         (~(torch.isfinite(gen_logprobs) & (gen_logprobs <= 0)) & keep).any()),
-        ("advantages", "finite values", (~torch.isfinite(advantages)).any()),
-    ]  # fmt: skip
+    never = torch.zeros((), dtype=torch.bool, device=tokens.device)
+    checks = []  # (name, expected, values, bad positions, hint flag)
+
+    def check(name, expected, values, bad, hint=never):
+        checks.append((name, expected, values, bad, hint))
+
+    check(
+        "tokens",
+        f"ids in [0, {V}) at every position (pad masked positions with a valid id)",
+        tokens,
+        (tokens < 0) | (tokens >= V),
+    )
     if mask is not None and mask.dtype != torch.bool:
-        bad.append(("mask", "bool or 0/1 values", ((mask != 0) & (mask != 1)).any()))
+        check("mask", "bool or 0/1 values", mask, (mask != 0) & (mask != 1))
+    gen = gen_logprobs.float()
+    probabilities = keep.any() & (((gen > 0) & (gen <= 1)) | ~keep).all()
+    expected = "finite values <= 0 at completion positions, in float32"
+    bad = ~(torch.isfinite(gen) & (gen <= 0)) & keep
+    check("gen_logprobs", expected, gen_logprobs, bad, probabilities)
+    check("advantages", "finite values, in float32", advantages, ~advantages.float().isfinite())
     for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if x is not None:
-            bad.append((name, "finite values at completion positions",
-                        (~torch.isfinite(x) & keep).any()))  # fmt: skip
-    flags = torch.stack([flag for _, _, flag in bad]).tolist()  # the one synchronisation
-    for (name, expected, _), is_bad in zip(bad, flags):
-        if is_bad:
-            _fail(name, expected, "values outside that")
+            expected = "finite values at completion positions, in float32"
+            check(name, expected, x, ~x.float().isfinite() & keep)
+    code = torch.where(keep, _logit_faults(*row_stats), 0)
+    what = "logits" if logits_name == "logits" else "logits (hidden @ weight.T + bias)"
+    check(
+        logits_name,
+        f"{what} finite at completion positions and pi_theta(token) > 0",
+        code,
+        code != 0,
+    )
+
+    summaries = torch.stack([_summary(bad, x, hint) for _, _, x, bad, hint in checks])
+    for (name, expected, x, _, _), (count, first, value, hint) in zip(checks, summaries.tolist()):
+        if count:
+            position = _position(int(first), tuple(x.shape))
+            unit = "rows" if name == logits_name else "positions"
+            got = f"{int(count)} of {x.numel()} {unit} outside that, the first at {position}: "
+            got += _describe_value(name, value, logits_name) + _hint(name, value, bool(hint), V)
+            _fail(name, expected, got)
+
+
+def _position(flat: int, shape: tuple[int, ...]) -> str:
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return "(" + ", ".join(str(i) for i in reversed(index)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _describe_value(name: str, value: float, logits_name: str) -> str:
+    if name == logits_name:
+        return LOGIT_FAULTS[int(value)]
+    if name == "tokens":
+        return str(int(value))
+    return f"{value:.6g}"
+
+
+def _hint(name: str, value: float, flag: bool, V: int) -> str:
+    if name == "tokens":
+        if value >= V:
+            return (
+                f"; ids >= V: the tokenizer's vocabulary is larger than the logits' V = {V}"
+                " (a different tokenizer, or added tokens without resized embeddings?)"
+            )
+        return "; a negative id (an ignore_index such as -100?): pad with a valid id and mask it"
+    if name == "gen_logprobs" and flag:
+        return "; these look like probabilities: pass log-probabilities"
+    if math.isfinite(value) and abs(value) > _FP32_MAX:
+        return "; it does not fit in float32, where the loss is computed"
+    if name == "gen_logprobs" and value > 0:
+        return "; log-probabilities are <= 0"
+    if name == "advantages" and math.isnan(value):
+        return "; a group's rewards normalised by a std of 0 without an eps?"
+    return ""

@@ -1,4 +1,5 @@
-"""Plain PyTorch reference of the F-TIS loss (FTIS_SPEC.md §2), written for clarity, not speed.
+"""Plain PyTorch reference of the loss (FTIS_SPEC.md §2 and every option of `FTISOptions`),
+written for clarity, not speed.
 
 It takes the full log-softmax over the vocabulary in `compute_dtype` (float32 by default, float64
 for the tests' oracle, or the logits' own dtype to measure what plain PyTorch loses in that dtype)
@@ -7,6 +8,7 @@ and lets autograd produce the gradient. Every kernel of the library is tested ag
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -15,12 +17,9 @@ from ftis_kernels.options import FTISOptions
 
 
 def kl_per_token(d: torch.Tensor, estimator: str) -> torch.Tensor:
-    """k1, k2 or k3 of d = log pi_gen - log pi_theta, elementwise."""
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d
-    return torch.exp(-d) - 1.0 + d
+    """k1, k2 or k3 of d = log pi_gen - log pi_src, elementwise."""
+    estimators = {"k1": lambda: d, "k2": lambda: 0.5 * d * d, "k3": lambda: torch.exp(-d) - 1.0 + d}
+    return estimators[estimator]()
 
 
 def ref_ftis_loss(
@@ -35,7 +34,7 @@ def ref_ftis_loss(
     compute_dtype: torch.dtype = torch.float32,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """F-TIS loss and metrics by the book.
+    """The loss and metrics by the book.
 
     logits (B, T, V) any float dtype; tokens (B, T) int; gen_logprobs, old_logprobs, ref_logprobs
     (B, T) float; advantages (B,) float; mask (B, T) bool or 0/1, None = all tokens.
@@ -46,32 +45,41 @@ def ref_ftis_loss(
     cd = compute_dtype
     B, T, V = logits.shape
     m = torch.ones(B, T, dtype=torch.bool, device=logits.device) if mask is None else mask.bool()
-    mf = m.to(cd)
-    n_tok = mf.sum(dim=1)  # (B,)
+    n_tok = m.to(cd).sum(dim=1)  # (B,)
     n_safe = n_tok.clamp(min=1.0)
+    zero = torch.zeros((), dtype=cd, device=logits.device)
 
-    # log pi_theta of the taken tokens, computed on completion rows only: the logits of masked-out
-    # positions may be anything (even inf/nan) and must not reach the loss or the gradient.
+    # log pi_theta of the taken tokens and the entropy, on completion rows only: the logits of
+    # masked-out positions may be anything (even inf/nan) and must not reach the loss or gradient.
     rows = logits[m].to(cd) / opt.temperature  # (N, V)
-    logp_rows = torch.log_softmax(rows, dim=-1).gather(-1, tokens[m].long()[:, None])[:, 0]
+    log_probs = torch.log_softmax(rows, dim=-1)
+    logp_rows = log_probs.gather(-1, tokens[m].long()[:, None])[:, 0]
+    probs = log_probs.exp()
+    entropy_rows = -(probs * torch.where(probs > 0, log_probs, zero)).sum(dim=-1)
     logp = torch.zeros(B, T, dtype=cd, device=logits.device).masked_scatter(m, logp_rows)
+    entropy = torch.zeros(B, T, dtype=cd, device=logits.device).masked_scatter(m, entropy_rows)
 
-    def masked(x: Optional[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
-        return torch.where(m, x.to(cd), torch.as_tensor(fill, dtype=cd, device=logits.device))
+    def masked(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(m, x.to(cd), zero)
 
     gen = masked(gen_logprobs)
     logp_d = logp.detach()
+    old = logp_d if old_logprobs is None else masked(old_logprobs)
+    policy = {"current": logp_d, "old": old}
     adv = advantages.to(cd)
 
-    # Per-sample KL(pi_theta || pi_gen) estimate from the sampled tokens only.
-    kl_tok = masked(kl_per_token(gen - logp_d, opt.kl_estimator))
-    kl = kl_tok.sum(dim=1)
-    if opt.kl_reduction == "mean":
-        kl = kl / n_safe
-
-    # The filter: only the advantage of a filtered sample becomes 0.
+    # Rejection: per-sample KL estimate of pi_src against pi_gen, from the sampled tokens only.
+    kl_tok = masked(kl_per_token(gen - policy[opt.kl_source], opt.kl_estimator))
+    if opt.kl_reduction == "sum":
+        kl = kl_tok.sum(dim=1)
+    elif opt.kl_reduction == "mean":
+        kl = kl_tok.sum(dim=1) / n_safe
+    else:  # max; a sample without tokens has KL 0
+        kl = torch.stack([kl_tok[b][m[b]].max() if m[b].any() else zero for b in range(B)])
     negative = adv <= 0
     offpolicy = kl > opt.kl_threshold
+    if opt.kl_threshold_low is not None:
+        offpolicy = offpolicy | (kl < opt.kl_threshold_low)
     filtered = {
         "negative_offpolicy": negative & offpolicy,
         "negative_or_offpolicy": negative | offpolicy,
@@ -79,52 +87,105 @@ def ref_ftis_loss(
         "offpolicy": offpolicy,
         None: torch.zeros_like(negative),
     }[opt.filter]
-    adv_hat = torch.where(filtered, torch.zeros_like(adv), adv)[:, None]  # (B, 1)
+    adv_hat = torch.where(filtered, zero, adv)[:, None]  # (B, 1)
+    loss_mask = m & ~filtered[:, None] if opt.reject_mode == "mask" else m
 
-    # Importance weight pi_theta / pi_gen, detached, per token or per sequence, maybe truncated.
-    log_ratio = masked(logp_d - gen)
+    # IS weight of pi_src over pi_gen, detached, per token or per sequence, then the mode.
+    log_ratio = masked(policy[opt.is_source] - gen)
     if opt.is_level == "sequence":
         log_ratio = (log_ratio.sum(dim=1) / n_safe)[:, None].expand(B, T)
+    elif opt.is_level == "sequence_product":
+        log_ratio = log_ratio.sum(dim=1)[:, None].expand(B, T)
     raw_weight = torch.exp(log_ratio)
+    c_min = 0.0 if opt.is_cap_min is None else opt.is_cap_min
+    in_band = (raw_weight >= c_min) & (raw_weight <= opt.is_cap)
     if opt.is_mode == "none":
         weight = torch.ones_like(raw_weight)
     elif opt.is_mode == "vis":
         weight = raw_weight
-    else:
-        weight = torch.clamp(raw_weight, max=opt.is_cap)
+    elif opt.is_mode == "tis":
+        weight = torch.clamp(raw_weight, min=opt.is_cap_min, max=opt.is_cap)
+    else:  # mask
+        weight = torch.where(in_band, raw_weight, zero)
 
-    # PPO ratio R = pi_theta / pi_old: value 1 and gradient d logp when old_logprobs is None.
-    old = logp_d if old_logprobs is None else masked(old_logprobs)
-    ratio = torch.exp(logp - old)
+    # PPO ratio R = pi_theta / pi_old, per token or per sequence (GSPO).
+    log_r = masked(logp - old)
+    if opt.ratio_level == "sequence":
+        log_r = (log_r.sum(dim=1) / n_safe)[:, None]
+    ratio = torch.exp(log_r).expand(B, T)
     lo, hi = 1.0 - opt.epsilon, 1.0 + opt.clip_high
-    surrogate = torch.minimum(ratio * adv_hat, torch.clamp(ratio, lo, hi) * adv_hat)
-    # A zero advantage (a filtered sample) contributes nothing, even where the weight is inf (VIS).
-    loss_tok = -torch.where(adv_hat != 0, weight, torch.zeros_like(weight)) * surrogate
-    if opt.beta > 0:
-        ref_minus = masked(ref_logprobs) - logp
-        loss_tok = loss_tok + opt.beta * (torch.exp(ref_minus) - ref_minus - 1.0)
-    loss_tok = torch.where(m, loss_tok, torch.zeros_like(loss_tok))
-
-    n_all = n_tok.sum().clamp(min=1.0)
-    if opt.loss_type == "grpo":
-        loss = (loss_tok.sum(dim=1) / n_safe).mean()
-    elif opt.loss_type in ("bnpo", "dapo"):
-        loss = loss_tok.sum() / n_all
-    else:  # dr_grpo
-        loss = loss_tok.sum() / (B * T)
-
-    with torch.no_grad():
+    clipped = torch.zeros_like(m)
+    if opt.loss_type == "cispo":
+        policy_loss = -torch.clamp(ratio, max=opt.clip_high).detach() * adv_hat * logp
+        clipped = (adv_hat > 0) & (ratio.detach() > opt.clip_high)
+    elif opt.loss_type == "sapo":
+        tau = torch.where(adv_hat > 0, opt.sapo_temperature_pos, opt.sapo_temperature_neg)
+        policy_loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv_hat
+    elif opt.loss_type == "vespo":
+        with torch.no_grad():
+            lmin = math.log(1e-8)
+            log_w = masked(torch.clamp(logp_d - old, -20.0, 20.0)).sum(dim=1) + masked(
+                torch.clamp(torch.log(weight), lmin, 20.0)
+            ).sum(dim=1)
+            log_w = torch.clamp(log_w, lmin, 20.0)
+            nonneg = adv_hat[:, 0] >= 0
+            k = torch.where(nonneg, opt.vespo_k_pos, opt.vespo_k_neg)
+            lam = torch.where(nonneg, opt.vespo_lambda_pos, opt.vespo_lambda_neg).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+            phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[:, None]
+        policy_loss = -phi * adv_hat * logp
+        weight_used = torch.ones_like(weight)  # VESPO folds the IS weight into phi
+    else:  # PPO's clipped surrogate, with delta capping the unclipped branch
+        unclipped = ratio if opt.delta is None else torch.clamp(ratio, max=opt.delta)
+        policy_loss = -torch.minimum(unclipped * adv_hat, torch.clamp(ratio, lo, hi) * adv_hat)
         r = ratio.detach()
         clipped = ((adv_hat > 0) & (r > hi)) | ((adv_hat < 0) & (r < lo))
-        truncated = raw_weight > opt.is_cap if opt.is_mode == "tis" else torch.zeros_like(m)
+    if opt.loss_type != "vespo":
+        weight_used = weight
+    # A zero advantage (a rejected sample) contributes nothing, even where the weight is inf (VIS).
+    has_adv = (adv_hat != 0).expand(B, T)
+    loss_tok = torch.where(has_adv, weight_used, zero) * torch.where(has_adv, policy_loss, zero)
+    if opt.beta > 0:
+        ref_minus = masked(ref_logprobs) - logp
+        penalty = torch.exp(ref_minus) - ref_minus - 1.0
+        if opt.use_bias_correction_kl:
+            penalty = penalty * torch.exp(log_r)
+        loss_tok = loss_tok + opt.beta * penalty
+    loss_tok = torch.where(loss_mask, loss_tok, zero)
+
+    kept = loss_mask.to(cd).sum(dim=1)
+    n_all = kept.sum().clamp(min=1.0)
+    if opt.loss_type in ("grpo", "sapo"):
+        loss = (loss_tok.sum(dim=1) / kept.clamp(min=1.0)).mean()
+    elif opt.loss_type in ("bnpo", "dapo", "cispo", "vespo"):
+        loss = loss_tok.sum() / n_all
+    elif opt.loss_type == "dr_grpo":
+        loss = loss_tok.sum() / (B * (opt.max_completion_length or T))
+    else:  # luspo
+        loss = loss_tok.sum(dim=1).mean()
+    if opt.entropy_coef > 0:
+        loss = loss - opt.entropy_coef * torch.where(loss_mask, entropy, zero).sum() / n_all
+
+    with torch.no_grad():
+        mf = m.to(cd)
+        n_live = mf.sum().clamp(min=1.0)
+        truncated = ~in_band if opt.is_mode == "tis" else torch.zeros_like(m)
+        masked_out = ~in_band if opt.is_mode == "mask" else torch.zeros_like(m)
+        live_ratios = raw_weight[m]
         metrics = {
             "logp": logp_d,
+            "entropy": entropy.detach(),
             "kl": kl,
             "filtered": filtered,
             "filtered_frac": filtered.to(cd).mean(),
             "kl_mean": kl.mean(),
-            "clip_frac": (clipped & m).to(cd).sum() / n_all,
-            "is_weight_mean": (weight * mf).sum() / n_all,
-            "is_truncated_frac": (truncated & m).to(cd).sum() / n_all,
+            "clip_frac": (clipped & m).to(cd).sum() / n_live,
+            "is_weight_mean": (weight * mf).sum() / n_live,
+            "is_truncated_frac": (truncated & m).to(cd).sum() / n_live,
+            "is_masked_frac": (masked_out & m).to(cd).sum() / n_live,
+            "is_ratio_mean": (raw_weight * mf).sum() / n_live,
+            "is_ratio_max": live_ratios.max() if live_ratios.numel() else zero,
+            "is_ratio_min": live_ratios.min() if live_ratios.numel() else zero,
+            "entropy_mean": (entropy.detach() * mf).sum() / n_live,
         }
     return loss, metrics

@@ -14,7 +14,9 @@ from ftis_kernels import ftis_loss
 from ftis_kernels.kernels import logp_lse
 from ref import ref_ftis_loss
 
-ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")  # the module, not the function
+# The modules, not the functions of the same name.
+ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")
+linear_module = importlib.import_module("ftis_kernels.ftis_linear_loss")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ def make_case(
     seed: int = 0,
     mask: str = "random",  # "none" | "random" | "empty_row" | "all_off"
     scale: float = 2.0,
+    offset: float = 0.0,
     gen_spread: float = 1.0,
     with_old: bool = True,
     with_ref: bool = False,
@@ -53,9 +56,15 @@ def make_case(
     device: str | torch.device = "cpu",
 ) -> Case:
     """A batch where gen/old/ref logprobs are the tokens' own log-probabilities plus noise, so
-    the ratios, KL estimates and filter decisions land on both sides of their thresholds."""
+    the ratios, KL estimates and filter decisions land on both sides of their thresholds. The
+    logits are normal with std `scale`, each row shifted by +-`offset` (large |logits| whose
+    differences stay small: the test of digits kept relative to the row max)."""
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(B, T, V, generator=g) * scale).to(dtype)
+    logits = torch.randn(B, T, V, generator=g) * scale
+    if offset:
+        g_sign = torch.Generator().manual_seed(seed + 2**32)
+        logits = logits + (torch.randint(0, 2, (B, T, 1), generator=g_sign) * 2 - 1) * offset
+    logits = logits.to(dtype)
     tokens = torch.randint(0, V, (B, T), generator=g)
     logp = torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[..., None])[..., 0]
     noise = torch.rand(B, T, generator=g, dtype=torch.float64) * gen_spread
@@ -78,11 +87,14 @@ def make_case(
 
 @contextlib.contextmanager
 def backend(name: Optional[str]):
-    """Forces the op's internal dispatch ("triton" or "torch"); None keeps the automatic choice."""
+    """Forces both ops' internal dispatch ("triton" or "torch"); None keeps the automatic choice.
+    The one way the tests choose a backend."""
     if name is None:
         yield
         return
-    with mock.patch.object(ftis_loss_module, "select_backend", lambda device: name):
+    with contextlib.ExitStack() as stack:
+        for module in (ftis_loss_module, linear_module):
+            stack.enter_context(mock.patch.object(module, "select_backend", lambda device: name))
         yield
 
 

@@ -22,14 +22,15 @@ from hypothesis import strategies as st
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse
 from ref import ref_ftis_loss
+from ftis_kernels.options import FTISOptions, option_args
+from ftis_kernels.per_sample import METRIC_NAMES
 from tests import numerics
 from tests.cases import implementations
-from tests.test_ftis_loss import options
+from tests.test_ftis_loss import SCALAR_METRICS, options
 
 linear_module = importlib.import_module("ftis_kernels.ftis_linear_loss")  # the module, not the function
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SCALAR_METRICS = ("filtered_frac", "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac")
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +121,7 @@ def check_against_reference(case, dtype, impl, *, exact, chunk_size=None, record
         # The logits are exact in every dtype: fp32 accuracy, as ftis_loss on those logits.
         f32_loss, f32_metrics, _ = run_linear_ref(case, torch.float64, torch.float32, **opts)
         errors["loss"] = check("loss", loss, o_loss, f32_loss, numerics.FP32)
-        for name in ("logp", "kl", *SCALAR_METRICS):
+        for name in ("logp", "entropy", "kl", *SCALAR_METRICS):
             errors[name] = check(name, metrics[name], o_metrics[name], f32_metrics[name], numerics.FP32)
         assert torch.equal(metrics["filtered"].cpu(), o_metrics["filtered"].cpu())
     else:
@@ -195,6 +196,39 @@ def test_equals_ftis_loss_on_the_materialised_logits(dtype, device):
         numerics.assert_close(f"grad_{name}", grad, want_grad, tol)
 
 
+def _large_logits_case(magnitude, device):
+    """Exact hidden, weight and bias scaled by a power of two near magnitude / 16 (the logits stay
+    exact), every vocabulary row twice (the maximum always ties) and every token the argmax:
+    logp = -log(ties), the digits that max + log(sum) rounds away at large |logits|."""
+    case = make_linear_case(2, 4, 12, 30, seed=14, mask="none")
+    scale = 2.0 ** round(math.log2(magnitude / 16))
+    weight = case["weight"].repeat_interleave(2, dim=0) * scale
+    bias = case["bias"].repeat_interleave(2) * scale
+    logits = case["hidden"] @ weight.T + bias
+    tokens = logits.argmax(dim=-1)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    g = torch.Generator().manual_seed(15)
+    gen = (logp - torch.rand(2, 4, generator=g, dtype=torch.float64)).float()
+    old = (logp + 0.25 * torch.randn(2, 4, generator=g, dtype=torch.float64)).float()
+    ref = (logp - 0.5 * torch.rand(2, 4, generator=g, dtype=torch.float64)).float()
+    rows = (tokens, gen, case["rows"][2], None, old, ref)
+    move = lambda x: None if x is None else x.to(device)  # noqa: E731
+    return dict(
+        hidden=move(case["hidden"]),
+        weight=move(weight),
+        bias=move(bias),
+        rows=tuple(move(x) for x in rows),
+    )
+
+
+@pytest.mark.parametrize("magnitude", [1e4, 1e6, 1e8, 1e30])
+def test_large_logits_keep_the_digits_of_log_softmax(magnitude, device):
+    case = _large_logits_case(magnitude, device)
+    for impl in implementations(device):
+        opts = dict(beta=0.04, temperature=0.5)
+        check_against_reference(case, torch.float32, impl, exact=True, chunk_size=3, **opts)
+
+
 def test_chunk_size_changes_nothing_but_memory(device):
     case = make_linear_case(3, 7, 12, 70, seed=3, exact=False, device=device)
     base_loss, base_metrics, base_grads = run_linear(case, torch.float32, chunk_size=21)
@@ -205,32 +239,6 @@ def test_chunk_size_changes_nothing_but_memory(device):
         numerics.assert_close("logp", metrics["logp"], base_metrics["logp"], numerics.Tol(1e-6, 1e-6))
         for name in grads:
             numerics.assert_close(name, grads[name], base_grads[name], numerics.Tol(1e-5, 1e-7))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradients_in_the_forward_equal_those_of_the_recomputing_order(dtype, monkeypatch, device):
-    """Chunks of whole samples: each chunk's logits are computed once and turned into their
-    gradient in the forward (6 N H V FLOPs); otherwise they are recomputed after every logp is
-    known (8 N H V). With the same chunks, the two orders give bitwise the same gradients."""
-    case = make_linear_case(3, 4, 12, 70, seed=14, exact=False, mask="none", with_old=False,
-                            device=device)
-    opts = dict(filter=None, is_mode="vis", temperature=0.8)  # every row carries a gradient
-    matmuls = []
-    real_logits = linear_module._chunk_logits
-    counted = lambda *a: matmuls.append(1) or real_logits(*a)  # noqa: E731
-    monkeypatch.setattr(linear_module, "_chunk_logits", counted)
-    for impl in implementations(device):
-        matmuls.clear()
-        fused = run_linear(case, dtype, impl, chunk_size=8, **opts)  # chunks of 2 samples, then 1
-        assert len(matmuls) == 2
-        with monkeypatch.context() as mp:
-            mp.setattr(linear_module, "_sample_chunks", lambda *a: None)
-            matmuls.clear()
-            recomputed = run_linear(case, dtype, impl, chunk_size=8, **opts)
-            assert len(matmuls) == 4
-        assert torch.equal(fused[0], recomputed[0])
-        for name in fused[2]:
-            assert torch.equal(fused[2][name], recomputed[2][name]), name
 
 
 @pytest.mark.parametrize("garbage", [float("nan"), float("inf"), 1e4])
@@ -332,11 +340,17 @@ def test_custom_ops_pass_opcheck(device):
     case = make_linear_case(2, 3, 4, 17, seed=11, device=device)
     tokens, gen, adv, mask, old, ref = case["rows"]
     hidden, weight, bias = (case[k].float() for k in ("hidden", "weight", "bias"))
-    options = ("tis", "token", 2.0, "negative_offpolicy", 50.0, "k3", "sum", 0.2, None, 0.0, 1.0, "grpo")
-    for needs in ((True, True, True), (True, False, False), (False, False, False)):
-        fwd_args = (hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options, 2, "torch",
-                    *needs)
-        torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_fwd.default, fwd_args)
+    options = option_args(FTISOptions(entropy_coef=0.01))
+    unpacked_unsharded = (None, 0, 0, None)  # cu_seqlens, max_seqlen, vocab_start, group_name
+    fwd_args = (hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options,
+                *unpacked_unsharded, 2, "torch")  # fmt: skip
+    torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_fwd.default, fwd_args)
+    outputs = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
+    *_, row_max, log_sum, coef, entropy_coef = outputs
+    entropy = outputs[1 + METRIC_NAMES.index("entropy")]
+    stats = (row_max, log_sum, coef, entropy, entropy_coef)
+    bwd_args = (hidden, weight, bias, tokens, *stats, 1.0, 2, "torch", True, True, True)
+    torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_bwd.default, bwd_args)
 
 
 # --- validation ---------------------------------------------------------------------------------

@@ -12,12 +12,34 @@ from hypothesis import strategies as st
 
 from ftis_kernels import ftis_loss
 from ftis_kernels.kernels import logp_lse
-from ftis_kernels.options import FILTERS, IS_LEVELS, IS_MODES, KL_ESTIMATORS, KL_REDUCTIONS, LOSS_TYPES
+from ftis_kernels.options import (
+    FILTERS,
+    IS_LEVELS,
+    IS_MODES,
+    IS_SOURCES,
+    KL_ESTIMATORS,
+    KL_REDUCTIONS,
+    LOSS_TYPES,
+    RATIO_LEVELS,
+    REJECT_MODES,
+    FTISOptions,
+)
 from tests import numerics
 from tests.cases import Case, backend, ftis_loss_module, implementations, make_case, run_op, run_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SCALAR_METRICS = ("filtered_frac", "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac")
+SCALAR_METRICS = (
+    "filtered_frac",
+    "kl_mean",
+    "clip_frac",
+    "is_weight_mean",
+    "is_truncated_frac",
+    "is_masked_frac",
+    "is_ratio_mean",
+    "is_ratio_max",
+    "is_ratio_min",
+    "entropy_mean",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +59,7 @@ def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
     assert grad.dtype == dtype and grad.shape == case.logits.shape
     check = numerics.assert_no_worse_than_plain
     errors = {"loss": check("loss", loss, o_loss, p_loss, numerics.FP32)}
-    for name in ("logp", "kl", *SCALAR_METRICS):
+    for name in ("logp", "entropy", "kl", *SCALAR_METRICS):
         errors[name] = check(name, metrics[name], o_metrics[name], p_metrics[name], numerics.FP32)
     assert torch.equal(metrics["filtered"].cpu(), o_metrics["filtered"].cpu())
     errors["grad"] = check("grad", grad, o_grad, p_grad, numerics.GRAD_MARGIN[dtype])
@@ -47,22 +69,41 @@ def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
 
 # --- properties against the reference --------------------------------------------------------
 
+def _valid(opts: dict) -> bool:
+    try:
+        FTISOptions(**opts)
+    except ValueError:
+        return False
+    return True
+
+
+# Every option, drawn; the combinations FTISOptions refuses are filtered out.
 options = st.fixed_dictionaries(
     {
         "is_mode": st.sampled_from(IS_MODES),
         "is_level": st.sampled_from(IS_LEVELS),
+        "is_source": st.sampled_from(IS_SOURCES),
         "is_cap": st.sampled_from([2.0, 1.3, math.inf]),
+        "is_cap_min": st.sampled_from([None, None, 0.5, 0.9]),
         "filter": st.sampled_from(FILTERS),
         "kl_threshold": st.sampled_from([0.0, 0.4, 2.0, 50.0]),
+        "kl_threshold_low": st.sampled_from([None, None, -0.3]),
         "kl_estimator": st.sampled_from(KL_ESTIMATORS),
         "kl_reduction": st.sampled_from(KL_REDUCTIONS),
-        "epsilon": st.sampled_from([0.2, 0.1]),
-        "epsilon_high": st.sampled_from([None, 0.28]),
-        "beta": st.sampled_from([0.0, 0.0, 0.04]),
-        "temperature": st.sampled_from([1.0, 0.7, 1.6]),
+        "kl_source": st.sampled_from(IS_SOURCES),
+        "reject_mode": st.sampled_from(REJECT_MODES),
         "loss_type": st.sampled_from(LOSS_TYPES),
+        "ratio_level": st.sampled_from(RATIO_LEVELS),
+        "epsilon": st.sampled_from([0.2, 0.1]),
+        "epsilon_high": st.sampled_from([None, 0.28, 3.0]),
+        "delta": st.sampled_from([None, None, 1.1]),
+        "max_completion_length": st.sampled_from([None, 8]),
+        "beta": st.sampled_from([0.0, 0.0, 0.04]),
+        "use_bias_correction_kl": st.booleans(),
+        "entropy_coef": st.sampled_from([0.0, 0.0, 0.05]),
+        "temperature": st.sampled_from([1.0, 0.7, 1.6]),
     }
-)
+).filter(_valid)
 
 
 @given(
@@ -240,6 +281,35 @@ def test_large_logits_do_not_overflow(device):
         check_against_reference(case, torch.float32, impl)
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [{}, dict(temperature=0.5, beta=0.04, entropy_coef=0.05)],
+    ids=["plain", "tau-beta-entropy"],
+)
+@pytest.mark.parametrize("magnitude", [1e4, 1e6, 1e8, 1e30])
+def test_large_logits_keep_the_digits_of_log_softmax(magnitude, opts, device):
+    """Rows at +-|x| with small differences: logp = (x_t - max) - log sum exp(x - max) loses no
+    digit that log_softmax keeps (x_t - (max + log sum) would: 0.016 at 1e6, 0 for -log V at
+    1e30)."""
+    case = make_case(2, 4, 150, seed=13, offset=magnitude, with_ref=True, device=device)
+    for impl in implementations(device):
+        check_against_reference(case, torch.float32, impl, **opts)
+
+
+def test_entropy_and_its_gradient_are_exact_with_minus_inf_logits(device):
+    # Vocabulary masking: -inf logits have p = 0 and add 0 to the entropy's running sum and to
+    # its gradient (not 0 * -inf = nan), on every path.
+    case = make_case(2, 3, 50, seed=21, device=device)
+    logits = case.logits.clone()
+    logits[..., ::3] = -math.inf
+    tokens = case.tokens // 3 * 3 + 1
+    case = Case(logits, tokens, *case.inputs[1:])
+    for impl in implementations(device):
+        _, metrics, grad = run_op(case, impl, entropy_coef=0.1, is_mode="none")
+        assert torch.isfinite(metrics["entropy"]).all() and torch.isfinite(grad).all()
+        check_against_reference(case, torch.float32, impl, entropy_coef=0.1, is_mode="none")
+
+
 def test_inplace_backward_writes_the_same_gradient_into_the_logits(device):
     case = make_case(3, 4, 101, torch.bfloat16, seed=14, device=device)
     for impl in implementations(device):
@@ -316,11 +386,19 @@ def test_cpu_row_passes_match_float64_softmax_at_large_logits(dtype, offset, tem
     x[0, 1] = math.nan
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, 1] = False
-    logp, row_max, log_sum = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
+    logp, row_max, log_sum, entropy = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
     live_logits = torch.where(mask[..., None], x.double(), 0.0) / temperature
     want_logp = torch.log_softmax(live_logits, -1).gather(-1, tokens[..., None])[..., 0]
     numerics.assert_close("logp", logp, torch.where(mask, want_logp, 0.0), numerics.FP32)
-    assert logp[0, 1] == 0 and row_max[0, 1] == 0 and log_sum[0, 1] == 0
+    want_p = torch.softmax(live_logits, -1)
+    want_h = -(want_p * torch.log_softmax(live_logits, -1).clamp(min=-1e300)).sum(-1)
+    want_h = torch.where(mask, want_h, 0.0)
+    numerics.assert_close("entropy", entropy, want_h, numerics.Tol(1e-4, 1e-5))
+    assert logp[0, 1] == 0 and row_max[0, 1] == 0 and log_sum[0, 1] == 0 and entropy[0, 1] == 0
+    # Without the entropy: the same statistics, entropy None.
+    plain = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature, with_entropy=False)
+    assert plain[3] is None
+    assert all(torch.equal(a, b) for a, b in zip(plain[:3], (logp, row_max, log_sum)))
     assert torch.equal(row_max[mask], (x.float().amax(-1) / temperature)[mask])
     # A mask of only live rows is skipped, not applied: the same as none.
     all_live = logp_lse.logp_lse_fwd_torch(x[1:], tokens[1:], mask[1:], temperature)
@@ -332,10 +410,52 @@ def test_cpu_row_passes_match_float64_softmax_at_large_logits(dtype, offset, tem
     coef[1, 0] = 0.0
     x[1, 0] = math.inf  # no gradient: never read
     out = x if inplace else torch.empty_like(x)
-    grad = logp_lse.logits_bwd_torch(x, tokens, row_max, log_sum, coef, temperature, out)
-    onehot = torch.nn.functional.one_hot(tokens, V).double()
+    # A token of another vocabulary shard (id outside [0, V), sharded.py) adds no 1 - p entry.
+    shard_tokens = tokens.clone()
+    shard_tokens[1, 2] = V + 5
+    shard_tokens[0, 4] = -3
+    x_in = x.clone()
+    grad = logp_lse.logits_bwd_torch(x, shard_tokens, row_max, log_sum, coef, temperature, out)
+    onehot = torch.nn.functional.one_hot(shard_tokens.clamp(0, V - 1), V).double()
+    owned = (shard_tokens >= 0) & (shard_tokens < V)
+    onehot = onehot * owned[..., None]
     want = coef.double()[..., None] * (onehot - torch.softmax(live_logits, -1))
     want = torch.where((coef != 0)[..., None], want, 0.0)
     assert grad is out and grad.dtype == dtype
     tol = numerics.FP32 if dtype == torch.float32 else numerics.Tol(2.0**-8, 1e-6)
     numerics.assert_close("grad", grad, want, tol)
+    # With an entropy term: d loss / d x = c (onehot - p) - e p (log p + H).
+    ecoef = torch.randn(B, T, generator=g)
+    ecoef[0, 1] = 0.0
+    ecoef[1, 0] = 0.0
+    out = torch.empty_like(x_in)
+    stats = (row_max, log_sum, coef, temperature, out, entropy, ecoef)
+    grad = logp_lse.logits_bwd_torch(x_in, shard_tokens, *stats)
+    log_p = torch.log_softmax(live_logits, -1)
+    dh = want_p * (log_p.clamp(min=-1e4) + want_h[..., None])
+    want = want - ecoef.double()[..., None] * dh
+    want = torch.where(((coef != 0) | (ecoef != 0))[..., None], want, 0.0)
+    # That chunk takes the plain fp32 formula (x / tau rounded at |x| = 1e4: spacing ~1e-3).
+    numerics.assert_close("grad with entropy", grad, want, numerics.Tol(4e-3, 1e-4))
+
+
+def test_triton_interpreter_is_detected_through_the_kernels_heuristics():
+    # Guards the CPU test matrix: a wrapper (triton.heuristics) around the kernels must not hide
+    # the interpreter, or every "triton" case would silently run nothing but the torch path.
+    if torch.cuda.is_available():
+        pytest.skip("compiled Triton on CUDA")
+    assert logp_lse.triton_is_interpreted()
+    assert implementations(torch.device("cpu")) == ["triton", "torch"]
+
+
+def test_both_sequence_weights_are_offered_the_product_is_the_mean_to_the_power_T(device):
+    # Ours: exp(mean_t log ratio); TRL's sequence_* and verl's: exp(sum_t), the product of the
+    # token ratios. They agree at T = 1 only.
+    for T in (1, 5):
+        case = make_case(1, T, 40, seed=22, mask="none", device=device)
+        opts = dict(is_mode="vis", filter=None)
+        _, mean_w, _ = run_op(case, is_level="sequence", **opts)
+        _, prod_w, _ = run_op(case, is_level="sequence_product", **opts)
+        geometric, product = mean_w["is_ratio_max"], prod_w["is_ratio_max"]
+        numerics.assert_close("product", product, geometric**T)
+        assert (T == 1) == bool(torch.isclose(product, geometric))

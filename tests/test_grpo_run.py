@@ -68,10 +68,16 @@ def test_smoke_preset_runs_two_gloo_nodes_through_torchrun(smoke):
     for node in range(2):
         ckpt = out / "ckpt" / f"node{node}" / "round_00004"
         assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.pt",
-                                                    "rng.pt", "state.json"}
+                                                    "rng.pt", "state.json", "manifest.json"}
     assert (out / "tokenizer" / "tokenizer.json").exists()
     assert "reward" in (out / "summary.txt").read_text() and "tiny-lora" in log
     assert "vocabulary of" in log and "LoRA" in log
+
+
+def test_a_run_prints_no_torchrun_banner_and_no_library_warnings(smoke):
+    _, log, _ = smoke
+    assert "Setting OMP_NUM_THREADS" not in log and "****" not in log
+    assert "Warning" not in log and "warnings.warn" not in log, log[-4000:]
 
 
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(smoke, tmp_path):

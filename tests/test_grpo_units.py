@@ -300,7 +300,7 @@ def test_config_layers_preset_file_and_flags(tmp_path):
     assert (from_yaml.is_cap, from_yaml.epsilon, from_yaml.group_size) == (2.0, 0.25, 6)
     with pytest.raises(ValueError, match="group_size"):
         build_config("smoke", str(y), n_nodes=4).validate(4)
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="lossy: expected a known key"):
         build_config(sets=("lossy=1",))
     a = build_config("smoke")
     b = build_config("smoke", overrides={"rounds": 99, "timeout_s": 5},
@@ -340,7 +340,7 @@ def test_verify_rewards_drops_false_claims_and_keeps_true_ones(tmp_path):
 
 
 def test_warmup_cache_gives_the_fresh_warmup_weights_and_keys_on_the_recipe(tmp_path, monkeypatch):
-    from ftis_kernels.grpo import node as node_module
+    from ftis_kernels.grpo import models as models_module
 
     cache = tmp_path / "cache"
     fresh = _bare_node(tmp_path, warmup_cache=str(cache))
@@ -353,7 +353,7 @@ def test_warmup_cache_gives_the_fresh_warmup_weights_and_keys_on_the_recipe(tmp_
     again.spec.warmup_steps = 3
     again.model = build_model("tiny", again.tokenizer, again.cfg.init_seed(0))
     with monkeypatch.context() as m:
-        m.setattr(node_module, "warm_up", lambda *a, **k: pytest.fail("cache not used"))
+        m.setattr(models_module, "warm_up", lambda *a, **k: pytest.fail("cache not used"))
         again.warm_up()  # loads the file, trains nothing
     a, b = fresh.model.state_dict(), again.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -363,3 +363,21 @@ def test_warmup_cache_gives_the_fresh_warmup_weights_and_keys_on_the_recipe(tmp_
     other.warm_up()
     assert len(list(cache.glob("*.pt"))) == 2
     assert other.cfg.init_seed(0) == fresh.cfg.init_seed(0) + 1000
+
+
+def test_warm_up_advances_the_progress_bar_step_by_step_and_on_a_cache_hit(tmp_path):
+    import io
+
+    from tqdm import tqdm
+
+    for attempt in ("fresh", "cached"):
+        node = _bare_node(tmp_path, warmup_cache=str(tmp_path / "cache"))
+        node.spec.warmup_steps = 3
+        node.model = build_model("tiny", node.tokenizer, node.cfg.init_seed(0))
+        seen = io.StringIO()
+        bar = tqdm(total=3, desc="warm-up of node 0 (tiny-full)", file=seen)
+        node.warm_up(bar)
+        assert bar.n == 3, attempt
+        assert ("loss" if attempt == "fresh" else "warm-up cache") in bar.postfix
+        bar.close()
+        assert "warm-up of node 0 (tiny-full)" in seen.getvalue()

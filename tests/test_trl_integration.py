@@ -29,6 +29,7 @@ from datasets import Dataset  # noqa: E402
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from ftis_kernels import FTISOptions  # noqa: E402
 from ftis_kernels.integrations.trl import FTISGRPOConfig, FTISGRPOTrainer  # noqa: E402
 
 PROMPTS = ["1+2=", "3+4=", "5+1=", "2+2=", "7+1=", "4+4=", "9+0=", "6+3="]
@@ -111,6 +112,17 @@ REDUCTION_CASES = {
     "dr_grpo-2-iterations-short-rollouts": dict(loss_type="dr_grpo", num_iterations=2, peer_tokens=5),
     "bnpo-gradient-accumulation": dict(loss_type="bnpo", per_device_train_batch_size=4,
                                        gradient_accumulation_steps=2),  # fmt: skip
+    # The loss menu through TRL's real trainer: TRL's defaults for the KL (bias-corrected), the
+    # entropy bonus under dapo-style scaling, a sequence-level ratio with two-sided clipping, OPSM
+    # on another node's completions.
+    "cispo-beta-bias-corrected-kl-entropy-accumulation": dict(
+        loss_type="cispo", epsilon_high=1.1, beta=0.1, entropy_coef=0.05,
+        per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    ),
+    "gspo-delta-2-iterations": dict(
+        loss_type="grpo", importance_sampling_level="sequence", delta=1.02, num_iterations=2,
+    ),
+    "luspo-opsm-peer": dict(loss_type="luspo", off_policy_mask_threshold=0.05, peer_tokens=8),
 }
 
 
@@ -243,19 +255,14 @@ def test_rollout_tokens_without_a_logprob_get_no_correction(model_dir, tmp_path)
 
 
 REFUSED = [
-    ("loss_type", "cispo"),
-    ("loss_type", "sapo"),
-    ("importance_sampling_level", "sequence"),
-    ("delta", 1.5),
-    ("off_policy_mask_threshold", 0.5),
     ("top_entropy_quantile", 0.2),
-    ("entropy_coef", 0.01),
     ("use_adaptive_entropy", True),
     ("ftis_op", "ftis_lossy"),
     ("is_mode", "sis"),
     ("is_cap", 0.0),
     ("kl_estimator", "k4"),
-    ("epsilon_high", 3.0),
+    ("epsilon_high", 0.0),
+    ("loss_type", "ppo"),
 ]
 
 
@@ -265,22 +272,47 @@ def test_config_refuses_what_ftis_cannot_honour_naming_the_option(option, value,
         FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **{option: value})
 
 
-def test_config_refuses_trl_weightings_that_ftis_replaces(tmp_path):
-    with pytest.raises(ValueError, match="use_bias_correction_kl"):
-        FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", beta=0.1,
-                       use_bias_correction_kl=True)  # fmt: skip
-    args = FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    assert not args.vllm_importance_sampling_correction and not args.use_bias_correction_kl
-    cli_none = FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", filter="none")
-    assert cli_none.filter is None
+def _config(tmp_path, **overrides):
+    return FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **overrides)
+
+
+def test_config_maps_trl_loss_options_and_corrections_onto_the_op(tmp_path):
+    args = _config(tmp_path)
+    assert not args.vllm_importance_sampling_correction and args.use_bias_correction_kl
+    assert _config(tmp_path, filter="none").filter is None  # the command line's None
+    options = _config(tmp_path, loss_type="cispo", epsilon_high=5.0, beta=0.1, entropy_coef=0.01,
+                      importance_sampling_level="token", delta=None).ftis_options()
+    assert (options.loss_type, options.epsilon_high, options.use_bias_correction_kl) == ("cispo", 5.0, True)
+    assert options.entropy_coef == 0.01 and options.max_completion_length == args.max_completion_length
+    gspo = _config(tmp_path, importance_sampling_level="sequence", delta=1.5).ftis_options()
+    assert (gspo.ratio_level, gspo.delta) == ("sequence", 1.5)
+    opsm = _config(tmp_path, off_policy_mask_threshold=0.3, filter=None).ftis_options()
+    assert opsm == FTISOptions.preset("opsm", kl_threshold=0.3, is_mode="tis", loss_type="dapo",
+                                      use_bias_correction_kl=True, max_completion_length=512)
+    with pytest.raises(ValueError, match="^filter='negative'.*off_policy_mask_threshold"):
+        _config(tmp_path, off_policy_mask_threshold=0.3, filter="negative")
+
+
+@pytest.mark.parametrize(
+    "mode,is_mode,is_level",
+    [("token_truncate", "tis", "token"), ("token_mask", "mask", "token"),
+     ("sequence_truncate", "tis", "sequence_product"), ("sequence_mask", "mask", "sequence_product")],
+)
+def test_vllm_importance_sampling_modes_map_onto_the_ops_is_weight(mode, is_mode, is_level, tmp_path):
+    args = _config(tmp_path, vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,
+                   vllm_importance_sampling_clip_max=4.0)
+    args.use_vllm, args.vllm_importance_sampling_correction = True, True  # no vLLM needed to map
+    options = args.ftis_options()
+    assert (options.is_mode, options.is_level, options.is_source) == (is_mode, is_level, "old")
+    assert (options.is_cap_min, options.is_cap) == (0.5, 4.0)
 
 
 def test_trainer_refuses_at_construction_a_config_changed_after_validation(model_dir, tmp_path):
     args = FTISGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=4,
                           per_device_train_batch_size=4)  # fmt: skip
-    args.loss_type = "cispo"
+    args.top_entropy_quantile = 0.5
     dataset = Dataset.from_dict({"prompt": PROMPTS})
-    with pytest.raises(ValueError, match="loss_type"):
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
         FTISGRPOTrainer(model=model_dir, reward_funcs=_vowel_reward, args=args, train_dataset=dataset)
     with pytest.raises(TypeError, match="FTISGRPOConfig"):
         FTISGRPOTrainer(model=model_dir, reward_funcs=_vowel_reward, train_dataset=dataset,

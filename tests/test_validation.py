@@ -1,31 +1,70 @@
-"""Every bad input of the contract raises a ValueError that names the argument, before any kernel."""
+"""The op's promises on bad input, one test per promise, for both ops and both backends.
+
+- Wrong shapes, dtypes, devices and option values: a ValueError naming the argument, before any
+  kernel runs.
+- Bad values (token ids, non-finite or positive logprobs, non-finite advantages, a mask that is
+  not 0/1): a ValueError naming the argument, from one synchronisation after the row pass, with
+  the values judged in float32 (the precision of the math), the number of failing positions, the
+  first one and its value, and a hint where the mistake is recognisable.
+- Logits at a completion position must give a finite log pi_theta(token): NaN, +inf, an all -inf
+  row or -inf at the taken token are refused (naming `logits`, or `hidden` for the fused op);
+  -inf at other tokens (vocabulary masking) is legal and exact; masked positions may hold
+  anything (`test_ftis_loss.py::test_logits_at_masked_positions_change_nothing`).
+- `inplace_backward` on logits that overlap themselves is refused, and on a leaf tensor that
+  requires grad unless the caller passes "force".
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from unittest import mock
 
 import pytest
 import torch
 
-from ftis_kernels import FTISOptions, ftis_loss
-from tests.cases import ftis_loss_module, make_case
+from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, kernels
+from ref import ref_ftis_loss
+from tests import numerics
+from tests.cases import backend, ftis_loss_module, implementations, make_case, run_ref
 
 B, T, V = 2, 3, 11
+OPS = ("ftis_loss", "ftis_linear_loss")
+IMPLS = implementations(torch.device("cpu"))
 
 
 def good_args():
     case = make_case(B, T, V, seed=0, with_ref=True)
     return dict(
-        logits=case.logits, tokens=case.tokens, gen_logprobs=case.gen_logprobs,
-        advantages=case.advantages, mask=case.mask, old_logprobs=case.old_logprobs,
+        logits=case.logits,
+        tokens=case.tokens,
+        gen_logprobs=case.gen_logprobs,
+        advantages=case.advantages,
+        mask=case.mask,
+        old_logprobs=case.old_logprobs,
         ref_logprobs=case.ref_logprobs,
-    )  # fmt: skip
+    )
 
 
-def with_value(name, index, value):
+def call(op, args, impl=None, **opts):
+    """`op` on the arguments of `ftis_loss`; the fused op gets hidden = logits and an identity
+    weight, so that hidden @ weight.T is the logits themselves."""
+    args = dict(args)
+    logits = args.pop("logits")
+    with backend(impl):
+        if op == "ftis_loss":
+            return ftis_loss(logits, **args, **opts)
+        weight = torch.eye(logits.shape[-1], dtype=logits.dtype)
+        return ftis_linear_loss(logits, weight, **args, **opts)
+
+
+def logits_name(op):
+    return "logits" if op == "ftis_loss" else "hidden"
+
+
+def with_value(name, index, value, dtype=None):
     def edit(args):
-        t = args[name].clone()
+        t = args[name].clone() if dtype is None else args[name].to(dtype)
         t[index] = value
         args[name] = t
 
@@ -39,7 +78,7 @@ def replace(name, value):
     return edit
 
 
-BAD_INPUTS = [
+BAD_STRUCTURE = [
     ("logits", "2-d logits", replace("logits", lambda x: x[0])),
     ("logits", "int logits", replace("logits", lambda x: x.long())),
     ("logits", "float64 logits", replace("logits", lambda x: x.double())),
@@ -48,42 +87,271 @@ BAD_INPUTS = [
     ("tokens", "wrong shape", replace("tokens", lambda x: x[:, :2])),
     ("tokens", "float tokens", replace("tokens", lambda x: x.float())),
     ("tokens", "int16 tokens", replace("tokens", lambda x: x.short())),
-    ("tokens", "id == V", with_value("tokens", (0, 0), V)),
-    ("tokens", "negative id", with_value("tokens", (1, 2), -1)),
     ("gen_logprobs", "wrong shape", replace("gen_logprobs", lambda x: x[:, None])),
     ("gen_logprobs", "integer", replace("gen_logprobs", lambda x: x.long())),
-    ("gen_logprobs", "positive", replace("gen_logprobs", lambda x: x.abs() + 0.1)),
-    ("gen_logprobs", "nan", with_value("gen_logprobs", (0, 0), float("nan"))),
-    ("gen_logprobs", "-inf", with_value("gen_logprobs", (1, 1), -float("inf"))),
     ("advantages", "wrong shape", replace("advantages", lambda x: x[:, None])),
-    ("advantages", "nan", with_value("advantages", 0, float("nan"))),
-    ("advantages", "inf", with_value("advantages", 1, float("inf"))),
     ("mask", "wrong shape", replace("mask", lambda x: x[:1])),
-    ("mask", "value 2", replace("mask", lambda x: x.long() * 2)),
     ("old_logprobs", "wrong shape", replace("old_logprobs", lambda x: x.T)),
-    ("old_logprobs", "nan", with_value("old_logprobs", (0, 0), float("nan"))),
-    ("ref_logprobs", "inf", with_value("ref_logprobs", (0, 0), float("inf"))),
+    ("inplace_backward", "not a bool", replace("inplace_backward", "yes")),
 ]
 
 
-@pytest.mark.parametrize("argument,what,edit", BAD_INPUTS, ids=[f"{a}-{w}" for a, w, _ in BAD_INPUTS])
-def test_bad_tensor_input_raises_value_error_naming_it(argument, what, edit):
-    args = good_args()
-    args["mask"] = None if argument in ("gen_logprobs", "old_logprobs", "ref_logprobs") else args["mask"]
+@pytest.mark.parametrize(
+    "argument,what,edit", BAD_STRUCTURE, ids=[f"{a}-{w}" for a, w, _ in BAD_STRUCTURE]
+)
+def test_bad_structure_raises_value_error_naming_it_before_any_kernel(argument, what, edit):
+    args = dict(good_args(), inplace_backward=False)
     edit(args)
     kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
-    with mock.patch.dict(ftis_loss_module._FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
         with pytest.raises(ValueError, match=rf"^{argument}: expected"):
             ftis_loss(**args, beta=0.1)
 
+
+BAD_VALUES = [
+    ("tokens", "id == V", with_value("tokens", (0, 0), V)),
+    ("tokens", "negative id", with_value("tokens", (1, 2), -1)),
+    ("gen_logprobs", "positive", replace("gen_logprobs", lambda x: x.abs() + 0.1)),
+    ("gen_logprobs", "nan", with_value("gen_logprobs", (0, 0), float("nan"))),
+    ("gen_logprobs", "-inf", with_value("gen_logprobs", (1, 1), -float("inf"))),
+    ("advantages", "nan", with_value("advantages", 0, float("nan"))),
+    ("advantages", "inf", with_value("advantages", 1, float("inf"))),
+    ("mask", "value 2", replace("mask", lambda x: x.long() * 2)),
+    ("old_logprobs", "nan", with_value("old_logprobs", (0, 0), float("nan"))),
+    ("ref_logprobs", "inf", with_value("ref_logprobs", (0, 0), float("inf"))),
+    # Finite in float64, not in float32, where the math runs.
+    ("gen_logprobs", "fp64 -1e300", with_value("gen_logprobs", (0, 1), -1e300, torch.float64)),
+    ("advantages", "fp64 1e300", with_value("advantages", 1, 1e300, torch.float64)),
+    ("old_logprobs", "fp64 -1e300", with_value("old_logprobs", (1, 0), -1e300, torch.float64)),
+    ("ref_logprobs", "fp64 -1e300", with_value("ref_logprobs", (1, 2), -1e300, torch.float64)),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    "argument,what,edit", BAD_VALUES, ids=[f"{a}-{w}" for a, w, _ in BAD_VALUES]
+)
+def test_bad_value_raises_value_error_naming_it(argument, what, edit, op, impl):
+    args = good_args()
+    if argument in ("gen_logprobs", "old_logprobs", "ref_logprobs"):
+        args["mask"] = None  # every position is a completion position
+    edit(args)
+    with pytest.raises(ValueError, match=rf"^{argument}: expected") as error:
+        call(op, args, impl, beta=0.1)
+    assert "\n" not in str(error.value)
+
+
+def test_value_error_counts_the_failures_and_locates_the_first():
+    args = dict(good_args(), mask=None)
+    args["gen_logprobs"] = args["gen_logprobs"].clone()
+    args["gen_logprobs"][0, 2] = 0.5
+    args["gen_logprobs"][1, 1] = float("nan")
+    with pytest.raises(ValueError) as error:
+        ftis_loss(**args)
+    assert str(error.value) == (
+        "gen_logprobs: expected finite values <= 0 at completion positions, in float32, got 2 of 6 "
+        "positions outside that, the first at (0, 2): 0.5; log-probabilities are <= 0"
+    )
+    args = good_args()
+    args["advantages"] = args["advantages"].double()
+    args["advantages"][1] = -1e300
+    with pytest.raises(ValueError) as error:
+        ftis_loss(**args)
+    assert str(error.value) == (
+        "advantages: expected finite values, in float32, got 1 of 2 positions outside that, the "
+        "first at (1,): -1e+300; it does not fit in float32, where the loss is computed"
+    )
+
+
+@pytest.mark.parametrize(
+    "argument,edit,hint",
+    [
+        ("gen_logprobs", replace("gen_logprobs", lambda x: x.exp()), "look like probabilities"),
+        (
+            "tokens",
+            with_value("tokens", (1, 0), V + 3),
+            f"vocabulary is larger than the logits' V = {V}",
+        ),
+        ("tokens", with_value("tokens", (0, 1), -100), "ignore_index"),
+    ],
+)
+def test_value_error_hints_at_a_recognisable_mistake(argument, edit, hint):
+    args = good_args()
+    edit(args)
+    with pytest.raises(ValueError, match=rf"^{argument}: expected .*{hint}"):
+        ftis_loss(**args)
+
+
+def _set_logit(fault):
+    """Edit of the logits that puts `fault` into the completion row (b, t) = (1, 2)."""
+
+    def edit(args):
+        x, token = args["logits"].clone(), int(args["tokens"][1, 2])
+        other = (token + 1) % V
+        if fault == "nan":
+            x[1, 2, other] = float("nan")
+        elif fault == "+inf":
+            x[1, 2, other] = float("inf")
+        elif fault == "all -inf":
+            x[1, 2] = -float("inf")
+        elif fault == "-inf at the token":
+            x[1, 2, token] = -float("inf")
+        elif fault == "+inf after the temperature":
+            x[1, 2, other] = 3e38  # / 0.5
+        args["logits"] = x
+
+    return edit
+
+
+# The Triton interpreter computes with numpy, which warns on inf - inf and log(0).
+numpy_warnings = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+LOGIT_FAULTS = {
+    "nan": "a NaN among its logits",
+    "+inf": r"\+inf among its logits",
+    "all -inf": "every logit -inf",
+    "-inf at the token": r"log pi_theta\(token\) = -inf",
+    "+inf after the temperature": r"\+inf among its logits / temperature",
+}
+
+
+@numpy_warnings
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fault", list(LOGIT_FAULTS))
+def test_non_finite_logits_at_a_completion_row_are_refused(fault, impl):
+    args = dict(good_args(), mask=None)
+    _set_logit(fault)(args)
+    with pytest.raises(
+        ValueError, match=rf"^logits: expected .*the first at \(1, 2\): {LOGIT_FAULTS[fault]}"
+    ):
+        call("ftis_loss", args, impl, temperature=0.5)
+
+
+@numpy_warnings
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fault", ["nan", "+inf"])
+def test_non_finite_hidden_at_a_completion_row_is_refused(fault, impl):
+    args = dict(good_args(), mask=None)
+    _set_logit(fault)(args)  # hidden = the logits
+    with pytest.raises(ValueError, match=r"^hidden: expected .*the first at \(1, 2\)"):
+        call("ftis_linear_loss", args, impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_minus_inf_at_other_tokens_is_exact(impl):
+    case = make_case(3, 4, 40, seed=1, with_ref=True)
+    banned = torch.ones(40, dtype=torch.bool)
+    banned[case.tokens.unique()] = False
+    logits = case.logits.masked_fill(banned, -float("inf"))
+    opts = dict(beta=0.04, temperature=0.7)
+    with backend(impl):
+        x = logits.clone().requires_grad_()
+        loss, metrics = ftis_loss(x, *case.inputs, **opts)
+        (grad,) = torch.autograd.grad(loss, x)
+    o_loss, o_metrics, o_grad = run_ref(
+        dataclasses.replace(case, logits=logits), torch.float64, **opts
+    )
+    numerics.assert_close("loss", loss, o_loss)
+    numerics.assert_close("logp", metrics["logp"], o_metrics["logp"])
+    numerics.assert_close("grad", grad, o_grad)
+    assert torch.count_nonzero(grad[..., banned]) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_minus_inf_bias_of_the_fused_op_is_exact(impl):
+    """Vocabulary masking through the lm-head's bias: -inf logits at tokens never taken."""
+    case = make_case(2, 3, 30, seed=2)
+    bias = torch.zeros(30)
+    bias[[t for t in range(30) if t not in case.tokens.unique().tolist()]] = -float("inf")
+    weight = torch.eye(30)
+    with backend(impl):
+        hidden = case.logits.clone().requires_grad_()
+        loss, _ = ftis_linear_loss(hidden, weight, *case.inputs, bias=bias, chunk_size=4)
+        (grad,) = torch.autograd.grad(loss, hidden)
+    want = ftis_loss(case.logits + bias, *case.inputs)[0]
+    x = (case.logits + bias).double().requires_grad_()
+    o_loss, _ = ref_ftis_loss(x, *case.inputs, compute_dtype=torch.float64)
+    (o_grad,) = torch.autograd.grad(o_loss, x)
+    numerics.assert_close("loss", loss, o_loss)
+    numerics.assert_close("loss", loss, want)
+    numerics.assert_close("grad_hidden", grad, o_grad)
+
+
+# --- inplace_backward ----------------------------------------------------------------------------
+
+
+def _overlapping(kind):
+    """Non-leaf logits (B, T, V) whose elements share memory."""
+    case = make_case(B, T, V, seed=3)
+    source = case.logits.clone().requires_grad_() * 1.0
+    if kind == "expanded":
+        return source[:, :1].expand(B, T, V)
+    return source.as_strided((B, T, V), (T * 2, 2, 1))  # rows overlap: stride 2 < V
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["expanded", "overlapping rows"])
+def test_inplace_backward_into_logits_that_overlap_themselves_is_refused(kind, impl):
+    args = good_args()
+    args["logits"] = _overlapping(kind)
+    kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
+    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+        for inplace in (True, "force"):
+            with pytest.raises(
+                ValueError, match=r"^inplace_backward: expected logits whose elements"
+            ):
+                call("ftis_loss", args, impl, inplace_backward=inplace)
+    loss, _ = call("ftis_loss", args, impl)  # out of place, overlapping logits are fine
+    (grad,) = torch.autograd.grad(loss, args["logits"])
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_inplace_backward_into_a_leaf_needs_force(impl):
+    args = good_args()
+    leaf = args["logits"].clone().requires_grad_()
+    later = {
+        k: (v[:, 1:] if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
+        for k, v in args.items()
+    }
+    for refused in (
+        dict(args, logits=leaf),
+        dict(later, logits=leaf[:, 1:]),
+    ):  # a leaf, a view of one
+        with pytest.raises(ValueError, match=r'^inplace_backward: expected .*"force"'):
+            call("ftis_loss", refused, impl, inplace_backward=True)
+    x_ref = args["logits"].clone().requires_grad_()
+    (grad_ref,) = torch.autograd.grad(call("ftis_loss", dict(args, logits=x_ref), impl)[0], x_ref)
+    x = args["logits"].clone().requires_grad_()
+    loss, _ = call("ftis_loss", dict(args, logits=x), impl, inplace_backward="force")
+    loss.backward()
+    assert torch.equal(x.grad, grad_ref)
+    assert torch.equal(x.detach(), grad_ref), "the leaf's values became its gradient"
+
+
+# --- options -------------------------------------------------------------------------------------
 
 BAD_OPTIONS = [
     ("is_mode", "cis"),
     ("is_level", "batch"),
     ("filter", "positive"),
     ("kl_estimator", "k4"),
-    ("kl_reduction", "max"),
+    ("kl_reduction", "median"),
     ("loss_type", "ppo"),
+    ("is_source", "gen"),
+    ("kl_source", "ref"),
+    ("reject_mode", "drop"),
+    ("ratio_level", "batch"),
+    ("is_cap_min", -0.5),
+    ("kl_threshold_low", math.inf),
+    ("delta", 0.0),
+    ("max_completion_length", 0),
+    ("max_completion_length", 2.5),
+    ("sapo_temperature_pos", 0.0),
+    ("vespo_k_neg", math.nan),
+    ("use_bias_correction_kl", 1),
+    ("entropy_coef", -0.01),
     ("temperature", 0.0),
     ("temperature", -1.0),
     ("temperature", math.inf),
@@ -94,7 +362,8 @@ BAD_OPTIONS = [
     ("epsilon", 0.0),
     ("epsilon", 1.0),
     ("epsilon", 1.5),
-    ("epsilon_high", 1.2),
+    ("epsilon_high", 0.0),
+    ("epsilon_high", math.inf),
     ("beta", -0.1),
 ]
 
@@ -105,6 +374,37 @@ def test_bad_option_raises_value_error_naming_it(name, value):
         ftis_loss(**good_args(), **{name: value})
     with pytest.raises(ValueError, match=rf"^{name}: expected"):
         FTISOptions(**{name: value})
+
+
+BAD_COMBINATIONS = [
+    ("ratio_level", dict(ratio_level="sequence", loss_type="cispo")),
+    ("ratio_level", dict(ratio_level="sequence", loss_type="sapo")),
+    ("ratio_level", dict(ratio_level="sequence", loss_type="vespo")),
+    ("delta", dict(delta=1.5, loss_type="sapo")),
+    ("is_level", dict(loss_type="vespo", is_level="sequence")),
+    ("is_cap_min", dict(is_cap_min=3.0, is_cap=2.0)),
+    ("kl_threshold_low", dict(kl_threshold_low=1.0, kl_threshold=0.5)),
+]
+
+
+@pytest.mark.parametrize("name,combo", BAD_COMBINATIONS, ids=[str(c) for _, c in BAD_COMBINATIONS])
+def test_bad_combination_raises_value_error_naming_both_options_before_any_kernel(name, combo):
+    other = next(k for k in combo if k != name)
+
+    def kernel_ran(*args, **kwargs):
+        raise AssertionError("a kernel ran before the options were checked")
+
+    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+        for op in ("ftis_loss", "ftis_linear_loss"):
+            with pytest.raises(ValueError, match=rf"^{name}: expected .*{other}"):
+                call(op, good_args(), **combo)
+
+
+def test_unknown_option_name_raises_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"^is_cap_max: expected a keyword option"):
+        ftis_loss(**good_args(), is_cap_max=3.0)
+    with pytest.raises(ValueError, match=r"^preset: expected one of"):
+        FTISOptions.preset("ppo2")
 
 
 def test_beta_without_ref_logprobs_raises():

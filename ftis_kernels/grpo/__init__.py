@@ -3,5 +3,6 @@
 Modules, in the order a round uses them: `task` (problems and the binary reward), `tokenizer`,
 `models` (presets, warm-up, LoRA), `rollout` (sampling with logprobs, group advantages), `exchange`
 (the wire format and the collective), `train` (the update with `ftis_kernels.ftis_loss`),
-`checkpoint`, `report`; `node` runs one torchrun worker and `cli` starts the swarm.
+`checkpoint`, `report`; `config` (the run's schema), `node` runs one torchrun worker,
+`launch` starts and supervises the swarm, `cli` is the command line.
 """

@@ -2,15 +2,18 @@
 
 Layout under `<out>/ckpt/`:
 
-    node<i>/round_<r>/model.safetensors, optimizer.pt, rng.pt, state.json
+    node<i>/round_<r>/model.safetensors, optimizer.pt, rng.pt, state.json, manifest.json
     latest.json          {"round": r}: every node has written round r (rank 0 writes it last)
 
 Each node writes into `round_<r>.tmp/`, fsyncs, and renames it into place; `latest.json` is replaced
 atomically only after a barrier, so a crash at any moment leaves the previous complete round.
+`manifest.json` holds the sha256 of every other file, so `--resume` can tell a damaged checkpoint
+(a bad disk, a stray write) from a good one and fall back to an older round (`verify_node`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -22,6 +25,8 @@ import torch
 from safetensors.torch import load_model, save_model
 
 KEEP = 2  # complete rounds kept per node
+FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
+MANIFEST = "manifest.json"  # {"sha256": {file: hex digest}} of FILES
 
 
 def _fsync_dir(path: Path) -> None:
@@ -58,6 +63,8 @@ def save_node(root: Path, node: int, round_: int, model, optimizer, sampler: tor
     torch.save({"torch": torch.get_rng_state(), "sampler": sampler.get_state(),
                 "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"round": round_, "node": node, **state}, indent=1))
+    digests = {name: _sha256(tmp / name) for name in FILES}
+    (tmp / MANIFEST).write_text(json.dumps({"sha256": digests}, indent=1))
     for f in tmp.iterdir():
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
@@ -65,10 +72,51 @@ def save_node(root: Path, node: int, round_: int, model, optimizer, sampler: tor
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    done = sorted(p for p in final.parent.glob("round_*") if not p.name.endswith(".tmp"))
+    # Only rounds up to this one: a later round's folder is not this run's to delete.
+    done = sorted(p for p in final.parent.glob("round_*")
+                  if not p.name.endswith(".tmp") and p.name <= final.name)
     for old in done[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def node_rounds(root: Path, node: int) -> list[int]:
+    """The rounds of node `node`'s complete (renamed into place) checkpoints, newest first."""
+    folders = (root / f"node{node}").glob("round_*")
+    return sorted((int(p.name[len("round_"):]) for p in folders if not p.name.endswith(".tmp")),
+                  reverse=True)
+
+
+def verify_node(root: Path, node: int, round_: int) -> Optional[str]:
+    """None when node `node`'s checkpoint of `round_` has every file with the sha256 its manifest
+    records; else what is wrong with it, in a few words."""
+    folder = node_dir(root, node, round_)
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text())["sha256"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} in {folder} (written before checksums, or not a checkpoint)"
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {folder / MANIFEST} ({exc!r})"
+    for name in FILES:
+        if not (folder / name).is_file():
+            return f"{folder / name} is missing"
+        if recorded.get(name) != _sha256(folder / name):
+            return f"{folder / name} does not match its sha256 in {MANIFEST}"
+    return None
+
+
+def newest_common(good: list[list[int]]) -> Optional[int]:
+    """The newest round that every node (one list of good rounds each) can resume from."""
+    common = set.intersection(*(set(rounds) for rounds in good)) if good else set()
+    return max(common, default=None)
 
 
 def mark_latest(root: Path, round_: int) -> None:

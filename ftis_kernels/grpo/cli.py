@@ -6,6 +6,9 @@
 
 Run by hand with torchrun (for example across hosts) the same command runs one node: the CLI
 sees torchrun's environment (RANK, WORLD_SIZE, ...) and does not launch again.
+
+Every configuration or usage error is found here, before any process starts, and printed as one
+line `ftis-grpo: <key>: expected <what>, got <value>` with exit code `EXIT_USAGE`.
 """
 
 from __future__ import annotations
@@ -13,105 +16,193 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
-import subprocess
+import re
 import sys
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
-from ftis_kernels.grpo.config import COLLABS, LOSSES, PRESETS, RunConfig, build_config
+from ftis_kernels.grpo.config import (
+    COLLABS,
+    LOSSES,
+    PRESET_HELP,
+    PRESETS,
+    ConfigError,
+    RunConfig,
+    build_config,
+    render_config,
+    render_keys,
+    show,
+)
+from ftis_kernels.options import KL_ESTIMATORS
 
-log = logging.getLogger("ftis_kernels.grpo")
+EXIT_USAGE = 2  # a configuration or usage error: nothing was started
+_DEFAULTS = RunConfig()
+# The flags that set a config key of the same name (`dest`), after the preset and --config.
+_KEY_FLAGS = ("out", "rounds", "collab", "loss", "is_cap", "kl_threshold", "kl_estimator",
+              "epsilon", "seed", "resume", "timeout_s", "threads", "progress")
+
+EPILOG = """presets:
+{presets}
+
+examples:
+  ftis-grpo --preset demo --nodes 3 --out runs/demo        the README's main job
+  ftis-grpo --preset demo --out runs/demo --resume --rounds 100
+  ftis-grpo --preset smoke --loss nois --set nodes.1.hostile=random_tokens --out runs/bad
+  ftis-grpo --preset demo --print-config > swarm.yaml      edit it, then: --config swarm.yaml
+
+Configuration layers, later wins: defaults < --preset < --config FILE < flags < --set.
+Every key, its allowed values and default: ftis-grpo --list-keys."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one line in the house format, exit code EXIT_USAGE."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"ftis-grpo: {_usage_line(message)}\n")
+
+
+def _usage_line(message: str) -> str:
+    """argparse's message ('argument --rounds: invalid int value: 'x'') as `key: expected ...`."""
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: (.*)", message, re.S)
+    if m is None:
+        m2 = re.fullmatch(r"unrecognized arguments: (.*)", message)
+        if m2:
+            return (f"{m2.group(1)}: expected a flag of ftis-grpo --help, got an unknown "
+                    f"argument")
+        return f"{message} (see ftis-grpo --help)"
+    flag, what = m.groups()
+    kinds = {"int": "an integer", "float": "a number"}
+    typed = re.fullmatch(r"invalid (\w+) value: (.*)", what)
+    if typed:
+        return f"{flag}: expected {kinds.get(typed.group(1), typed.group(1))}, got {typed.group(2)}"
+    choice = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", what)
+    if choice:
+        return f"{flag}: expected one of {choice.group(2)}, got {choice.group(1)}"
+    if what.startswith("expected"):
+        return f"{flag}: {what.rstrip('.')}, got none"
+    return f"{flag}: {what}"
+
+
+def _default(key: str) -> str:
+    value = getattr(_DEFAULTS, key)
+    return value if isinstance(value, str) else show(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every flag with its help and default, the presets in the epilog."""
+    p = _Parser(
+        prog="ftis-grpo",
+        description="Collaborative GRPO with F-TIS across heterogeneous nodes "
+                    "(torch.distributed).\nStarts one process per node on this machine through "
+                    "torchrun.",
+        epilog=EPILOG.format(presets="\n".join(f"  {name:<7} {PRESET_HELP[name]}"
+                                               for name in PRESETS)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run = p.add_argument_group("the run")
+    run.add_argument("--preset", choices=sorted(PRESETS),
+                     help="a built-in configuration (listed below; default: none, the defaults)")
+    run.add_argument("--config", metavar="FILE",
+                     help="a YAML or TOML file of config keys, applied over the preset")
+    run.add_argument("--nodes", type=int, metavar="N",
+                     help="number of nodes; more than the config lists repeats its node specs "
+                          "with new init seeds (default: the config's node list)")
+    run.add_argument("--out", metavar="DIR",
+                     help="output folder: metrics.jsonl, curves.png, summary.txt, config.yaml, "
+                          f"ckpt/, tokenizer/ (default {_default('out')})")
+    run.add_argument("--rounds", type=int, metavar="N",
+                     help=f"GRPO rounds to run in all (default {_default('rounds')})")
+    run.add_argument("--seed", type=int, help=f"moves the problems and every node's initial "
+                                              f"weights (default {_default('seed')})")
+    run.add_argument("--model", action="append", metavar="PATH",
+                     help="a local Hugging Face checkpoint for every node, or once per node "
+                          "(default: the preset's small Qwen2 models)")
+    run.add_argument("--resume", action="store_true", default=None,
+                     help="continue the run in --out from its last complete checkpoint")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the run already in --out (without it, a fresh run refuses "
+                          "a folder that holds one)")
+    loss = p.add_argument_group("the loss")
+    loss.add_argument("--loss", choices=LOSSES,
+                      help=f"loss mode; on-policy = isolated nodes, no exchange "
+                           f"(default {_default('loss')})")
+    loss.add_argument("--collab", choices=COLLABS,
+                      help=f"vertical: each node its own prompts; horizontal: every prompt's "
+                           f"group split over the nodes (default {_default('collab')})")
+    loss.add_argument("--is-cap", type=float, dest="is_cap", metavar="C",
+                      help=f"truncation of the IS weight (default {_default('is_cap')})")
+    loss.add_argument("--kl-threshold", type=float, dest="kl_threshold", metavar="G",
+                      help=f"the filter's KL threshold g (default {_default('kl_threshold')})")
+    loss.add_argument("--kl-estimator", choices=KL_ESTIMATORS, dest="kl_estimator",
+                      help=f"the filter's KL estimator (default {_default('kl_estimator')})")
+    loss.add_argument("--epsilon", type=float,
+                      help=f"PPO clip range, in (0, 1) (default {_default('epsilon')})")
+    proc = p.add_argument_group("processes and output")
+    proc.add_argument("--timeout", type=float, dest="timeout_s", metavar="SECONDS",
+                      help=f"how long to wait for a silent peer before stopping "
+                           f"(default {_default('timeout_s')})")
+    proc.add_argument("--threads", type=int, metavar="N",
+                      help="torch and OpenMP threads per node (default: cores / nodes)")
+    proc.add_argument("--no-progress", action="store_false", dest="progress", default=None,
+                      help="no progress bar (default: a bar over the rounds)")
+    keys = p.add_argument_group("any config key")
+    keys.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key, value in YAML, e.g. nodes.0.lr=1e-3 or "
+                           "verify_rewards=true (repeatable; applied last)")
+    keys.add_argument("--list-keys", action="store_true",
+                      help="list every config key with its allowed values and default, and exit")
+    keys.add_argument("--print-config", action="store_true",
+                      help="print the effective configuration (a valid --config file) and exit")
+    return p
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="ftis-grpo",
-        description="Collaborative GRPO with F-TIS across heterogeneous nodes (torch.distributed).",
-    )
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a built-in configuration")
-    p.add_argument("--config", help="a YAML or TOML file (applied over the preset)")
-    p.add_argument("--nodes", type=int, help="number of nodes (default: the config's node list)")
-    p.add_argument("--out", help="output folder (metrics.jsonl, curves.png, ckpt/, tokenizer/)")
-    p.add_argument("--rounds", type=int)
-    p.add_argument("--collab", choices=COLLABS)
-    p.add_argument("--loss", choices=LOSSES, help="loss mode; on-policy = isolated, no exchange")
-    p.add_argument("--is-cap", type=float, dest="is_cap", help="C, the IS weight truncation")
-    p.add_argument("--kl-threshold", type=float, dest="kl_threshold", help="g, the filter's KL")
-    p.add_argument("--kl-estimator", choices=("k1", "k2", "k3"), dest="kl_estimator")
-    p.add_argument("--epsilon", type=float, help="PPO clip range")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--model", action="append", metavar="PATH",
-                   help="local Hugging Face checkpoint for every node, or once per node")
-    p.add_argument("--resume", action="store_true", default=None,
-                   help="continue from the last complete checkpoint in --out")
-    p.add_argument("--timeout", type=float, dest="timeout_s",
-                   help="seconds to wait for a silent peer before stopping (default 120)")
-    p.add_argument("--threads", type=int, help="torch threads per node (default cores / nodes)")
-    p.add_argument("--no-progress", action="store_false", dest="progress", default=None)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config key, e.g. nodes.0.lr=1e-3 (repeatable)")
-    return p.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    overrides = {k: getattr(args, k) for k in (
-        "out", "rounds", "collab", "loss", "is_cap", "kl_threshold", "kl_estimator", "epsilon",
-        "seed", "resume", "timeout_s", "threads", "progress")}
+    overrides: dict[str, Any] = {k: getattr(args, k) for k in _KEY_FLAGS}
     cfg = build_config(args.preset, args.config, overrides, tuple(args.set), args.nodes)
     if args.model:
         if len(args.model) not in (1, len(cfg.nodes)):
-            raise SystemExit(f"--model: give one path or one per node ({len(cfg.nodes)}), "
-                             f"got {len(args.model)}")
+            raise ConfigError(("--model", f"one path, or one per node ({len(cfg.nodes)})",
+                               f"{len(args.model)} paths"))
         for i, spec in enumerate(cfg.nodes):
             spec.model = args.model[i % len(args.model)]
     return cfg
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(argv: Sequence[str], cfg: RunConfig) -> int:
-    """Start the local swarm: torchrun with one process per node on 127.0.0.1."""
-    n = len(cfg.nodes)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=1", f"--nproc-per-node={n}", "--max-restarts=0",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-        "-m", "ftis_kernels.grpo", *argv,
-    ]
-    env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a local swarm talks over loopback only
-    package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    log.info("starting a local swarm of %d nodes: %s", n, " ".join(cmd[1:]))
-    rc = subprocess.call(cmd, env=env)
-    if rc != 0:
-        log.error("the swarm stopped with exit code %d: a node failed (see its log lines above); "
-                  "the others were stopped. Continue from the last complete checkpoint with: "
-                  "ftis-grpo %s --resume", rc, " ".join(a for a in argv if a != "--resume"))
-    return rc
+def _layers(args: argparse.Namespace) -> str:
+    parts = ["defaults"]
+    if args.preset:
+        parts.append(f"--preset {args.preset}")
+    if args.config:
+        parts.append(f"--config {args.config}")
+    return " < ".join(parts + ["flags"])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.list_keys:
+        print(render_keys())
+        return 0
+    worker = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         cfg = config_from_args(args)
-    except ValueError as exc:
-        raise SystemExit(f"ftis-grpo: {exc}") from None
-    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from ftis_kernels.grpo.node import run_worker
+        if worker:
+            from ftis_kernels.grpo.node import run_worker
 
-        return run_worker(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    try:
+            return run_worker(cfg)
         cfg.validate(len(cfg.nodes))
-    except ValueError as exc:
-        raise SystemExit(f"ftis-grpo: {exc}") from None
-    return launch(argv, cfg)
+        if args.print_config:
+            print(render_config(cfg, _layers(args)))
+            return 0
+        logging.basicConfig(level=logging.INFO, datefmt="%H:%M:%S",
+                            format="%(asctime)s launcher %(levelname)s: %(message)s")
+        from ftis_kernels.grpo.launch import launch
+
+        return launch(argv, cfg, overwrite=args.overwrite)
+    except ConfigError as exc:
+        for line in exc.lines:
+            print(f"ftis-grpo: {line}", file=sys.stderr)
+        return EXIT_USAGE

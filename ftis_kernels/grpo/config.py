@@ -8,85 +8,161 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
-from ftis_kernels.options import VARIANTS, FTISOptions
+from ftis_kernels.grpo.exchange import HOSTILE_KINDS
+from ftis_kernels.grpo.task import OPERATIONS
+from ftis_kernels.options import KL_ESTIMATORS, LOSS_TYPES, VARIANTS, FTISOptions
 
 COLLABS = ("vertical", "horizontal")
 LOSSES = ("on-policy",) + tuple(VARIANTS)
+TASKS = ("arith", "jsonl")
+SPLITS = ("train", "test", "ood")  # the JSONL files a `task: jsonl` run reads
+# Preset architectures (Qwen2 sizes) a node without `model` is built from.
+ARCHS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2),
+    "base": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
 # Fields that may change between a run and its --resume.
-RESUMABLE = ("rounds", "out", "resume", "timeout_s", "progress", "threads", "eval_every", "ckpt_every",
-             "warmup_cache")
+RESUMABLE = ("rounds", "out", "resume", "timeout_s", "progress", "threads", "eval_every",
+             "ckpt_every", "warmup_cache", "setup_timeout_s", "max_skipped_steps")
+# Seed strides: `--seed s` moves every node's init seed by s * RUN_SEED_STRIDE; `--nodes n` beyond
+# the config's list repeats its specs, the k-th repetition with init seeds k * REPEAT_SEED_STRIDE
+# further, so no two nodes share initial weights.
+RUN_SEED_STRIDE = 1000
+REPEAT_SEED_STRIDE = 100
+
+# The schema's building blocks: every field's type and range is checked when a config is built.
+Count = Annotated[int, Field(ge=1)]
+Index = Annotated[int, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+Share = Annotated[float, Field(ge=0, le=1)]
+_SCHEMA = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-@dataclass
+class ConfigError(ValueError):
+    """Configuration or usage errors, one line each: `key: expected ..., got value`."""
+
+    def __init__(self, *problems: tuple[str, str, Any] | str):
+        """Each problem is (key, what was expected, the value got), or a line already written
+        in that form (the loss options' own errors)."""
+        self.lines = [p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {show(p[2])}"
+                      for p in problems]
+        super().__init__("\n".join(self.lines))
+
+
+def show(value: Any) -> str:
+    """A value as the user wrote it: strings quoted, None as null, the rest as YAML scalars."""
+    if isinstance(value, Verbatim):
+        return str(value)
+    if isinstance(value, str):
+        return repr(value)
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return str(value)
+
+
+@dataclass(config=_SCHEMA)
 class NodeSpec:
     """One node: its model (size, initial weights, trainable parameters) and its behaviour."""
 
-    name: str = "node"
-    arch: str = "tiny"  # a preset architecture (models.ARCHS), used when `model` is None
-    model: Optional[str] = None  # local Hugging Face checkpoint folder instead of a preset
-    init_seed: int = 0  # the model's initial weights and warm-up draw from init_seed + 1000 * seed
-    warmup_steps: int = 200  # supervised warm-up of a preset model: its "expertise"
-    warmup_ops: list[str] = field(default_factory=lambda: ["add", "sub"])
-    warmup_lr: float = 3e-3
-    warmup_format: float = 1.0  # share of warm-up answers in GSM8K's '#### x' format
-    lora: bool = False  # train a peft LoRA adapter instead of every weight
-    lora_r: int = 8
-    lora_alpha: float = 16.0
-    lr: float = 1e-4
-    hostile: Optional[str] = None  # None | forged_logprobs | flipped_rewards | random_tokens
-    fail_at_round: Optional[int] = None  # fault injection: the node exits at this round's start
+    name: str = Field("node", min_length=1, description="the node's name in logs and metrics")
+    arch: Literal[tuple(ARCHS)] = Field(
+        "tiny", description="preset architecture, used when `model` is null")
+    model: Optional[str] = Field(
+        None, description="local Hugging Face checkpoint folder instead of a preset")
+    init_seed: Index = Field(
+        0, description="initial weights and warm-up draw from init_seed + 1000 * seed")
+    warmup_steps: Index = Field(
+        200, description="supervised warm-up steps of a preset model: its expertise")
+    warmup_ops: list[Literal[OPERATIONS]] = Field(
+        default_factory=lambda: ["add", "sub"], min_length=1,
+        description="operations the warm-up problems use")
+    warmup_lr: Positive = Field(3e-3, description="learning rate of the warm-up")
+    warmup_format: Share = Field(
+        1.0, description="share of warm-up answers in GSM8K's '#### x' format")
+    lora: bool = Field(False, description="train a peft LoRA adapter instead of every weight")
+    lora_r: Count = Field(8, description="LoRA rank")
+    lora_alpha: Positive = Field(16.0, description="LoRA scale numerator")
+    lr: Positive = Field(1e-4, description="GRPO learning rate (AdamW)")
+    hostile: Optional[Literal[HOSTILE_KINDS]] = Field(
+        None, description="what a hostile node sends its peers instead of its samples")
+    fail_at_round: Optional[Index] = Field(
+        None, description="fault injection: the node exits at this round's start")
 
 
-@dataclass
+@dataclass(config=_SCHEMA)
 class RunConfig:
     """A whole swarm run; `nodes[i % len(nodes)]` is the spec of node i."""
 
-    out: str = "runs/grpo"
-    seed: int = 0
-    rounds: int = 20
-    collab: str = "vertical"  # vertical | horizontal
-    loss: str = "f-tis"  # on-policy | nois | vis | tis | f-nois | f-vis | f-tis
-    is_cap: float = 2.0  # C
-    kl_threshold: float = 50.0  # g
-    kl_estimator: str = "k3"
-    epsilon: float = 0.2
-    loss_type: str = "grpo"
-    prompts_per_node: int = 4  # vertical: own prompts per round; horizontal: shared prompts
-    group_size: int = 8  # G
-    temperature: float = 1.0
-    max_new_tokens: int = 32
-    micro_batch: int = 32
-    grad_clip: float = 1.0
-    eval_size: int = 64
-    eval_every: int = 1
-    eval_max_new_tokens: int = 48
-    ckpt_every: int = 5
-    warmup_batch: int = 32
-    task: str = "arith"  # arith | jsonl
-    data: dict[str, str] = field(default_factory=dict)  # jsonl: {"train":..., "test":..., "ood":...}
-    verify_rewards: bool = False  # rescore each received completion; drop it if its reward lies
-    warmup_cache: Optional[str] = None  # folder of warmed-up weights, reused by identical warm-ups
-    timeout_s: float = 120.0  # collective / barrier timeout: how long to wait for a silent peer
-    threads: int = 0  # torch threads per node; 0 = cores / nodes
-    progress: bool = True
-    resume: bool = False
-    nodes: list[NodeSpec] = field(default_factory=lambda: [NodeSpec()])
+    out: str = Field("runs/grpo", min_length=1, description="output folder")
+    seed: Index = Field(0, description="moves the task's problems and every node's init seed")
+    rounds: Count = Field(20, description="GRPO rounds (generate, exchange, train)")
+    collab: Literal[COLLABS] = Field(
+        "vertical", description="vertical: own prompts per node; horizontal: shared groups")
+    loss: Literal[LOSSES] = Field(
+        "f-tis", description="loss mode; on-policy = isolated nodes, no exchange")
+    is_cap: Annotated[float, Field(gt=0, allow_inf_nan=True)] = Field(
+        2.0, description="C, the truncation of the IS weight (.inf: none)")
+    kl_threshold: Annotated[float, Field(ge=0, allow_inf_nan=True)] = Field(
+        50.0, description="g, the filter's KL threshold")
+    kl_estimator: Literal[KL_ESTIMATORS] = Field("k3", description="the filter's KL estimator")
+    epsilon: Annotated[float, Field(gt=0, lt=1)] = Field(0.2, description="PPO clip range")
+    loss_type: Literal[LOSS_TYPES] = Field("grpo", description="the loss's reduction")
+    prompts_per_node: Count = Field(
+        4, description="vertical: own prompts per round; horizontal: shared prompts")
+    group_size: Annotated[int, Field(ge=2)] = Field(8, description="G, completions per prompt")
+    temperature: Positive = Field(1.0, description="sampling temperature")
+    max_new_tokens: Count = Field(32, description="completion length limit in training")
+    micro_batch: Count = Field(32, description="sequences per forward pass")
+    grad_clip: Positive = Field(1.0, description="gradient norm clip")
+    eval_size: Count = Field(64, description="problems per accuracy evaluation")
+    eval_every: Count = Field(1, description="rounds between evaluations")
+    eval_max_new_tokens: Count = Field(48, description="completion length limit in evaluation")
+    ckpt_every: Count = Field(5, description="rounds between checkpoints")
+    max_skipped_steps: Count = Field(
+        3, description="a node's non-finite optimizer steps are skipped; this many in a row (since "
+        "the start or --resume) stop the swarm")
+    warmup_batch: Count = Field(32, description="sequences per warm-up step")
+    task: Literal[TASKS] = Field(
+        "arith", description="arith: the built-in generator; jsonl: the files in `data`")
+    data: dict[Literal[SPLITS], str] = Field(
+        default_factory=dict, description="task jsonl: {train: PATH, test: PATH, ood: PATH}")
+    verify_rewards: bool = Field(
+        False, description="rescore each received completion; drop it if its reward lies")
+    warmup_cache: Optional[str] = Field(
+        None, description="folder of warmed-up weights, reused by identical warm-ups")
+    timeout_s: Positive = Field(
+        120.0, description="seconds to wait for a silent peer before stopping")
+    setup_timeout_s: Positive = Field(
+        3600.0, description="seconds nodes wait for each other's warm-up or model load")
+    threads: Index = Field(0, description="torch threads per node; 0 = cores / nodes")
+    progress: bool = Field(True, description="a progress bar over the rounds")
+    resume: bool = Field(False, description="continue from the last checkpoint in `out`")
+    nodes: list[NodeSpec] = Field(
+        default_factory=lambda: [NodeSpec()], min_length=1,
+        description="the node specs; node i runs nodes[i % len(nodes)]")
 
     def node(self, rank: int) -> NodeSpec:
         return self.nodes[rank % len(self.nodes)]
 
     def init_seed(self, rank: int) -> int:
         """Seed of node `rank`'s initial weights, warm-up data and LoRA init: `--seed` moves all."""
-        return self.node(rank).init_seed + 1000 * self.seed
+        return self.node(rank).init_seed + RUN_SEED_STRIDE * self.seed
 
     def ftis_options(self) -> FTISOptions:
         """The loss options of this run (on-policy = plain GRPO: no IS weight, no filter)."""
@@ -98,28 +174,67 @@ class RunConfig:
         return FTISOptions.for_variant(self.loss, **common)
 
     def validate(self, world: int) -> None:
-        if self.collab not in COLLABS:
-            raise ValueError(f"collab: expected one of {COLLABS}, got {self.collab!r}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss: expected one of {LOSSES}, got {self.loss!r}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size: expected >= 2, got {self.group_size}")
-        if self.collab == "horizontal" and self.loss != "on-policy":
-            if self.group_size % world:
-                raise ValueError(f"group_size: horizontal mode splits each group over the "
-                                 f"{world} nodes, got {self.group_size} (not a multiple)")
-        if self.task not in ("arith", "jsonl"):
-            raise ValueError(f"task: expected 'arith' or 'jsonl', got {self.task!r}")
-        self.ftis_options()
+        """ConfigError unless the fields fit together for a swarm of `world` nodes (each field's
+        own type and range is checked when the config is built)."""
+        problems = []
+        if self.collab == "horizontal" and self.loss != "on-policy" and self.group_size % world:
+            problems.append(("group_size", f"a multiple of the {world} nodes (horizontal mode "
+                             "splits each group over the nodes)", self.group_size))
+        if self.task == "jsonl":
+            for split in SPLITS:
+                path = self.data.get(split)
+                if path is None or not Path(path).is_file():
+                    problems.append((f"data.{split}", "a JSONL file (task jsonl)", path))
+            for i, spec in enumerate(self.nodes):
+                if spec.model is None:
+                    problems.append((f"nodes.{i}.model", "a model folder: preset models know "
+                                     "only the built-in task's vocabulary (task jsonl)", None))
+        for i, spec in enumerate(self.nodes):
+            if spec.model is not None and not Path(spec.model).is_dir():
+                problems.append((f"nodes.{i}.model", "a local Hugging Face checkpoint folder",
+                                 spec.model))
+        if problems:
+            raise ConfigError(*problems)
+        try:
+            self.ftis_options()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def fingerprint(self) -> str:
         """Hash of everything a resumed run must share with the run it continues."""
-        d = dataclasses.asdict(self)
-        for key in RESUMABLE:
-            d.pop(key)
-        for node in d["nodes"]:
-            node.pop("fail_at_round")
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(_shared(to_dict(self)), sort_keys=True).encode()
+                              ).hexdigest()[:16]
+
+
+def _shared(d: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config dict a resumed run must share with the run it continues."""
+    d = {k: v for k, v in d.items() if k not in RESUMABLE}
+    d["nodes"] = [{k: v for k, v in n.items() if k != "fail_at_round"} for n in d["nodes"]]
+    return d
+
+
+def resume_changes(before: dict[str, Any], now: RunConfig) -> list[tuple[str, Any, Any]]:
+    """(key, old value, new value) of each setting `now` changes that a --resume must keep."""
+    old, new = _flatten(_shared(before)), _flatten(_shared(to_dict(now)))
+    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new), key=_key_order)
+            if old.get(k) != new.get(k)]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and d:
+        items = d.items()
+    elif isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        items = enumerate(d)
+    else:
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in items:
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _key_order(key: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -142,6 +257,11 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)
 
 
+# One line each for `ftis-grpo --help`.
+PRESET_HELP = {
+    "smoke": "2 tiny nodes (full fine-tune and LoRA), 4 rounds: the driver end to end in ~20 s",
+    "demo": "3 heterogeneous nodes (tiny, small, LoRA), 80 rounds: the README's main job",
+}
 PRESETS: dict[str, dict[str, Any]] = {
     # End to end in well under 2 minutes on 2 CPU cores.
     "smoke": dict(
@@ -172,32 +292,79 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _from_dict(d: dict[str, Any]) -> RunConfig:
-    known = {f.name for f in fields(RunConfig)}
-    unknown = set(d) - known
-    if unknown:
-        raise ValueError(f"config: unknown keys {sorted(unknown)}")
-    d = dict(d)
-    node_keys = {f.name for f in fields(NodeSpec)}
-    nodes = []
-    for i, n in enumerate(d.pop("nodes", [{}])):
-        bad = set(n) - node_keys
-        if bad:
-            raise ValueError(f"config: unknown keys {sorted(bad)} in nodes[{i}]")
-        nodes.append(NodeSpec(**n))
-    return RunConfig(nodes=nodes, **d)
+    try:
+        return _ADAPTER.validate_python(d)
+    except ValidationError as exc:
+        raise ConfigError(*(_problem(e) for e in exc.errors())) from None
+
+
+_ADAPTER = TypeAdapter(RunConfig)
+_KNOWN = {f.name for f in fields(RunConfig)} | {f.name for f in fields(NodeSpec)}
+# What the schema expected, by pydantic error type, where its own message is not the clearest.
+_EXPECTED = {
+    "int_parsing": "an integer", "int_type": "an integer", "int_from_float": "an integer",
+    "float_parsing": "a number", "float_type": "a number", "finite_number": "a finite number",
+    "bool_parsing": "true or false", "bool_type": "true or false", "string_type": "a string",
+    "dict_type": "a mapping", "list_type": "a list", "dataclass_type": "a mapping of node keys",
+}
+
+
+class Verbatim(str):
+    """A `got` value shown as is (a description rather than the user's value)."""
+
+
+def _problem(err: dict[str, Any]) -> tuple[str, str, Any]:
+    """(key, expected, got) of one pydantic error."""
+    loc = [str(p) for p in err["loc"] if p != "[key]"]
+    key, kind, ctx = ".".join(loc), err["type"], err.get("ctx") or {}
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        close = difflib.get_close_matches(loc[-1], sorted(_KNOWN), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        return key, f"a known key ({hint}ftis-grpo --list-keys lists them)", Verbatim(
+            f"{key}={show(err['input'])}")
+    if kind in _EXPECTED:
+        return key, _EXPECTED[kind], err["input"]
+    bounds = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
+              "less_than_equal": "<= {le}"}
+    if kind in bounds:
+        return key, "a value " + bounds[kind].format(**ctx), err["input"]
+    if kind == "literal_error":
+        return key, "one of " + ctx["expected"], err["input"]
+    if kind == "too_short":
+        return key, f"at least {ctx['min_length']} item(s)", err["input"]
+    msg = err["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
+    return key, msg, err["input"]
 
 
 def load_file(path: str) -> dict[str, Any]:
-    """A YAML (.yaml/.yml) or TOML (.toml) config file as a dict."""
-    text = Path(path).read_text(encoding="utf-8")
-    if path.endswith(".toml"):
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            import tomli as tomllib
+    """A YAML (.yaml/.yml) or TOML (.toml) config file as a dict; ConfigError naming the file if it
+    cannot be read or parsed, or holds anything but a mapping of config keys."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(("--config", "a readable YAML or TOML file",
+                           Verbatim(f"{path!r} ({getattr(exc, 'strerror', None) or exc})"))
+                          ) from None
+    try:
+        if path.endswith(".toml"):
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
 
-        return tomllib.loads(text)
-    return _yaml(text) or {}
+            content = tomllib.loads(text)
+        else:
+            content = _yaml(text)
+    except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError
+        where = " ".join(str(exc).split())
+        raise ConfigError(("--config", "valid YAML or TOML", Verbatim(f"{path}: {where}"))
+                          ) from None
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise ConfigError((f"--config {path}", "a mapping of config keys (key: value lines)",
+                           content))
+    return content
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -216,20 +383,34 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def apply_set(d: dict[str, Any], assignment: str) -> None:
     """Apply one 'a.b.c=value' override (value parsed as YAML) to the dict `d` in place."""
     if "=" not in assignment:
-        raise ValueError(f"--set: expected key=value, got {assignment!r}")
+        raise ConfigError(("--set", "KEY=VALUE", assignment))
     key, raw = assignment.split("=", 1)
-    value = _yaml(raw)
+    try:
+        value = _yaml(raw)
+    except yaml.YAMLError:
+        raise ConfigError((key, "a YAML value", raw)) from None
     parts = key.split(".")
     target: Any = d
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[: depth + 1])
+        last = depth == len(parts) - 1
         if isinstance(target, list):
-            target = target[int(part)]
+            if not (part.isdigit() and int(part) < len(target)):
+                within = f"{len(target)} items of {'.'.join(parts[:depth])}"
+                raise ConfigError((here, f"an index from 0 to {len(target) - 1} into the {within}",
+                                   Verbatim(part)))
+            if last:
+                target[int(part)] = value
+            else:
+                target = target[int(part)]
+        elif isinstance(target, dict):
+            if last:
+                target[part] = value
+            else:
+                target = target.setdefault(part, {})
         else:
-            target = target.setdefault(part, {})
-    if isinstance(target, list):
-        target[int(parts[-1])] = value
-    else:
-        target[parts[-1]] = value
+            raise ConfigError((here, f"a key inside a mapping, but {'.'.join(parts[:depth])} "
+                               "is a single value", Verbatim(assignment)))
 
 
 def build_config(
@@ -239,22 +420,26 @@ def build_config(
     sets: tuple[str, ...] = (),
     n_nodes: Optional[int] = None,
 ) -> RunConfig:
-    """Defaults < preset < config file < flags (`overrides`, then each `--set`)."""
-    d: dict[str, Any] = dataclasses.asdict(RunConfig())
+    """Defaults < preset < config file < flags (`overrides`, then each `--set`); ConfigError
+    naming the key of every value the schema refuses."""
+    d: dict[str, Any] = to_dict(RunConfig())
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"preset: expected one of {tuple(PRESETS)}, got {preset!r}")
+            raise ConfigError(("--preset", f"one of {', '.join(PRESETS)}", preset))
         d = _merge(d, PRESETS[preset])
     if config_file is not None:
         d = _merge(d, load_file(config_file))
     d = _merge(d, {k: v for k, v in (overrides or {}).items() if v is not None})
     if n_nodes is not None:
+        if n_nodes < 1:
+            raise ConfigError(("--nodes", "a number of nodes >= 1", n_nodes))
         base = d["nodes"]
-        d["nodes"] = [dict(base[i % len(base)]) for i in range(n_nodes)]
-        if n_nodes > len(base):
-            for i, n in enumerate(d["nodes"]):
-                n["name"] = f"{n.get('name', 'node')}-{i}"
-                n["init_seed"] = n.get("init_seed", 0) + 100 * (i // len(base))
+        if isinstance(base, list) and base and all(isinstance(n, dict) for n in base):
+            d["nodes"] = [dict(base[i % len(base)]) for i in range(n_nodes)]
+            if n_nodes > len(base):
+                for i, n in enumerate(d["nodes"]):
+                    n["name"] = f"{n.get('name', 'node')}-{i}"
+                    n["init_seed"] = n.get("init_seed", 0) + REPEAT_SEED_STRIDE * (i // len(base))
     for assignment in sets:
         apply_set(d, assignment)
     return _from_dict(d)
@@ -262,3 +447,82 @@ def build_config(
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+# -- the schema, described for people (`--list-keys`, `--print-config`) ---------------------------
+def _allowed(annotation: Any, metadata: list[Any] = ()) -> str:
+    """What a field accepts, in words: 'integer >= 1', "'vertical' | 'horizontal'", ..."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _allowed(args[0], list(args[1:]) + list(metadata))
+    if origin is Literal:
+        text = " | ".join(show(a) for a in args)
+    elif origin is Union:
+        text = " | ".join(_allowed(a) for a in args)
+    elif origin is list:
+        text = f"list of ({_allowed(args[0])})"
+    elif origin is dict:
+        text = f"mapping ({_allowed(args[0])}) -> ({_allowed(args[1])})"
+    else:
+        text = {bool: "true | false", int: "integer", float: "number", str: "string",
+                type(None): "null"}.get(annotation, getattr(annotation, "__name__", "mapping"))
+    bounds = []
+    for m in metadata:
+        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                bounds.append(f"{op} {getattr(m, attr)}")
+        for item in getattr(m, "metadata", ()):  # a FieldInfo inside Annotated
+            for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+                if getattr(item, attr, None) is not None:
+                    bounds.append(f"{op} {getattr(item, attr)}")
+    return " ".join([text] + [", ".join(bounds)] if bounds else [text])
+
+
+def describe_keys() -> list[tuple[str, str, str, str]]:
+    """(key, allowed values, default, meaning) of every config key; node keys as nodes.<i>.KEY."""
+    rows = []
+    for cls, prefix in ((RunConfig, ""), (NodeSpec, "nodes.<i>.")):
+        defaults = to_dict(cls())
+        for name, info in cls.__pydantic_fields__.items():
+            if cls is RunConfig and name == "nodes":
+                allowed, default = "list of node mappings (the nodes.<i>.* keys)", "[one node]"
+            else:
+                allowed = _allowed(info.annotation, info.metadata)
+                default = yaml.safe_dump(defaults[name], default_flow_style=True,
+                                         width=1 << 30).strip().removesuffix("\n...")
+            rows.append((prefix + name, allowed, default, info.description or ""))
+    return rows
+
+
+def render_keys() -> str:
+    """`--list-keys`: every config key with its allowed values, default and meaning."""
+    rows = [("key", "allowed values", "default", "meaning")] + describe_keys()
+    w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
+    return "\n".join(f"{k:<{w0}}  {a:<{w1}}  {d:<{w2}}  {m}".rstrip() for k, a, d, m in rows)
+
+
+def render_config(cfg: RunConfig, layers: str) -> str:
+    """`--print-config`: the effective configuration as YAML (a valid `--config` file), each key
+    commented with its allowed values and meaning."""
+    described = {key: (allowed, meaning) for key, allowed, _, meaning in describe_keys()}
+    lines = [f"# the effective configuration: {layers}",
+             "# key: value  # allowed values: meaning"]
+
+    def line(indent: str, key: str, value: Any, described_as: Optional[str]) -> str:
+        text = f"{indent}{key}: " + yaml.safe_dump(value, default_flow_style=True,
+                                                    width=1 << 30).strip().removesuffix("\n...")
+        if described_as is None:
+            return text
+        allowed, meaning = described[described_as]
+        return f"{text:<40}  # {allowed}: {meaning}"
+
+    d = to_dict(cfg)
+    for key, value in d.items():
+        if key != "nodes":
+            lines.append(line("", key, value, key))
+    lines.append(f"nodes:{'':<33}  # {described['nodes'][1]}")
+    for i, node in enumerate(d["nodes"]):
+        for j, (key, value) in enumerate(node.items()):
+            lines.append(line("- " if j == 0 else "  ", key, value,
+                              f"nodes.<i>.{key}" if i == 0 else None))
+    return "\n".join(lines)

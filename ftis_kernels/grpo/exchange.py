@@ -29,7 +29,11 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<qiiff")
 HEADER_BYTES = _HEADER.size  # 24
 BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob
-HOSTILE_KINDS = ("forged_logprobs", "flipped_rewards", "random_tokens", "malformed")
+HOSTILE_KINDS = ("forged_logprobs", "flipped_rewards", "random_tokens", "malformed",
+                 "improbable_logprobs")
+# What an "improbable_logprobs" peer claims for log pi_gen of one token: exp(-log pi_gen) > 1e43
+# overflows float32, and so does an untruncated IS weight pi_theta / pi_gen of any likely token.
+IMPROBABLE_LOGPROB = -100.0
 # The advantage a "random_tokens" peer claims: a correct answer in a group where about one in
 # five is correct ((1 - 0.2) / sqrt(0.2 * 0.8) = 2).
 RANDOM_TOKENS_ADVANTAGE = 2.0
@@ -188,9 +192,12 @@ def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
     kind: None (honest) | "forged_logprobs" (claims certainty: log pi_gen = 0 at every token) |
     "flipped_rewards" (reward 1 - r, advantage negated) | "random_tokens" (uniform token ids sold
     as correct: reward 1 and advantage `RANDOM_TOKENS_ADVANTAGE`) | "malformed" (each record
-    broken in one of the ways `unpack` checks, in turn). The first three are well formed on the
-    wire, so the receiver's parser accepts them; only `verify_rewards` (the receiver rescoring
-    the completion) or the loss can catch them. The node itself still trains on its honest samples.
+    broken in one of the ways `unpack` checks, in turn) | "improbable_logprobs" (the round's first
+    sample claims log pi_gen = `IMPROBABLE_LOGPROB` at its first token and advantage
+    `RANDOM_TOKENS_ADVANTAGE`: its untruncated IS weight overflows, and it weighs in the update).
+    All but "malformed" are well formed on the wire, so the receiver's parser accepts them; only
+    `verify_rewards` (the receiver rescoring the completion) or the loss can catch them. The node
+    itself still trains on its honest samples.
     """
     if kind is None:
         return samples
@@ -206,6 +213,10 @@ def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
         elif kind == "malformed":
             out.append(_malformed(s, len(out), vocab_size))
             continue
+        elif kind == "improbable_logprobs":
+            if not out:
+                logprobs = logprobs.clone()
+                logprobs[0], adv = IMPROBABLE_LOGPROB, RANDOM_TOKENS_ADVANTAGE
         else:
             tokens = torch.randint(0, vocab_size, tokens.shape, generator=generator,
                                    dtype=torch.int32)

@@ -9,29 +9,24 @@ local Hugging Face causal LM and its tokenizer instead.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import math
+import os
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from ftis_kernels.grpo.config import ARCHS
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
 
 log = logging.getLogger(__name__)
 
-ARCHS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2),
-    "base": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2),
-}
 # Warm-up problems live far above any index a GRPO run reaches.
 _WARMUP_INDEX_BASE = 1 << 40
 
@@ -95,13 +90,14 @@ def warm_up(
     seed: int,
     operations: Sequence[str],
     gsm8k_format: float = 1.0,
+    on_step: Optional[Callable[[int, float], None]] = None,
 ) -> float:
     """Supervised next-token training on worked answers ('7+5=12. #### 12<eos>'); returns last loss.
 
     Only completion tokens are scored. Problems come from the train split restricted to
     `operations`, drawn from `seed`; a share `gsm8k_format` of the answers ends in GSM8K's
     '#### x', the rest in 'The answer is x.', like a base model that only sometimes follows the
-    format. Together they are the node's expertise.
+    format. Together they are the node's expertise. `on_step(step, loss)` follows the progress.
     """
     if steps <= 0:
         return math.nan
@@ -134,6 +130,32 @@ def warm_up(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
+        if on_step is not None:
+            on_step(step + 1, loss_value)
         if (step + 1) % max(1, steps // 4) == 0:
             log.info("warm-up step %d/%d: loss %.3f", step + 1, steps, loss_value)
     return loss_value
+
+
+def warm_up_cached(model, tokenizer, task: ArithmeticTask, cache_file: Optional[Path],
+                   **recipe: Any) -> Optional[float]:
+    """`warm_up(model, tokenizer, task, **recipe)`, or with `cache_file` (from `warmup_cache_file`)
+    the weights an identical warm-up saved there. Returns the final warm-up loss, or None when the
+    weights were loaded.
+
+    Runs started at once share the cache: an exclusive file lock lets one process warm up while
+    the others wait for its file and load it.
+    """
+    if cache_file is None:
+        return warm_up(model, tokenizer, task, **recipe)
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_file.with_name(cache_file.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cache_file.exists():
+            model.load_state_dict(torch.load(cache_file, weights_only=True))
+            return None
+        loss = warm_up(model, tokenizer, task, **recipe)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, cache_file)
+        return loss

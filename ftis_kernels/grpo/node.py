@@ -2,98 +2,91 @@
 
 Every collective goes through `collective`, so a peer that dies or falls silent surfaces as a
 `SwarmError` naming the phase (after at most `timeout_s`, the process group's timeout), and the
-node stops with a clear message and exit code 3 instead of hanging.
+node stops with a clear message and exit code `EXIT_SWARM` instead of hanging. A node whose
+optimizer steps keep coming out non-finite (`max_skipped_steps` in a row) stops the whole swarm
+with exit code `EXIT_DIVERGED`.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
-from ftis_kernels.grpo.exchange import (
-    Sample, SwarmError, collective, exchange, make_hostile,
-)
+from ftis_kernels.grpo.exchange import Sample, SwarmError, collective, exchange, make_hostile
+from ftis_kernels.grpo.launch import threads_per_node
 from ftis_kernels.grpo.models import (
-    apply_lora, build_model, load_pretrained, warm_up, warmup_cache_file,
+    apply_lora,
+    build_model,
+    load_pretrained,
+    warm_up_cached,
+    warmup_cache_file,
 )
-from ftis_kernels.grpo.report import plot_curves, read_metrics, summary_table
+from ftis_kernels.grpo.report import (
+    METRIC_KEYS,
+    append_metrics,
+    metric_rows,
+    read_metrics,
+    start_metrics,
+    write_outputs,
+    write_run_config,
+)
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
-from ftis_kernels.grpo.task import (
-    ArithmeticTask, JsonlTask, Problem, format_prompt, make_prompt_id, reward,
-)
+from ftis_kernels.grpo.task import Problems, format_prompt, reward
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
-from ftis_kernels.grpo.train import grpo_update
+from ftis_kernels.grpo.train import grpo_update, skip_cause
 
 log = logging.getLogger("ftis_kernels.grpo")
 
 EXIT_SWARM = 3  # a peer died or stopped answering
-METRIC_KEYS = (
-    "reward_mean", "acc_id", "acc_ood", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
-    "is_truncated_frac", "loss", "tokens_sent", "bytes_sent", "bytes_per_token",
-    "samples_trained", "samples_received", "dropped", "seconds",
-)
-_INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped")
+EXIT_DIVERGED = 4  # a node skipped max_skipped_steps non-finite optimizer steps in a row
+EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
+# Primes that mix the run seed with the rank (and round) into independent generator seeds.
+SAMPLER_SEED_MIX = 7919
+HOSTILE_SEED_MIX, HOSTILE_ROUND_MIX = 104729, 31
 
 
-class Problems:
-    """The task behind prompt ids: the built-in generator or local JSONL files."""
+def sampler_seed(seed: int, rank: int) -> int:
+    """Seed of node `rank`'s sampling generator (its completions and evaluations)."""
+    return seed * SAMPLER_SEED_MIX + rank
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
-        self.arith = ArithmeticTask(cfg.seed)
-        self.files = JsonlTask(cfg.data) if cfg.task == "jsonl" else None
-        self._by_id = ({p.prompt_id: p for ps in self.files.problems.values() for p in ps}
-                       if self.files else {})
 
-    def problem(self, prompt_id: int) -> Problem:
-        if self.files is not None:
-            return self._by_id[prompt_id]
-        return self.arith.problem(prompt_id)
+def hostile_seed(seed: int, round_: int, rank: int) -> int:
+    """Seed of what a hostile node `rank` forges in round `round_`."""
+    return seed * HOSTILE_SEED_MIX + round_ * HOSTILE_ROUND_MIX + rank
 
-    def known(self, prompt_id: int) -> bool:
-        if self.files is not None:
-            return prompt_id in self._by_id
-        try:
-            self.arith.problem(prompt_id)
-        except ValueError:
-            return False
-        return True
 
-    def train_ids(self, indices: range) -> list[int]:
-        if self.files is not None:
-            train = self.files.split("train")
-            return [train[i % len(train)].prompt_id for i in indices]
-        return [make_prompt_id("train", i) for i in indices]
-
-    def eval_ids(self, split: str, n: int) -> list[int]:
-        if self.files is not None:
-            return [p.prompt_id for p in self.files.split(split)[:n]]
-        return [make_prompt_id(split, i) for i in range(n)]
+class Diverged(Exception):
+    """A node skipped `max_skipped_steps` optimizer steps in a row; every node raises it."""
 
 
 class Node:
-    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device):
+    """One node's state and its round loop. `setup_group` carries the collectives of the set-up
+    (the agreement checks and the barrier after the warm-ups), whose timeout covers a warm-up or
+    a model load; None uses the default group."""
+
+    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device,
+                 setup_group: Optional[dist.ProcessGroup] = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.setup_group = setup_group
         self.spec = cfg.node(rank)
         self.out = Path(cfg.out)
         self.ckpt = self.out / "ckpt"
-        self.problems = Problems(cfg)
+        self.problems = Problems(cfg.seed, cfg.task, cfg.data)
         self.options = cfg.ftis_options()
-        self.sampler = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
+        self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, rank))
         self._prompt_cache: dict[int, list[int]] = {}
 
     # -- set-up -------------------------------------------------------------------------------
@@ -101,10 +94,7 @@ class Node:
         spec = self.spec
         if spec.model is not None:
             self.model, self.tokenizer = load_pretrained(spec.model)
-        else:
-            if self.cfg.task != "arith":
-                raise ValueError(f"node {self.rank}: preset models know only the built-in task's "
-                                 f"vocabulary; give `model: PATH` for task {self.cfg.task!r}")
+        else:  # config.validate made sure the task is the built-in one
             self.tokenizer = build_tokenizer(self.problems.arith.vocabulary_text())
             self.model = build_model(spec.arch, self.tokenizer, self.cfg.init_seed(self.rank))
         self.model.to(self.device)
@@ -115,7 +105,7 @@ class Node:
         """SystemExit unless every node reports the same `fingerprint` (a hex digest)."""
         mine = torch.frombuffer(bytearray(fingerprint[:64].ljust(64).encode()), dtype=torch.uint8)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        collective(f"the {what} check", dist.all_gather, everyone, mine)
+        collective(f"the {what} check", dist.all_gather, everyone, mine, group=self.setup_group)
         prints = [bytes(t.tolist()).decode(errors="replace").strip() for t in everyone]
         if len(set(prints)) > 1:
             detail = ", ".join(f"node {i} ({self.cfg.node(i).name}): {p[:12]}"
@@ -137,13 +127,13 @@ class Node:
     def prepare(self) -> int:
         """Warm up (fresh run) or restore (--resume); returns the first round to run."""
         cfg, spec = self.cfg, self.spec
-        start = 0
+        start, bar = 0, None
         if cfg.resume:
-            start = checkpoint.latest_round(self.ckpt)
-            if start is None:
-                raise SystemExit(f"--resume: no complete checkpoint under {self.ckpt}")
+            start = self.resume_round()
         elif spec.model is None:
-            self.warm_up()
+            if self.rank == 0 and cfg.progress:
+                bar = progress_bar(spec.warmup_steps, f"warm-up of node 0 ({spec.name})", "step")
+            self.warm_up(bar)
         if spec.lora:
             self.model = apply_lora(self.model, spec.lora_r, spec.lora_alpha,
                                     seed=self.cfg.init_seed(self.rank))
@@ -160,39 +150,74 @@ class Node:
                 raise SystemExit(f"--resume: the configuration differs from the checkpointed "
                                  f"run's (only {', '.join(RESUMABLE)} may change)")
             log.info("node %d: resumed after round %d", self.rank, start)
-        else:
+        if bar is not None:
+            bar.set_description_str("warm-up: waiting for the other nodes' warm-up")
+        # Warm-ups and loads take different times on different nodes: wait for the slowest here,
+        # under the set-up timeout, so that no later collective's timeout has to cover them.
+        collective("the set-up barrier (waiting for every node's warm-up)", dist.barrier,
+                   group=self.setup_group)
+        if not cfg.resume:
             self.save(0)
+        if bar is not None:
+            bar.close()
         return start
 
-    def warm_up(self) -> None:
-        """The preset model's supervised warm-up, or its weights from `warmup_cache`."""
+    def resume_round(self) -> int:
+        """The newest checkpointed round whose files match their checksums on every node; a
+        damaged newer one is passed over with a warning."""
+        latest = checkpoint.latest_round(self.ckpt)
+        if latest is None:
+            raise SystemExit(f"--resume: no complete checkpoint under {self.ckpt}")
+        good = []
+        for round_ in checkpoint.node_rounds(self.ckpt, self.rank):
+            if round_ > latest:  # written, but not by every node
+                continue
+            problem = checkpoint.verify_node(self.ckpt, self.rank, round_)
+            if problem is None:
+                good.append(round_)
+            else:
+                log.warning("node %d: checkpoint of round %d is damaged, not used: %s",
+                            self.rank, round_, problem)
+        everyone: list = [None] * self.world
+        collective("the checkpoint check", dist.all_gather_object, everyone, good,
+                   group=self.setup_group)
+        start = checkpoint.newest_common(everyone)
+        if start is None:
+            detail = "; ".join(f"node {i}: {rounds or 'none'}" for i, rounds in enumerate(everyone))
+            raise SystemExit(f"--resume: no checkpoint under {self.ckpt} is good on every node "
+                             f"(good rounds up to {latest}: {detail}); see the warnings above")
+        if start != latest and self.rank == 0:
+            log.warning("falling back to the checkpoint of round %d, the newest good on every "
+                        "node (round %d, the latest, is damaged on some node)", start, latest)
+        return start
+
+    def warm_up(self, bar=None) -> None:
+        """The preset model's supervised warm-up, or its weights from `warmup_cache`; a tqdm `bar`
+        follows its steps."""
         cfg, spec, t0 = self.cfg, self.spec, time.time()
         recipe = dict(steps=spec.warmup_steps, lr=spec.warmup_lr, batch_size=cfg.warmup_batch,
                       seed=cfg.init_seed(self.rank), operations=list(spec.warmup_ops),
                       gsm8k_format=spec.warmup_format)
-        if not cfg.warmup_cache:
-            self._warm_up(recipe, t0)
-            return
-        cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
-                                   vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        # One process warms up, the others (runs started at once) wait for its file.
-        with open(cached.with_name(cached.name + ".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if cached.exists():
-                self.model.load_state_dict(torch.load(cached, weights_only=True))
-                log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name,
-                         cached)
-                return
-            self._warm_up(recipe, t0)
-            tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-            torch.save(self.model.state_dict(), tmp)
-            os.replace(tmp, cached)
-
-    def _warm_up(self, recipe: dict[str, Any], t0: float) -> None:
-        loss = warm_up(self.model, self.tokenizer, self.problems.arith, **recipe)
-        log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
-                 self.spec.name, self.spec.warmup_steps, time.time() - t0, loss)
+        cached = None
+        if cfg.warmup_cache:
+            cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
+                                       vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
+        on_step = None
+        if bar is not None:
+            def on_step(step: int, loss: float) -> None:
+                bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
+                bar.update(1)
+        loss = warm_up_cached(self.model, self.tokenizer, self.problems.arith, cached,
+                              on_step=on_step, **recipe)
+        if loss is None:
+            if bar is not None:
+                bar.set_postfix_str("loaded from the warm-up cache", refresh=False)
+                bar.update(bar.total - bar.n)
+            log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name,
+                     cached)
+        else:
+            log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
+                     spec.name, spec.warmup_steps, time.time() - t0, loss)
 
     def save(self, completed: int) -> None:
         checkpoint.save_node(self.ckpt, self.rank, completed, self.model, self.optimizer,
@@ -265,15 +290,14 @@ class Node:
         if self.spec.fail_at_round == round_:
             log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank,
                       round_)
-            logging.shutdown()
-            os._exit(17)
+            _leave(EXIT_FAULT_INJECTION)
         evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
         own = self.rollout(round_)
         received, drops, sent = [], [], 0
         if cfg.loss != "on-policy":
-            hostile_gen = torch.Generator().manual_seed(cfg.seed * 104729 + round_ * 31 + self.rank)
+            hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.rank))
             outgoing = make_hostile(own, self.spec.hostile, self.vocab_size, hostile_gen)
             received, drops, sent = collective(
                 "the sample exchange", exchange, outgoing, vocab_size=self.vocab_size,
@@ -286,6 +310,10 @@ class Node:
                             self.options, micro_batch=cfg.micro_batch,
                             pad_id=self.tokenizer.pad_token_id, grad_clip=cfg.grad_clip,
                             device=self.device)
+        if stats["skipped"]:
+            log.warning("node %d (%s) round %d: optimizer step skipped, %s; parameters and "
+                        "optimizer state unchanged", self.rank, self.spec.name, round_,
+                        skip_cause(stats))
         tokens_sent = sum(s.n_tokens for s in own) if cfg.loss != "on-policy" else 0
         return dict(
             reward_mean=sum(s.reward for s in own) / len(own), acc_id=acc_id, acc_ood=acc_ood,
@@ -313,66 +341,88 @@ class Node:
         return kept, drops
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
+    def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict]:
         vec = torch.tensor([float(metrics[k]) for k in METRIC_KEYS], dtype=torch.float64)
         everyone = [torch.empty_like(vec) for _ in range(self.world)]
         collective("the metrics gather", dist.all_gather, everyone, vec)
-        rows = []
-        for node, v in enumerate(everyone):
-            row: dict[str, Any] = dict(round=round_, node=node, name=self.cfg.node(node).name,
-                                       mode=self.cfg.loss, collab=self.cfg.collab)
-            for key, x in zip(METRIC_KEYS, v.tolist()):
-                row[key] = None if math.isnan(x) else (int(x) if key in _INT_KEYS else x)
-            rows.append(row)
-        return rows
+        names = [self.cfg.node(i).name for i in range(self.world)]
+        return metric_rows(round_, [v.tolist() for v in everyone], names, self.cfg.loss,
+                           self.cfg.collab)
+
+    def check_skips(self, rows: list[dict], in_row: list[int]) -> None:
+        """Count each node's skipped steps in a row (`in_row`, updated in place); Diverged on
+        every node once one reaches `max_skipped_steps`."""
+        for row in rows:
+            in_row[row["node"]] = in_row[row["node"]] + 1 if row["skipped"] else 0
+        worst = max(range(self.world), key=lambda i: in_row[i])
+        n, last = in_row[worst], rows[0]["round"]
+        if n < self.cfg.max_skipped_steps:
+            return
+        hint = (f" (--loss {self.cfg.loss} leaves the IS weight untruncated; tis and f-tis cap it)"
+                if self.options.is_mode == "vis" else "")
+        raise Diverged(f"node {worst} ({self.cfg.node(worst).name}) skipped its optimizer step "
+                       f"{n} rounds in a row (rounds {last - n + 1}-{last}: non-finite loss or "
+                       f"gradient, see its warnings); stopping the swarm, the training diverges"
+                       f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}")
 
     def run(self) -> None:
         cfg = self.cfg
+        metrics_path = self.out / "metrics.jsonl"
+        previous = []
+        if self.rank == 0 and cfg.resume and metrics_path.exists():
+            try:
+                previous = read_metrics(metrics_path)
+            except ValueError as exc:
+                raise SystemExit(f"--resume: {exc}") from None
         self.build()
         start = self.prepare()
-        metrics_path = self.out / "metrics.jsonl"
         bar = None
         if self.rank == 0:
-            kept = []
-            if cfg.resume and metrics_path.exists():
-                kept = [r for r in read_metrics(metrics_path) if r["round"] < start]
-            checkpoint.write_json_atomic(self.out / "config.json", to_dict(cfg))
-            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-            tmp = metrics_path.with_name("metrics.jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, metrics_path)
+            kept = [r for r in previous if r["round"] < start]
+            write_run_config(self.out, to_dict(cfg))
+            start_metrics(metrics_path, kept)
             if cfg.progress:
-                from tqdm import tqdm
-
-                bar = tqdm(total=cfg.rounds, initial=start, desc=f"GRPO {cfg.loss}", unit="round")
+                bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=start)
+        skips_in_row = [0] * self.world
         for round_ in range(start, cfg.rounds):
             if self.world > 1:
                 collective(f"the start barrier of round {round_}", _barrier, cfg.timeout_s)
             metrics = self.run_round(round_)
             rows = self.gather_rows(round_, metrics)
             if self.rank == 0:
-                with open(metrics_path, "a", encoding="utf-8") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in rows)
+                append_metrics(metrics_path, rows)
                 msg = " ".join(f"{r['name']}={r['reward_mean']:.2f}" for r in rows)
                 log.debug("round %d reward %s", round_, msg)
                 if bar is not None:
                     bar.set_postfix_str(f"reward {msg}", refresh=False)
                     bar.update(1)
+            try:
+                self.check_skips(rows, skips_in_row)
+            except Diverged as exc:
+                if bar is not None:
+                    bar.close()
+                if self.rank == 0:
+                    log.error("%s", exc)
+                    write_outputs(self.out, self.tokenizer, metrics_path)
+                # None leaves before rank 0 has written: torchrun stops the rest at the first exit.
+                collective("the stop barrier", dist.barrier)
+                raise
             completed = round_ + 1
             if completed % cfg.ckpt_every == 0 or completed == cfg.rounds:
                 self.save(completed)
         if bar is not None:
             bar.close()
         if self.rank == 0:
-            self.out.joinpath("tokenizer").mkdir(exist_ok=True)
-            self.tokenizer.save_pretrained(self.out / "tokenizer")
-            rows = read_metrics(metrics_path)
-            if rows:
-                plot_curves(rows, self.out / "curves.png")
-                table = summary_table(rows)
-                (self.out / "summary.txt").write_text(table + "\n")
-                print(f"\n{table}\n\nmetrics: {metrics_path}\ncurves:  {self.out / 'curves.png'}",
-                      flush=True)
+            summary = write_outputs(self.out, self.tokenizer, metrics_path)
+            if summary is not None:
+                print(f"\n{summary}", flush=True)
+
+
+def progress_bar(total: int, desc: str, unit: str, initial: int = 0):
+    """A tqdm bar on stderr: rank 0's warm-up steps, then the rounds."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit)
 
 
 def _barrier(timeout_s: float) -> None:
@@ -383,7 +433,33 @@ def _barrier(timeout_s: float) -> None:
         dist.barrier()
 
 
+def _leave(code: int) -> NoReturn:
+    """Exit now with `code`, the log flushed, without running destructors: a gloo group whose peer
+    is gone can abort in its C++ teardown, which would replace `code` by SIGABRT."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stop_on_signals(rank: int) -> None:
+    """SIGINT, SIGTERM or SIGHUP (forwarded by the launcher) stop the node with one log line and
+    exit code 128 + the signal's number. A checkpoint write it interrupts leaves a `.tmp` folder
+    that the next --resume removes."""
+
+    def stop(signum: int, _frame) -> None:
+        log.warning("node %d: stopped by %s", rank, signal.Signals(signum).name)
+        _leave(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def setup_logging(rank: int) -> None:
+    """Log lines tagged with the node; third-party advisories a user cannot act on silenced."""
+    # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated",
+                            category=FutureWarning)
     logging.basicConfig(
         level=os.environ.get("FTIS_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s node{rank} %(levelname)s %(name)s: %(message)s",
@@ -397,9 +473,9 @@ def run_worker(cfg: RunConfig) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     setup_logging(rank)
+    stop_on_signals(rank)
     cfg.validate(world)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(cfg.threads or max(1, (cores or 1) // local_world))
+    torch.set_num_threads(threads_per_node(cfg.threads, local_world))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -410,19 +486,19 @@ def run_worker(cfg: RunConfig) -> int:
     # The exchange moves CPU tensors, so gloo carries it even next to nccl on GPUs.
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    setup_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.setup_timeout_s))
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     try:
-        Node(cfg, rank, world, device).run()
+        Node(cfg, rank, world, device, setup_group).run()
         collective("the final barrier", dist.barrier)
     except SwarmError as exc:
+        resumable = checkpoint.latest_round(Path(cfg.out) / "ckpt") is not None
         log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
-                  "answering; stopping. Continue from the last checkpoint with --resume.",
-                  rank, exc)
-        # A gloo group whose peer died can abort in its C++ teardown at interpreter exit, which
-        # would replace this exit code by SIGABRT: leave without running destructors.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_SWARM)
+                  "answering; stopping.%s", rank, exc,
+                  " Continue from the last checkpoint with --resume." if resumable else "")
+        _leave(EXIT_SWARM)
+    except Diverged:  # rank 0 logged why
+        dist.destroy_process_group()
+        return EXIT_DIVERGED
     dist.destroy_process_group()
     return 0

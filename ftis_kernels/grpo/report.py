@@ -1,15 +1,55 @@
-"""Run outputs drawn from `metrics.jsonl`: the reward/accuracy curves and the summary table."""
+"""Run outputs: `metrics.jsonl` (one row per node and round), the reward/accuracy curves and the
+summary table drawn from it, the run's config and tokenizer."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from ftis_kernels.grpo.checkpoint import write_json_atomic
+
+# The per-node metrics of a round, in the order nodes gather them as one float64 vector.
+METRIC_KEYS = (
+    "reward_mean", "acc_id", "acc_ood", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
+    "is_truncated_frac", "loss", "tokens_sent", "bytes_sent", "bytes_per_token",
+    "samples_trained", "samples_received", "dropped", "seconds", "grad_norm", "skipped",
+)
+_INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped",
+             "skipped")
+
+log = logging.getLogger("ftis_kernels.grpo")
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _metrics_row(line: str) -> dict[str, Any]:
+    row = json.loads(line)
+    if not (isinstance(row, dict) and isinstance(row.get("round"), int)
+            and isinstance(row.get("node"), int)):
+        raise ValueError("not a metrics row: a JSON object with integer 'round' and 'node'")
+    return row
+
+
+def read_metrics(path: Path, warn: bool = True) -> list[dict[str, Any]]:
+    """The rows of `metrics.jsonl`. A torn or garbage last line (a run killed mid-write) is
+    dropped (with a warning if `warn`); a bad line before it is a ValueError naming its line."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    rows = []
+    for k, (number, line) in enumerate(numbered):
+        try:
+            rows.append(_metrics_row(line))
+        except ValueError as exc:
+            if k < len(numbered) - 1:
+                raise ValueError(f"{path}, line {number}: {exc}; fix or delete that line") from None
+            if warn:
+                log.warning("%s, line %d (the last): dropped a torn or garbage row (%s), as a "
+                            "run killed mid-write leaves it", path, number, exc)
+    return rows
 
 
 def _by_node(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -19,41 +59,101 @@ def _by_node(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return {k: sorted(v, key=lambda r: r["round"]) for k, v in sorted(nodes.items())}
 
 
+def skipped_in_a_row(rows: list[dict[str, Any]]) -> dict[int, int]:
+    """Per node, how many of its last rounds in `rows` skipped their optimizer step."""
+    out = {}
+    for node, series in _by_node(rows).items():
+        flags = [bool(r.get("skipped")) for r in series]
+        out[node] = len(flags) - max((i + 1 for i, f in enumerate(flags) if not f), default=0)
+    return out
+
+
 def smooth(values: list[float], k: int) -> list[float]:
     """Trailing moving average over up to k values."""
     return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1])
             for i in range(len(values))]
 
 
+def mean_window(n: int, k: int = 5) -> int:
+    """The rounds averaged over in a run of `n` rounds: k, or fewer in a short run (at most
+    half of it, so that a first and a last window do not overlap); 1 means no averaging."""
+    return max(1, min(k, n // 2))
+
+
+def _carries_signal(values: list[float]) -> bool:
+    """A curve worth drawing: some recorded values, and not all of them the same."""
+    return len(set(values)) > 1
+
+
+def curves_plan(rows: list[dict[str, Any]]) -> tuple[int, list[tuple[str, str, str]], list[str]]:
+    """What `plot_curves` draws: the reward's averaging window (`mean_window`), the panels
+    (metric key, title, y-axis label) and the caption's lines."""
+    nodes = _by_node(rows)
+    k = mean_window(min(len(series) for series in nodes.values()))
+    ood = [r["acc_ood"] for r in rows if r.get("acc_ood") is not None]
+    panels = [("reward_mean", "train reward (sampled completions)", "mean reward per round"),
+              ("acc_id", "accuracy, in-distribution", "accuracy (greedy decoding)")]
+    if _carries_signal(ood):
+        panels.append(("acc_ood", "accuracy, out-of-distribution", "accuracy (greedy decoding)"))
+    caption = [f"Reward: thin lines per round, thick lines the trailing mean of the last {k} "
+               f"rounds." if k > 1 else "Reward: per round (too few rounds to average)."]
+    if any(r.get("skipped") for r in rows):
+        caption.append("x: a round whose optimizer step was skipped (non-finite loss or "
+                       "gradient).")
+    caption.append("Accuracy: greedy answers to held-out problems, at each evaluation (dots).")
+    if not ood:
+        caption.append("No out-of-distribution evaluation.")
+    elif not _carries_signal(ood):
+        caption.append(f"Out-of-distribution accuracy was {ood[0]:.3f} at every evaluation of "
+                       f"every node (not drawn).")
+    return k, panels, caption
+
+
 def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
-    """curves.png: reward_mean (thin: per round, thick: 5-round mean), acc_id and acc_ood per
-    node against the round."""
+    """curves.png: per node against the round, the train reward (thin: per round, thick: its
+    trailing `mean_window`-round mean), the in-distribution accuracy and, where it carries any
+    signal, the out-of-distribution accuracy; one legend, and a caption that says what is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for node, series in _by_node(rows).items():
-        label = f"{node}: {series[0].get('name', '')}"
+    k, panels, caption = curves_plan(rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.4), squeeze=False)
+    axes = axes[0]
+    handles = []
+    nodes = _by_node(rows)
+    for node, series in nodes.items():
         color = f"C{node % 10}"
         rounds = [r["round"] for r in series]
         reward = [r["reward_mean"] for r in series]
-        axes[0].plot(rounds, reward, color=color, alpha=0.3, lw=0.8)
-        axes[0].plot(rounds, smooth(reward, 5), color=color, lw=2, label=label)
-        for ax, key in zip(axes[1:], ("acc_id", "acc_ood")):
+        if k > 1:
+            axes[0].plot(rounds, reward, color=color, alpha=0.35, lw=0.8)
+        line, = axes[0].plot(rounds, smooth(reward, k), color=color, lw=2 if k > 1 else 1.2,
+                             marker="" if k > 1 else ".", label=f"{node}: {series[0]['name']}")
+        handles.append(line)
+        skipped = [(r["round"], r["reward_mean"]) for r in series if r.get("skipped")]
+        if skipped:
+            axes[0].plot(*zip(*skipped), color=color, marker="x", ms=8, ls="")
+        for ax, (key, _, _) in zip(axes[1:], panels[1:]):
             pts = [(r["round"], r[key]) for r in series if r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts), color=color, marker=".", label=label)
-    mode = rows[0]["mode"] if rows else ""
-    for ax, title in zip(axes, ("train reward (sampled)", "accuracy, in-distribution (greedy)",
-                                "accuracy, out-of-distribution (greedy)")):
+                ax.plot(*zip(*pts), color=color, marker=".")
+    for ax, (_, title, ylabel) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("round")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.03, 1.03)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"collaborative GRPO, {mode}")
-    fig.tight_layout()
+    first = rows[0]
+    fig.suptitle(f"collaborative GRPO, {first['mode']} ({first.get('collab', 'vertical')}), "
+                 f"{len(nodes)} nodes", y=0.99)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.935),
+               ncol=len(handles), fontsize=9, frameon=False)
+    fig.text(0.01, 0.015, "\n".join(caption), fontsize=8.5, va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.02 + 0.03 * len(caption), 1, 0.88))
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
@@ -67,32 +167,41 @@ def _fmt(x: Any) -> str:
 
 
 def _first_last(series: list[dict[str, Any]], key: str, k: int) -> tuple[Any, Any]:
-    """Means of the first and of the last k recorded values (reward is noisy round to round)."""
+    """Means of the first and of the last k recorded values."""
     vals = [r[key] for r in series if r.get(key) is not None]
     if not vals:
         return None, None
-    k = max(1, min(k, len(vals) // 2))
+    k = min(k, len(vals))
     return sum(vals[:k]) / k, sum(vals[-k:]) / k
 
 
+def _mean(series: list[dict[str, Any]], key: str) -> Optional[float]:
+    vals = [r[key] for r in series if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    """Per node: first -> last reward (5-round means) and accuracies (first and last evaluation),
-    mean KL and filtered share, traffic, time per round."""
-    head = ("node", "name", "rounds", "reward (5-round mean)", "acc_id", "acc_ood", "kl_mean",
-            "filtered",
-            "MB_sent", "B/token", "s/round")
+    """Per node: first -> last reward (means over `mean_window` rounds, named in the header) and
+    accuracies (first and last evaluation), mean KL and filtered share, skipped optimizer steps,
+    traffic, time per round."""
+    nodes = _by_node(rows)
+    k = mean_window(min(len(series) for series in nodes.values()))
+    reward_head = f"reward ({k}-round means)" if k > 1 else "reward (first -> last round)"
+    head = ("node", "name", "rounds", reward_head, "acc_id", "acc_ood", "kl_mean", "filtered",
+            "skipped", "MB_sent", "B/token", "s/round")
     lines = []
-    for node, series in _by_node(rows).items():
+    for node, series in nodes.items():
         cells = [str(node), series[0].get("name", ""), str(len(series))]
-        for key, k in (("reward_mean", 5), ("acc_id", 1), ("acc_ood", 1)):
-            a, b = _first_last(series, key, k)
+        for key, window in (("reward_mean", k), ("acc_id", 1), ("acc_ood", 1)):
+            a, b = _first_last(series, key, window)
             cells.append(f"{_fmt(a)} -> {_fmt(b)}")
         n = len(series)
         tokens = sum(r["tokens_sent"] for r in series)
         sent = sum(r["bytes_sent"] for r in series)
         cells += [
-            _fmt(sum(r["kl_mean"] for r in series) / n),
-            _fmt(sum(r["filtered_frac"] for r in series) / n),
+            _fmt(_mean(series, "kl_mean")),
+            _fmt(_mean(series, "filtered_frac")),
+            str(sum(r.get("skipped") or 0 for r in series)),
             f"{sent / 1e6:.3f}",
             _fmt(sent / tokens) if tokens else "-",
             f"{sum(r['seconds'] for r in series) / n:.2f}",
@@ -103,3 +212,47 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     out.append("  ".join("-" * w for w in widths))
     out += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)) for cells in lines]
     return "\n".join(out)
+
+
+def metric_rows(round_: int, vectors: Sequence[Sequence[float]], names: Sequence[str], mode: str,
+                collab: str) -> list[dict[str, Any]]:
+    """The metrics.jsonl rows of one round from each node's `METRIC_KEYS` vector (NaN -> None)."""
+    rows = []
+    for node, (vec, name) in enumerate(zip(vectors, names)):
+        row: dict[str, Any] = dict(round=round_, node=node, name=name, mode=mode, collab=collab)
+        for key, x in zip(METRIC_KEYS, vec):
+            row[key] = None if math.isnan(x) else (int(x) if key in _INT_KEYS else x)
+        rows.append(row)
+    return rows
+
+
+def write_run_config(out: Path, config: dict[str, Any]) -> None:
+    """`config.json` (atomic) and `config.yaml`: the run's effective configuration."""
+    write_json_atomic(out / "config.json", config)
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def start_metrics(path: Path, kept: list[dict[str, Any]]) -> None:
+    """Replace `path` atomically by the rows `kept` (a resumed run's completed rounds, or none)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+def append_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def write_outputs(out: Path, tokenizer, metrics_path: Path) -> Optional[str]:
+    """At the end of a run: the tokenizer, `curves.png` and `summary.txt`; returns the summary
+    with the paths to print (None without any metrics)."""
+    out.joinpath("tokenizer").mkdir(exist_ok=True)
+    tokenizer.save_pretrained(out / "tokenizer")
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    plot_curves(rows, out / "curves.png")
+    table = summary_table(rows)
+    (out / "summary.txt").write_text(table + "\n")
+    return f"{table}\n\nmetrics: {metrics_path}\ncurves:  {out / 'curves.png'}"

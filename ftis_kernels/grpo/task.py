@@ -174,3 +174,41 @@ def load_jsonl(path: str, split: str) -> list[Problem]:
             Problem(make_prompt_id("file", offset + lineno), question, solution.strip(), answer.strip())
         )
     return problems
+
+
+class Problems:
+    """The problems behind prompt ids: the built-in generator (`task="arith"`) or local JSONL files
+    (`task="jsonl"`, `data` mapping split -> path), and the ids a run draws from them."""
+
+    def __init__(self, seed: int, task: str = "arith", data: Optional[dict[str, str]] = None):
+        self.arith = ArithmeticTask(seed)
+        self.files = JsonlTask(data or {}) if task == "jsonl" else None
+        self._by_id = ({p.prompt_id: p for ps in self.files.problems.values() for p in ps}
+                       if self.files else {})
+
+    def problem(self, prompt_id: int) -> Problem:
+        if self.files is not None:
+            return self._by_id[prompt_id]
+        return self.arith.problem(prompt_id)
+
+    def known(self, prompt_id: int) -> bool:
+        if self.files is not None:
+            return prompt_id in self._by_id
+        try:
+            self.arith.problem(prompt_id)
+        except ValueError:
+            return False
+        return True
+
+    def train_ids(self, indices: range) -> list[int]:
+        """Prompt ids of the training problems at `indices` (files wrap around)."""
+        if self.files is not None:
+            train = self.files.split("train")
+            return [train[i % len(train)].prompt_id for i in indices]
+        return [make_prompt_id("train", i) for i in indices]
+
+    def eval_ids(self, split: str, n: int) -> list[int]:
+        """The first `n` prompt ids of an evaluation split ("test" or "ood")."""
+        if self.files is not None:
+            return [p.prompt_id for p in self.files.split(split)[:n]]
+        return [make_prompt_id(split, i) for i in range(n)]

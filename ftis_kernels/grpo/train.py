@@ -4,11 +4,16 @@ The batch is cut into micro-batches whose gradients accumulate before one optimi
 paper's one update per batch, so pi_old = stop_grad(pi_theta) and `old_logprobs` is None). Each
 micro-batch's loss is weighted by its share of the batch's normaliser, so the accumulated gradient
 equals the full batch's: samples for "grpo"/"dr_grpo", completion tokens for "bnpo"/"dapo".
+
+A step whose loss or gradient is not finite is skipped whole (no parameter or optimizer state
+changes): one peer sample that the trainer finds far likelier than its generator claims overflows
+an untruncated IS weight (VIS), and a single NaN step would turn every parameter into NaN.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import math
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -69,8 +74,12 @@ def grpo_update(
     grad_clip: float,
     device: torch.device,
 ) -> dict[str, float]:
-    """One optimizer step on `samples`; returns loss, kl_mean, filtered_frac (per sample) and
-    clip_frac, is_weight_mean, is_truncated_frac (per completion token) over the whole batch."""
+    """One optimizer step on `samples`, skipped when the loss or the gradient is not finite.
+
+    Returns loss, kl_mean, filtered_frac (per sample) and clip_frac, is_weight_mean,
+    is_truncated_frac (per completion token) over the whole batch, grad_norm (before clipping) and
+    skipped (1.0 when the step was skipped, else 0.0; `skip_cause` says why).
+    """
     model.train()
     n_samples = len(samples)
     n_tokens = sum(s.n_tokens for s in samples)
@@ -94,7 +103,20 @@ def grpo_update(
         for key in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
             totals[key] += float(metrics[key]) * token_share
     params = [p for p in model.parameters() if p.requires_grad]
-    torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
+    # The norm before clipping: a non-finite one means a non-finite gradient (or one too large
+    # for float32), and clipping would only spread it over every parameter.
+    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    totals["skipped"] = float(skip_cause(totals) is not None)
+    if not totals["skipped"]:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return totals
+
+
+def skip_cause(stats: dict[str, float]) -> Optional[str]:
+    """Why `grpo_update` skipped the step that produced `stats`; None when it was taken."""
+    if not math.isfinite(stats["loss"]):
+        return f"non-finite loss ({stats['loss']})"
+    if not math.isfinite(stats["grad_norm"]):
+        return f"non-finite gradient norm ({stats['grad_norm']})"
+    return None

@@ -22,18 +22,25 @@ pi_gen must be the distribution the tokens were sampled from: with a vLLM server
 correction. Without generator logprobs, top_p/top_k/min_p/repetition_penalty are ignored in pi_gen,
 as TRL ignores them in its ratio.
 
-TRL's loss_type, beta, epsilon, epsilon_high and temperature keep their meaning, and the loss is
-scaled exactly as TRL scales it (gradient accumulation; dapo's generation-batch token count;
-dr_grpo's max_completion_length), so with is_mode="none" and filter=None the loss is TRL's own.
-TRL options that would change the loss in a way F-TIS cannot reproduce are refused with a
-ValueError naming them, at config and at trainer construction.
+TRL's loss options keep their meaning: all eight loss types, importance_sampling_level (the op's
+ratio_level), delta, beta with use_bias_correction_kl, the static entropy_coef, the SAPO and VESPO
+parameters, epsilon, epsilon_high and temperature; off_policy_mask_threshold (OPSM) and, on the
+vLLM path, vllm_importance_sampling_correction with its four modes and clip bounds are mapped onto
+the op's filter and IS weight. The loss is scaled exactly as TRL scales it (gradient accumulation;
+the generation-batch token count of dapo / cispo / vespo; dr_grpo's max_completion_length), so
+with is_mode="none" and filter=None the loss is TRL's own. What F-TIS cannot reproduce
+(top_entropy_quantile < 1, use_adaptive_entropy, a MoE router loss) is refused with a ValueError
+naming it, at config and at trainer construction.
 
 Tested with trl 1.11 to 1.16 (TESTED_TRL); other versions get a warning at import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -49,78 +56,134 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("ftis_kernels.integrations.trl needs TRL: pip install 'ftis-kernels[trl]'") from err
 
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
+from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import lm_head_inputs
-from ftis_kernels.options import LOSS_TYPES, FTISOptions
+from ftis_kernels.options import DEFAULTS, OPTION_FIELDS, OPTION_NAMES, FTISOptions, dispatch
 
 TESTED_TRL = ">=1.11,<1.17"
 if Version(trl.__version__) not in SpecifierSet(TESTED_TRL):
     warnings.warn(f"ftis_kernels.integrations.trl is tested with trl{TESTED_TRL}, "
                   f"found trl {trl.__version__}", stacklevel=2)  # fmt: skip
 FTIS_OPS = ("ftis_linear_loss", "ftis_loss")
-LOGGED_METRICS = ("kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_frac", "clip_frac")
+LOGGED_METRICS = (
+    "kl_mean",
+    "filtered_frac",
+    "is_weight_mean",
+    "is_truncated_frac",
+    "is_masked_frac",
+    "is_ratio_mean",
+    "is_ratio_max",
+    "is_ratio_min",
+    "clip_frac",
+)
+# Options TRL has under another name: ours -> TRL's. Every other option TRL has (loss_type, beta,
+# epsilon, epsilon_high, delta, temperature, max_completion_length, sapo_*, vespo_*,
+# use_bias_correction_kl, entropy_coef) is TRL's field, with TRL's default and meaning.
+TRL_NAMES = {"ratio_level": "importance_sampling_level"}
+_TRL_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
+OWN_OPTIONS = tuple(n for n in OPTION_NAMES if n not in _TRL_FIELDS and n not in TRL_NAMES)
+"""The options FTISGRPOConfig adds to GRPOConfig, with the defaults and help of `FTISOptions`."""
+
+# TRL's vLLM importance-sampling modes as op options (pi_old / pi_gen, truncated or masked).
+VLLM_IS_MODES = {
+    "token_truncate": dict(is_mode="tis", is_level="token"),
+    "token_mask": dict(is_mode="mask", is_level="token"),
+    "sequence_truncate": dict(is_mode="tis", is_level="sequence_product"),
+    "sequence_mask": dict(is_mode="mask", is_level="sequence_product"),
+}
+IS_OPTIONS = ("is_mode", "is_level", "is_source", "is_cap", "is_cap_min")
+FILTER_OPTIONS = (
+    "filter",
+    "kl_threshold",
+    "kl_threshold_low",
+    "kl_estimator",
+    "kl_reduction",
+    "kl_source",
+    "reject_mode",
+)
+
+
+def _option_field(name: str) -> tuple:
+    f = OPTION_FIELDS[name]
+    hint = typing.get_type_hints(FTISOptions)[name]
+    return name, hint, field(default=f.default, metadata={"help": f.metadata["help"]})
+
+
+FTISOptionFields = dataclasses.make_dataclass(
+    "FTISOptionFields", [_option_field(name) for name in OWN_OPTIONS]
+)
 
 
 @dataclass
-class FTISGRPOConfig(GRPOConfig):
-    """`GRPOConfig` plus the F-TIS options (FTIS_SPEC.md §2; see `FTISOptions`).
+class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
+    """`GRPOConfig` plus the options of `FTISOptions` that TRL does not have (OWN_OPTIONS: the IS
+    weight, the filter, ...), with their defaults and help from that one definition.
 
-    TRL's own `loss_type` ("grpo" | "bnpo" | "dapo" | "dr_grpo"), `beta`, `epsilon`,
-    `epsilon_high` and `temperature` are the op's options of the same names.
-    Two TRL defaults change to False, as F-TIS cannot honour them: `vllm_importance_sampling_correction`
-    (on the vLLM path F-TIS's own weight min(pi_theta / pi_gen, is_cap), with pi_gen = vLLM's
-    logprobs, is the correction) and `use_bias_correction_kl` (the beta * k3 term is not weighted).
+    TRL's own loss options keep their names, defaults and meaning and are the op's options of the
+    same names (`importance_sampling_level` is `ratio_level`). TRL's corrections are mapped:
+    `off_policy_mask_threshold` is the OPSM preset of the filter, and on the vLLM path
+    `vllm_importance_sampling_correction` with its mode and clip bounds is the IS weight
+    pi_old / pi_gen (is_source="old"); these replace the filter and the IS weight options, and
+    refuse a `filter` / `is_mode` set to anything but its default or off. One TRL default
+    changes to False:
+    `vllm_importance_sampling_correction` (F-TIS's own weight min(pi_theta / pi_gen, is_cap), with
+    pi_gen = vLLM's logprobs, is the correction).
     """
 
-    is_mode: str = field(
-        default="tis",
-        metadata={"help": "IS weight: 'none' (w = 1), 'vis' (pi_theta / pi_gen), 'tis' (capped at is_cap)."},
-    )
-    is_level: str = field(
-        default="token", metadata={"help": "'token' or 'sequence' (w = exp(mean_t log pi_theta / pi_gen))."}
-    )
-    is_cap: float = field(default=2.0, metadata={"help": "C, the truncation of the 'tis' weight."})
-    filter: Optional[str] = field(
-        default="negative_offpolicy",
-        metadata={
-            "help": "Which samples get advantage 0: 'negative_offpolicy' (A <= 0 and KL > g, the paper), "
-            "'negative_or_offpolicy', 'negative', 'offpolicy', or None ('none' on the command line)."
-        },
-    )
-    kl_threshold: float = field(default=50.0, metadata={"help": "g, the KL(pi_theta || pi_gen) threshold."})
-    kl_estimator: str = field(default="k3", metadata={"help": "'k1', 'k2' or 'k3', per token."})
-    kl_reduction: str = field(default="sum", metadata={"help": "'sum' or 'mean' over the completion tokens."})
     ftis_op: str = field(
         default="ftis_linear_loss",
         metadata={
             "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never materialised; "
-            "single-process) or 'ftis_loss' (from the completion logits of the model's forward)."
+            "one process or DDP, not FSDP / DeepSpeed) or 'ftis_loss' (from the completion logits "
+            "of the model's forward)."
         },
     )
     vllm_importance_sampling_correction: bool = field(
         default=False,
-        metadata={"help": "Must stay False: F-TIS's weight replaces TRL's vLLM importance sampling."},
-    )
-    use_bias_correction_kl: bool = field(
-        default=False,
-        metadata={"help": "Must stay False when beta > 0: the reference KL term of F-TIS is not weighted."},
+        metadata={
+            "help": "TRL's vLLM IS correction, mapped onto the op's IS weight (is_source='old'); "
+            "False by default: F-TIS's weight with pi_gen = vLLM's logprobs is the correction."
+        },
     )
 
     def __post_init__(self):
-        if isinstance(self.filter, str) and self.filter.lower() in ("none", "null"):
-            self.filter = None  # the command line passes None as a string
+        for name in OWN_OPTIONS:  # the command line passes None as a string
+            value = getattr(self, name)
+            if OPTION_FIELDS[name].default is None or name == "filter":
+                if isinstance(value, str) and value.lower() in ("none", "null"):
+                    setattr(self, name, None)
         super().__post_init__()
         check_trl_options(self)
         self.ftis_options()
 
     def ftis_options(self) -> FTISOptions:
-        """The op's options: the F-TIS fields plus TRL's loss_type, beta, epsilons, temperature."""
-        return FTISOptions(
-            is_mode=self.is_mode, is_level=self.is_level, is_cap=self.is_cap, filter=self.filter,
-            kl_threshold=self.kl_threshold, kl_estimator=self.kl_estimator,
-            kl_reduction=self.kl_reduction, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
-            beta=self.beta, temperature=self.temperature, loss_type=self.loss_type,
-        )  # fmt: skip
+        """The op's options: the fields of FTISOptions by their name here, with TRL's OPSM and
+        vLLM IS correction mapped onto the filter and the IS weight."""
+        values = {name: getattr(self, TRL_NAMES.get(name, name)) for name in OPTION_NAMES}
+        if self.off_policy_mask_threshold is not None:
+            opsm = FTISOptions.preset("opsm", kl_threshold=self.off_policy_mask_threshold)
+            _replace(values, FILTER_OPTIONS, "off_policy_mask_threshold", opsm.as_kwargs())
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            mode = self.vllm_importance_sampling_mode
+            mapped = dict(dispatch(VLLM_IS_MODES, mode, "vllm_importance_sampling_mode"))
+            cap = self.vllm_importance_sampling_clip_max
+            mapped.update(
+                is_source="old",
+                is_cap=math.inf if cap is None else cap,
+                is_cap_min=self.vllm_importance_sampling_clip_min,
+            )
+            _replace(values, IS_OPTIONS, "vllm_importance_sampling_correction", mapped)
+        return FTISOptions(**values)
+
+
+def _replace(values: dict, names: tuple, trl_option: str, mapped: dict) -> None:
+    """values[names] = mapped[names]. The first name (filter, is_mode) is the user's choice that
+    TRL's option replaces: refused unless left at its default or off (None, "none")."""
+    key = names[0]
+    if values[key] not in (getattr(DEFAULTS, key), None, "none"):
+        _refuse(key, values[key], f"{trl_option} replaces it; leave it at its default or off")
+    values.update({name: mapped[name] for name in names})
 
 
 def _refuse(option: str, value: Any, why: str) -> None:
@@ -129,28 +192,11 @@ def _refuse(option: str, value: Any, why: str) -> None:
 
 def check_trl_options(args: GRPOConfig) -> None:
     """ValueError naming the first TRL option whose effect on the loss F-TIS cannot honour."""
-    if args.loss_type not in LOSS_TYPES:
-        _refuse("loss_type", args.loss_type, f"F-TIS reduces its loss as one of {LOSS_TYPES}")
-    if args.importance_sampling_level != "token":
-        _refuse("importance_sampling_level", args.importance_sampling_level,
-                "the PPO ratio is per token in F-TIS; for a sequence-level IS weight, "
-                "set is_level='sequence'")  # fmt: skip
-    if args.delta is not None:
-        _refuse("delta", args.delta, "F-TIS clips the PPO ratio to [1 - epsilon, 1 + epsilon_high] only")
-    if args.off_policy_mask_threshold is not None:
-        _refuse("off_policy_mask_threshold", args.off_policy_mask_threshold,
-                "the F-TIS filter replaces it: set filter='negative_offpolicy' and kl_threshold")  # fmt: skip
     if args.top_entropy_quantile < 1.0:
         _refuse("top_entropy_quantile", args.top_entropy_quantile, "F-TIS trains on every completion token")
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        option = "use_adaptive_entropy" if args.use_adaptive_entropy else "entropy_coef"
-        _refuse(option, getattr(args, option), "F-TIS has no entropy bonus")
-    if args.beta != 0.0 and args.use_bias_correction_kl:
-        _refuse("use_bias_correction_kl", True, "the reference KL term of F-TIS is not importance-weighted")
-    if args.use_vllm and args.vllm_importance_sampling_correction:
-        _refuse("vllm_importance_sampling_correction", True,
-                "F-TIS's weight min(pi_theta / pi_gen, is_cap), with pi_gen = vLLM's logprobs, is the "
-                "correction; set it to False (and choose is_mode / is_cap)")  # fmt: skip
+    if args.use_adaptive_entropy:
+        why = "FTISGRPOTrainer has the static entropy_coef only (the op's entropy bonus)"
+        _refuse("use_adaptive_entropy", True, why)
     if args.ftis_op not in FTIS_OPS:
         _refuse("ftis_op", args.ftis_op, f"expected one of {FTIS_OPS}")
 
@@ -173,10 +219,11 @@ class FTISGRPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise ValueError("processing_class: FTISGRPOTrainer supports text-only causal LMs, "
                              "got a multimodal processor")
-        if args.ftis_op == "ftis_linear_loss" and self.accelerator.num_processes > 1:
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        if args.ftis_op == "ftis_linear_loss" and sharded:
             _refuse("ftis_op", args.ftis_op,
-                    "it runs the decoder outside the distributed wrapper, so is single-process only; "
-                    "use ftis_op='ftis_loss' with several processes")  # fmt: skip
+                    "FSDP and DeepSpeed shard the lm-head weight it reads outside the model's forward "
+                    "(not supported yet); use ftis_op='ftis_loss', or DDP")  # fmt: skip
         if self.aux_loss_enabled:
             _refuse("router_aux_loss_coef", self.router_aux_loss_coef,
                     "F-TIS adds no MoE load-balancing loss; set router_aux_loss_coef=0.0")  # fmt: skip
@@ -191,8 +238,16 @@ class FTISGRPOTrainer(GRPOTrainer):
             return functools.partial(ftis_loss, out.logits[:, :-1])
         # Every completion column, so that the columns are TRL's; the loss mask goes to the op.
         columns = torch.ones(input_ids.shape[0], T, dtype=torch.bool, device=input_ids.device)
+        unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
-            x = lm_head_inputs(self.accelerator.unwrap_model(model), input_ids, attention_mask, columns)
+            states = None
+            if model is not unwrapped:
+                # Through the wrapper: DDP's forward arms the all-reduce of the gradients. One
+                # position of logits is computed and dropped.
+                out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
+                            output_hidden_states=True, use_cache=False)
+                states = out.hidden_states[-1]
+            x = lm_head_inputs(unwrapped, input_ids, attention_mask, columns, states=states)
         return functools.partial(ftis_linear_loss, x.hidden, x.weight, bias=x.bias)
 
     def _compute_loss(self, model, inputs):
@@ -225,40 +280,73 @@ class FTISGRPOTrainer(GRPOTrainer):
             gen = old
         else:
             gen = self._current_logprobs(head, completion_ids, advantages, mask)
-        loss, metrics = head(completion_ids, gen, advantages, mask, old, ref, **self.ftis.as_kwargs())
-
         mode = "train" if self.model.training else "eval"
-        loss = loss * self._trl_scale(mode, mask, T, inputs)
+        scale = self._trl_scale(mode, mask, inputs)
+        options = self.ftis
+        if options.entropy_coef > 0:
+            # TRL's bonus is coef * mean entropy / accumulation whatever the loss type's scale.
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            coef = options.entropy_coef / (accumulation * float(scale))
+            options = options.replace(entropy_coef=coef)
+        loss, metrics = head(completion_ids, gen, advantages, mask, old, ref, options=options)
         self._log_ftis_metrics(mode, metrics, mask, ref)
-        return loss
+        return loss * scale
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **multimodal):
+        """TRL's pi_old and reference passes (no grad: the F-TIS loss computes its own log pi_theta)
+        with `ftis_logprobs` from the hidden states and the lm-head, the row kernels of the loss:
+        (B, logits_to_keep) log-probabilities at the temperature, 0 at padding."""
+        if compute_aux_loss or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal,
+            )
+        B = input_ids.shape[0]
+        batch_size = batch_size or B
+        columns = torch.ones(B, logits_to_keep, dtype=torch.bool, device=input_ids.device)
+        unwrapped = self.accelerator.unwrap_model(model)
+        logps, entropies = [], []
+        with torch.no_grad(), self.accelerator.autocast():
+            for b0 in range(0, B, batch_size):
+                rows = slice(b0, b0 + batch_size)
+                x = lm_head_inputs(unwrapped, input_ids[rows], attention_mask[rows], columns[rows])
+                logp, entropy = ftis_logprobs(x.hidden, x.tokens, x.weight, bias=x.bias,
+                                              mask=x.mask, temperature=self.temperature)
+                logps.append(logp)
+                entropies.append(entropy)
+        entropy = torch.cat(entropies) if compute_entropy else None
+        return torch.cat(logps), entropy, None
 
     def _current_logprobs(self, head: Callable, tokens, advantages, mask) -> torch.Tensor:
         """log pi_theta(tokens) at the loss's temperature, detached, from the same op and inputs
         as the loss, so that log pi_theta / pi_gen is exactly 0: w = 1, KL = 0."""
         with torch.no_grad():
-            neutral = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-            _, metrics = head(tokens, neutral, advantages, mask, is_mode="none", filter=None,
-                              temperature=self.ftis.temperature)  # fmt: skip
+            neutral = FTISOptions(is_mode="none", filter=None, temperature=self.ftis.temperature)
+            zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+            _, metrics = head(tokens, zeros, advantages, mask, options=neutral)
         return metrics["logp"]
 
-    def _trl_scale(self, mode: str, mask: torch.Tensor, T: int, inputs) -> Any:
+    def _trl_scale(self, mode: str, mask: torch.Tensor, inputs) -> Any:
         """Factor that turns the op's reduction into TRL's (`GRPOTrainer._compute_loss`)."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type == "dapo":
+        if self.loss_type in ("dapo", "cispo", "vespo"):
             # TRL: token sum / (tokens of the generation batch per process, per accumulation window);
             # the op: token sum / tokens of this micro-batch.
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * accumulation / self.args.steps_per_generation
-            return mask.sum() / normalizer
-        if self.loss_type == "dr_grpo":
-            # TRL divides by B * max_completion_length, the op by B * T (the padded completion length).
-            return T / self.max_completion_length / accumulation
+            return mask.sum().clamp(min=1.0) / normalizer
+        # dr_grpo: the op divides by B * max_completion_length itself (an option).
         return 1.0 / accumulation
 
     def _log_ftis_metrics(self, mode: str, metrics: dict[str, torch.Tensor], mask, ref) -> None:
         values = [metrics[name] for name in LOGGED_METRICS]
         names = [f"ftis/{name}" for name in LOGGED_METRICS]
+        # TRL's `entropy` metric: the per-token entropy averaged over completion tokens.
+        values.append((metrics["entropy"] * mask).sum() / mask.sum().clamp(min=1))
+        names.append("entropy")
         if ref is not None:
             # TRL's `kl` metric: the per-token k3 to the reference model, averaged over completion tokens.
             d = torch.where(mask, ref.float() - metrics["logp"], 0.0)

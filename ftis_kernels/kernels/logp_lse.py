@@ -1,13 +1,25 @@
 """Row kernels over the vocabulary: log pi of the taken token (forward) and d loss / d logits
 (backward), in Triton, with the chunked PyTorch equivalents used on CPU without the interpreter.
 
-Forward, per row r = (b, t) with mask[r] set: row_max_r = max_v x[r, v] / tau,
-log_sum_r = log sum_v exp(x[r, v] / tau - row_max_r), logp_r = (x[r, token_r] / tau - row_max_r)
-- log_sum_r (two statistics rather than their sum, the log-sum-exp, which would round away the
-low bits of x / tau - row_max at large logits); masked rows read nothing and write 0.
-Backward: dx[r, v] = c_r * (1[v == token_r] - exp((x[r, v] / tau - row_max_r) - log_sum_r)) with
-c_r = coef_r / tau (the caller folds 1 / tau and the incoming gradient into c); rows with c_r = 0
-read nothing.
+Row statistics are two fp32 numbers per row r = (b, t), kept apart so that no digit is lost:
+    row_max_r = max_v x[r, v] / tau,    log_sum_r = log sum_v exp(x[r, v] / tau - row_max_r).
+Forward, per row with mask[r] set:  logp_r = (x[r, token_r] / tau - row_max_r) - log_sum_r, as
+`torch.log_softmax` computes it: folding the two into one lse = row_max + log_sum first would round
+log_sum away at large |x| (|x| = 1e8 in fp32 has a spacing of 8). The same pass also gives the
+row's entropy H_r = -sum_v p_v log p_v = log_sum_r - (sum_v e_v (x_v / tau - row_max_r)) / s_r, with
+e_v = exp(x_v / tau - row_max_r) and s_r = sum_v e_v: one more running sum, relative to the running
+max like the log-sum-exp (with_entropy=False leaves it out, for measuring its cost). Masked rows read
+nothing and write 0 to every output.
+Backward: with log p_v = (x[r, v] / tau - row_max_r) - log_sum_r and p_v = exp(log p_v),
+dx[r, v] = c_r * (1[v == token_r] - p_v) - e_r * p_v * (log p_v + H_r), where c_r and e_r are
+d loss / d logp_r and d loss / d H_r over tau (the caller folds 1 / tau and the incoming gradient
+into both); rows with c_r = e_r = 0 read nothing.
+
+Non-finite logits at a live row show in its statistics, which the caller checks (`validate.py`):
+a NaN or +inf logit makes log_sum NaN (and row_max +inf for +inf), an all -inf row gives
+log_sum = -inf, and -inf at the taken token gives logp = -inf. A -inf logit elsewhere is exact
+(vocabulary masking). Token ids outside [0, V) are never used as an address: the forward reads no
+logit for them (the caller refuses them after the forward).
 """
 
 from __future__ import annotations
@@ -19,12 +31,15 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ftis_kernels.kernels.tl_utils import NEG_BIG, online_lse_update
+from ftis_kernels.kernels.tl_utils import NEG_BIG, online_lse_entropy_update, online_lse_update
 
 # Largest vocabulary block one program holds in registers at once (the tests lower it to cover
 # the multi-block loop with small vocabularies).
 MAX_BLOCK_V = 4096
-# Logits per chunk of the CPU path, and the size of its one fp32 scratch buffer (16 MiB): small
+# The lowest finite fp32: the start of a running max (tl_utils.NEG_BIG), so that an all -inf row
+# gives log_sum = -inf rather than NaN from -inf - -inf.
+FP32_LOWEST = torch.finfo(torch.float32).min
+# Logits per chunk of the CPU path, and the size of its fp32 scratch buffer (16 MiB): small
 # enough that a chunk mostly stays in cache between its passes, large enough that the parallel
 # loops (~5 per chunk and direction) stay few: on a loaded machine each one waits for both
 # threads to be scheduled (measured: bench/README.md, CPU path).
@@ -39,7 +54,12 @@ def _num_warps(block_v: int) -> int:
     return 4 if block_v <= 1024 else (8 if block_v <= 4096 else 16)
 
 
-@triton.heuristics({"HAS_MASK": lambda args: args["mask_ptr"] is not None})
+@triton.heuristics(
+    {
+        "HAS_MASK": lambda args: args["mask_ptr"] is not None,
+        "WITH_ENTROPY": lambda args: args["entropy_ptr"] is not None,
+    }
+)
 @triton.jit
 def _logp_lse_fwd_kernel(
     # pointers
@@ -49,6 +69,7 @@ def _logp_lse_fwd_kernel(
     logp_ptr,  # (B * T,) fp32 out
     row_max_ptr,  # (B * T,) fp32 out
     log_sum_ptr,  # (B * T,) fp32 out
+    entropy_ptr,  # (B * T,) fp32 out, or None
     # scalars
     temperature,
     # sizes
@@ -64,6 +85,7 @@ def _logp_lse_fwd_kernel(
     stride_mt,
     # meta-parameters
     HAS_MASK: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -77,43 +99,68 @@ def _logp_lse_fwd_kernel(
     v_end = tl.where(active, V, 0)
     m = NEG_BIG
     s = 0.0
+    u = 0.0
     for v0 in range(0, v_end, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
-        m, s = online_lse_update(m, s, x.to(tl.float32) / temperature)
+        if WITH_ENTROPY:
+            m, s, u = online_lse_entropy_update(m, s, u, x.to(tl.float32) / temperature)
+        else:
+            m, s = online_lse_update(m, s, x.to(tl.float32) / temperature)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
-    x_token = tl.load(row_ptr + token * stride_lv, mask=active, other=0.0).to(tl.float32)
-    log_sum = tl.where(active, tl.log(tl.where(active, s, 1.0)), 0.0)
-    row_max = tl.where(active, m, 0.0)
-    logp = tl.where(active, (x_token / temperature - row_max) - log_sum, 0.0)
+    # A bad token id is refused by the caller after the forward: until then it reads nothing.
+    token_ok = (token >= 0) & (token < V)
+    x_token = tl.load(row_ptr + token * stride_lv, mask=active & token_ok, other=0.0)
+    s_safe = tl.where(active, s, 1.0)
+    log_sum = tl.where(active, tl.log(s_safe), 0.0)
+    logp = tl.where(active, (x_token.to(tl.float32) / temperature - m) - log_sum, 0.0)
     tl.store(logp_ptr + row, logp)
-    tl.store(row_max_ptr + row, row_max)
+    tl.store(row_max_ptr + row, tl.where(active, m, 0.0))
     tl.store(log_sum_ptr + row, log_sum)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, tl.where(active, log_sum - u / s_safe, 0.0))
 
 
 def logp_lse_fwd(
-    logits: torch.Tensor, tokens: torch.Tensor, mask: Optional[torch.Tensor], temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    temperature: float,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Triton forward. logits (B, T, V), tokens (B, T), mask (B, T) bool or None.
 
-    Returns logp, row_max, log_sum (B, T), all fp32; 0 at masked positions.
+    Returns logp, row_max, log_sum, entropy (B, T), all fp32, 0 at masked positions; entropy is
+    None with with_entropy=False.
     """
     B, T, V = logits.shape
-    logp = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    row_max = torch.empty(B, T, dtype=torch.float32, device=logits.device)
-    log_sum = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+    logp, row_max, log_sum = (
+        torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
+    entropy = torch.empty_like(logp) if with_entropy else None
     block_v = _block_v(V)
     mask_strides = mask.stride() if mask is not None else (0, 0)
     _logp_lse_fwd_kernel[(B * T,)](
-        logits, tokens, mask, logp, row_max, log_sum,
+        logits,
+        tokens,
+        mask,
+        logp,
+        row_max,
+        log_sum,
+        entropy,
         float(temperature),
-        T, V,
-        *logits.stride(), *tokens.stride(), *mask_strides,
-        BLOCK_V=block_v, num_warps=_num_warps(block_v),
-    )  # fmt: skip
-    return logp, row_max, log_sum
+        T,
+        V,
+        *logits.stride(),
+        *tokens.stride(),
+        *mask_strides,
+        BLOCK_V=block_v,
+        num_warps=_num_warps(block_v),
+    )
+    return logp, row_max, log_sum, entropy
 
 
+@triton.heuristics({"HAS_ENTROPY_GRAD": lambda args: args["entropy_coef_ptr"] is not None})
 @triton.jit
 def _logits_bwd_kernel(
     # pointers
@@ -123,6 +170,8 @@ def _logits_bwd_kernel(
     row_max_ptr,  # (B * T,) fp32, from the forward
     log_sum_ptr,  # (B * T,) fp32, from the forward
     coef_ptr,  # (B * T,) fp32: d loss / d logp, times the incoming gradient, over temperature
+    entropy_ptr,  # (B * T,) fp32, from the forward, or None
+    entropy_coef_ptr,  # (B * T,) fp32: d loss / d entropy, scaled as coef, or None
     # scalars
     temperature,
     # sizes
@@ -138,25 +187,37 @@ def _logits_bwd_kernel(
     stride_tb,
     stride_tt,
     # meta-parameters
+    HAS_ENTROPY_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
     coef = tl.load(coef_ptr + row)
+    live = coef != 0.0
+    ecoef = 0.0
+    entropy = 0.0
+    if HAS_ENTROPY_GRAD:
+        ecoef = tl.load(entropy_coef_ptr + row)
+        entropy = tl.load(entropy_ptr + row)
+        live = live | (ecoef != 0.0)
     row_max = tl.load(row_max_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
     row_ptr = logits_ptr + b * stride_lb.to(tl.int64) + t * stride_lt.to(tl.int64)
     drow_ptr = dlogits_ptr + b * stride_db.to(tl.int64) + t * stride_dt.to(tl.int64)
     # Rows without gradient (masked, filtered, zero advantage) read nothing and write zeros.
-    v_read = tl.where(coef != 0.0, V, 0)
+    v_read = tl.where(live, V, 0)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         in_row = offs < V
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf"))
-        p = tl.exp((x.to(tl.float32) / temperature - row_max) - log_sum)
+        log_p = (x.to(tl.float32) / temperature - row_max) - log_sum
+        p = tl.exp(log_p)
         grad = coef * (tl.where(offs == token, 1.0, 0.0) - p)
+        if HAS_ENTROPY_GRAD:
+            # dH/dlogit_v = -p_v (log p_v + H); p_v = 0 adds 0 (not 0 * -inf).
+            grad -= ecoef * tl.where(p > 0, p * (log_p + entropy), 0.0)
         tl.store(
             drow_ptr + offs.to(tl.int64) * stride_dv,
             grad.to(dlogits_ptr.dtype.element_ty),
@@ -172,37 +233,56 @@ def logits_bwd(
     coef: torch.Tensor,
     temperature: float,
     out: torch.Tensor,
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton backward. logits, out (B, T, V) (out may be logits); tokens (B, T); row_max, log_sum,
-    coef (B, T) fp32 contiguous, coef already scaled by the incoming gradient and 1 / temperature.
+    coef (B, T) fp32 contiguous, coef already scaled by the incoming gradient and 1 / temperature;
+    entropy, entropy_coef (B, T) fp32 contiguous (d loss / d H, scaled as coef) or both None.
     Returns out.
     """
     B, T, V = logits.shape
     block_v = _block_v(V)
     _logits_bwd_kernel[(B * T,)](
-        logits, out, tokens, row_max, log_sum, coef,
+        logits,
+        out,
+        tokens,
+        row_max,
+        log_sum,
+        coef,
+        entropy if entropy_coef is not None else None,
+        entropy_coef,
         float(temperature),
-        T, V,
-        *logits.stride(), *out.stride(), *tokens.stride(),
-        BLOCK_V=block_v, num_warps=_num_warps(block_v),
-    )  # fmt: skip
+        T,
+        V,
+        *logits.stride(),
+        *out.stride(),
+        *tokens.stride(),
+        BLOCK_V=block_v,
+        num_warps=_num_warps(block_v),
+    )
     return out
 
 
 def triton_is_interpreted() -> bool:
     """True when Triton decorated these kernels for its CPU interpreter (TRITON_INTERPRET=1)."""
-    return isinstance(_logits_bwd_kernel, InterpretedFunction)
+    kernel = _logits_bwd_kernel
+    while not isinstance(kernel, InterpretedFunction) and hasattr(kernel, "fn"):
+        kernel = kernel.fn  # through triton.heuristics to the jitted function
+    return isinstance(kernel, InterpretedFunction)
 
 
 # --- CPU path: the same two passes in PyTorch, a chunk of rows at a time ------------------------
 #
-# Every pass over a chunk writes into memory allocated once per call (one fp32 scratch chunk, or
-# the output itself), and the chunk is small enough to stay in cache between its passes, so the
-# logits are read from memory about once per direction. The exponential is torch's exp2 of
-# (x / tau - row_max) * log2(e): on CPU, exp2 runs several times faster than exp.
+# Every pass over a chunk writes into memory allocated once per call (one fp32 scratch chunk, a
+# second one for the entropy's running sum, or the output itself), and the chunk is small enough
+# to stay in cache between its passes, so the logits are read from memory about once per
+# direction. The exponential is torch's exp2 of (x / tau - row_max) * log2(e): on CPU, exp2 runs
+# several times faster than exp. Rows are masked only when some row of a chunk is dead.
 # Forward per chunk: [bf16/fp16: up-cast into the scratch], max, shift into the scratch, scale,
-# exp2, sum. Backward: [up-cast], shift into the scratch, scale, exp2, one multiply by -coef / sum
-# that writes the output, and the taken tokens' entries.
+# exp2, sum [entropy: sum of e * shift]. Backward without an entropy term: [up-cast], shift into
+# the scratch, scale, exp2, one multiply by -coef / sum that writes the output, and the taken
+# tokens' entries; with an entropy term in a chunk, that chunk takes the plain fp32 formula.
 
 LOG2E = 1.4426950408889634
 
@@ -217,7 +297,7 @@ def _row_chunks(B: int, T: int, V: int):
 
 
 def _scratch(B: int, T: int, V: int, device) -> torch.Tensor:
-    """The one fp32 (rows, V) buffer a call's chunks share."""
+    """One fp32 (rows, V) buffer a call's chunks share."""
     rows = min(T, max(1, CPU_CHUNK_ELEMENTS // V))
     return torch.empty(rows, V, dtype=torch.float32, device=device)
 
@@ -230,22 +310,24 @@ def _exp2_shifted(
 
 
 def logp_lse_fwd_torch(
-    logits: torch.Tensor, tokens: torch.Tensor, mask: Optional[torch.Tensor], temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PyTorch forward with the results of `logp_lse_fwd`, a chunk of rows at a time.
-    logits (B, T, V) fp32 | bf16 | fp16, any strides; tokens (B, T); mask (B, T) bool or None.
-
-    Returns logp, row_max, log_sum (B, T) fp32, 0 at masked rows: row_max = max_v x / tau,
-    log_sum = log sum_v exp(x / tau - row_max), logp = (x_token / tau - row_max) - log_sum.
-    """
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    temperature: float,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """PyTorch forward with the signature and results of `logp_lse_fwd` (the same row statistics,
+    the same non-finite semantics), a chunk of rows at a time. logits (B, T, V) fp32 | bf16 |
+    fp16, any strides; tokens (B, T); mask (B, T) bool or None. fp32 scratch is bounded by one
+    chunk (two with the entropy)."""
     B, T, V = logits.shape
     f32 = torch.float32
-    logp = torch.zeros(B, T, dtype=f32, device=logits.device)
-    row_max = torch.zeros(B, T, dtype=f32, device=logits.device)
-    log_sum = torch.zeros(B, T, dtype=f32, device=logits.device)
+    logp, row_max, log_sum = (torch.zeros(B, T, dtype=f32, device=logits.device) for _ in range(3))
+    entropy = torch.zeros_like(logp) if with_entropy else None
     if mask is not None and bool(mask.all()):
         mask = None
     scratch = _scratch(B, T, V, logits.device)
+    scratch_e = torch.empty_like(scratch) if with_entropy else None
     for b, t0, t1 in _row_chunks(B, T, V):
         live = None if mask is None else mask[b, t0:t1]
         if live is not None:
@@ -258,23 +340,55 @@ def logp_lse_fwd_torch(
         if x.dtype != f32:
             # One up-cast into the scratch, then fp32 passes in place (mixed-dtype ops are slow).
             x = s.copy_(x)
-        x_token = x.gather(-1, tokens[b, t0:t1, None].long())
-        # max_v(x / tau) = max_v(x) / tau exactly: rounded division is monotonic.
+        # A bad token id is refused by the caller after the forward: until then, read a valid one.
+        x_token = x.gather(-1, tokens[b, t0:t1, None].long().clamp(0, V - 1))
+        # max_v(x / tau) = max_v(x) / tau exactly: rounded division is monotonic. The Triton
+        # kernels' start value: an all -inf row gets a finite max and log_sum = -inf (not NaN
+        # from -inf - -inf); NaN stays NaN.
         m = x.amax(dim=-1, keepdim=True)
         if temperature != 1.0:
             m.div_(temperature)
-        neg_m = m.neg_()
-        total = _exp2_shifted(x, neg_m, temperature, s).sum(dim=-1, keepdim=True)
+        m.clamp_(min=FP32_LOWEST)
+        neg_m = m.neg()
         shifted_token = torch.add(neg_m, x_token, alpha=1.0 / temperature)
-        chunk = torch.cat([neg_m.neg(), total.log_(), shifted_token], dim=1)
-        chunk[:, 2].sub_(chunk[:, 1])
+        if with_entropy:
+            shifted = torch.add(neg_m, x, alpha=1.0 / temperature, out=s)
+            e = torch.mul(shifted, LOG2E, out=scratch_e[: t1 - t0]).exp2_()
+            total = e.sum(dim=-1, keepdim=True)
+            # H = log s - sum e * shifted / s; a -inf logit adds 0 (not 0 * -inf = nan).
+            u = e.mul_(shifted.clamp_(min=FP32_LOWEST)).sum(dim=-1, keepdim=True)
+            chunk_log_sum = total.log()
+            parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum),
+                     chunk_log_sum - u / total]  # fmt: skip
+        else:
+            chunk_log_sum = _exp2_shifted(x, neg_m, temperature, s).sum(dim=-1, keepdim=True).log_()
+            parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum)]
+        chunk = torch.cat(parts, dim=1)
         if live is not None:
             # The chunk's masked rows were read with the rest (may hold anything): written as 0.
             chunk.masked_fill_(~live[:, None], 0.0)
         row_max[b, t0:t1] = chunk[:, 0]
         log_sum[b, t0:t1] = chunk[:, 1]
         logp[b, t0:t1] = chunk[:, 2]
-    return logp, row_max, log_sum
+        if with_entropy:
+            entropy[b, t0:t1] = chunk[:, 3]
+    return logp, row_max, log_sum, entropy
+
+
+def _logits_bwd_entropy_chunk(x, tokens, row_max, log_sum, c, ec, entropy, temperature, V):
+    """One chunk's d loss / d logits (rows, V) fp32 with an entropy term, the plain formula."""
+    x = x.float() / temperature
+    log_p = (x - row_max[:, None]).sub_(log_sum[:, None])
+    grad = log_p.exp()
+    # -p_v (c + e (log p_v + H)), with dH/dlogit_v = -p_v (log p_v + H). log p_v is clamped where
+    # p_v underflows to 0 anyway, so that 0 * -inf stays 0.
+    h = (c + ec * entropy)[:, None]
+    grad.mul_(log_p.clamp_(min=-1e4).mul_(ec[:, None]).add_(h)).neg_()
+    # A token outside [0, V) is another vocabulary shard's (sharded.py): it adds nothing here.
+    token = tokens.long()
+    owned = (token >= 0) & (token < V)
+    grad.scatter_add_(-1, token.clamp(0, V - 1)[:, None], torch.where(owned, c, 0.0)[:, None])
+    return grad
 
 
 def logits_bwd_torch(
@@ -285,27 +399,42 @@ def logits_bwd_torch(
     coef: torch.Tensor,
     temperature: float,
     out: torch.Tensor,
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """PyTorch backward with the results of `logits_bwd`. logits, out (B, T, V), out may be the
-    logits themselves; tokens (B, T); row_max, log_sum, coef (B, T) fp32 from the forward, coef
-    already scaled by the incoming gradient and 1 / temperature. Returns out.
+    """PyTorch backward with the signature and results of `logits_bwd`. logits, out (B, T, V), out
+    may be the logits themselves; tokens (B, T); row_max, log_sum, coef (B, T) fp32 from the
+    forward, coef already scaled by the incoming gradient and 1 / temperature; entropy,
+    entropy_coef (B, T) or both None. Returns out.
 
-    out[r, v] = -coef_r * exp(x[r, v] / tau - row_max_r) * exp(-log_sum_r) (one multiply writes
-    it), and at the taken token -coef_r * expm1(logp_r) = coef_r * (1 - p_r) without the
-    cancellation of 1 - p near p = 1. Rows with coef = 0 are written as 0, whatever they hold.
+    Without an entropy term: out[r, v] = -coef_r * exp(x[r, v] / tau - row_max_r) *
+    exp(-log_sum_r) (one multiply writes it), and at a taken token this shard owns
+    -coef_r * expm1(logp_r) = coef_r * (1 - p_r) without the cancellation of 1 - p near p = 1.
+    Rows with coef = entropy_coef = 0 are written as 0, whatever they hold.
     """
     B, T, V = logits.shape
     f32 = torch.float32
     scratch = _scratch(B, T, V, out.device)
     for b, t0, t1 in _row_chunks(B, T, V):
         c = coef[b, t0:t1, None]
+        ec = None if entropy_coef is None else entropy_coef[b, t0:t1, None]
+        has_entropy_grad = ec is not None and bool((ec != 0).any())
+        dead = c == 0 if not has_entropy_grad else (c == 0) & (ec == 0)
         o = out[b, t0:t1]
-        dead = c == 0
         if bool(dead.all()):
             o.zero_()
             continue
         x = logits[b, t0:t1]
-        tok = tokens[b, t0:t1, None].long()
+        if has_entropy_grad:
+            stats = (row_max[b, t0:t1], log_sum[b, t0:t1], c[:, 0], ec[:, 0], entropy[b, t0:t1])
+            grad = _logits_bwd_entropy_chunk(x, tokens[b, t0:t1], *stats, temperature, V)
+            # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
+            o.copy_(grad.masked_fill_(dead, 0.0))
+            continue
+        token = tokens[b, t0:t1, None].long()
+        # A token outside [0, V) is another vocabulary shard's (sharded.py): no 1 - p entry here.
+        owned = (token >= 0) & (token < V)
+        tok = token.clamp(0, V - 1)
         neg_m = row_max[b, t0:t1, None].neg()
         ls = log_sum[b, t0:t1, None]
         # Gathered before o is written: o may be the logits.
@@ -319,7 +448,10 @@ def logits_bwd_torch(
             torch.mul(e, k, out=o)
         else:
             o.copy_(e.mul_(k))
-        o.scatter_(-1, tok, logp.expm1_().mul_(c).neg_().to(o.dtype))
+        taken = logp.expm1_().mul_(c).neg_().to(o.dtype)
+        if not bool(owned.all()):
+            taken = torch.where(owned, taken, o.gather(-1, tok))
+        o.scatter_(-1, tok, taken)
         if bool(dead.any()):
             # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
             o.masked_fill_(dead, 0.0)

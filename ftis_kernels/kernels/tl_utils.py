@@ -3,9 +3,10 @@
 import triton
 import triton.language as tl
 
-# Start value of a running maximum. Finite on purpose: with -inf, a row whose first block is all
-# -inf would compute exp(-inf - -inf) = nan when it rescales its running sum.
-NEG_BIG = tl.constexpr(-3.0e38)
+# Start value of a running maximum: the lowest finite fp32. Finite on purpose: with -inf, a row
+# whose first block is all -inf would compute exp(-inf - -inf) = nan when it rescales its running
+# sum. The lowest finite value rather than a round -3e38, so that every finite logit exceeds it.
+NEG_BIG = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
@@ -20,3 +21,19 @@ def online_lse_update(m, s, x):
     m_new = tl.maximum(m, tl.max(x, axis=0))
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
     return m_new, s
+
+
+@triton.jit
+def online_lse_entropy_update(m, s, u, x):
+    """`online_lse_update` plus the entropy's running sum u = sum exp(value - m) * (value - m).
+
+    At the end, lse = m + log(s) and the entropy is H = log(s) - u / s: both relative to the
+    running max, so no digit of H is lost at large |logits|. A -inf value adds 0 to u (not
+    0 * -inf = nan).
+    """
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(x - m_new)
+    u = alpha * (u + (m - m_new) * s) + tl.sum(tl.where(e > 0, e * (x - m_new), 0.0), axis=0)
+    s = s * alpha + tl.sum(e, axis=0)
+    return m_new, s, u

@@ -1,0 +1,74 @@
+"""Cost of the value check of `ftis_loss` (validate.check_values: every input value and the
+logits' row statistics, one synchronisation) on the CPU PyTorch path: fwd+bwd with and without
+it, side by side in one run, and the check alone.
+
+    python -m bench.check_cost [--rows 1024] [--vocab 32000] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+from unittest import mock
+
+import torch
+import torch.utils.benchmark as benchmark
+
+from ftis_kernels import ftis_loss
+from ftis_kernels.validate import check_values
+
+ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=1024, help="B * T (B = 8)")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rounds", type=int, default=10, help="alternating measurements")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    B, T, V = 8, args.rows // 8, args.vocab
+    logits = torch.randn(B, T, V).requires_grad_()
+    tokens = torch.randint(0, V, (B, T))
+    gen = -torch.rand(B, T) * 5 - 5
+    adv = torch.randn(B)
+    mask = torch.rand(B, T) < 0.9
+    old = gen + 0.1
+    inputs = (tokens, gen, adv, mask, old)
+
+    def step():
+        with mock.patch.object(ftis_loss_module, "select_backend", lambda device: "torch"):
+            loss, _ = ftis_loss(logits, *inputs)
+            torch.autograd.grad(loss, logits)
+
+    def step_unchecked():
+        with mock.patch.object(ftis_loss_module, "check_values", lambda *a, **k: None):
+            step()
+
+    # Alternating rounds, so that a busy machine slows both variants alike.
+    times = {"with the check": [], "without the check": []}
+    fns = {"with the check": step, "without the check": step_unchecked}
+    for _ in range(args.rounds):
+        for label, fn in fns.items():
+            times[label].append(benchmark.Timer("fn()", globals={"fn": fn}).timeit(1).median)
+    stats = tuple(torch.randn(B, T) for _ in range(3))
+    alone = benchmark.Timer(
+        "check(V, *inputs, None, stats)",
+        globals={"check": check_values, "V": V, "inputs": inputs, "stats": stats},
+    ).blocked_autorange(min_run_time=1.0)
+    with_check, without = (statistics.median(times[label]) for label in fns)
+    print(f"ftis_loss fwd+bwd, torch path, {B * T} x {V} fp32, 1 thread, median of {args.rounds}:")
+    print(f"  with the check     {1e3 * with_check:9.2f} ms")
+    print(f"  without the check  {1e3 * without:9.2f} ms")
+    print(
+        f"  difference         {1e3 * (with_check - without):+9.2f} ms "
+        f"({100 * (with_check / without - 1):+.2f}%)"
+    )
+    print(
+        f"  the check alone    {1e3 * alone.median:9.3f} ms ({100 * alone.median / without:.3f}%)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,530 @@
+"""The driver's promises under faults, one test each: what `ftis-grpo` does when the user, the
+machine or another run gets in the way.
+
+Configuration and usage errors are one line, `ftis-grpo: <key>: expected ..., got <value>`, exit
+code 2, found before any process starts; a signal to the launcher stops every process; one run per
+output folder; a fresh run never destroys a previous one; warm-ups of different lengths do not
+trip a peer's timeout; a non-finite update is skipped, never applied, and counted; a damaged
+checkpoint or a torn metrics line does not lose the run. (The loss ops' own fault cases live
+beside their validation tests.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from ftis_kernels.grpo import checkpoint, cli
+from ftis_kernels.grpo.config import (
+    NodeSpec,
+    RunConfig,
+    build_config,
+    describe_keys,
+    to_dict,
+)
+from ftis_kernels.grpo.exchange import IMPROBABLE_LOGPROB, Sample, make_hostile, pack, unpack
+from ftis_kernels.grpo.launch import LOCK_FILE, OutLock, _resume_hint, check_out
+from ftis_kernels.grpo.models import build_model
+from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
+from ftis_kernels.grpo.tokenizer import build_tokenizer
+from ftis_kernels.grpo.train import grpo_update, skip_cause
+from ftis_kernels.options import FTISOptions
+from tests.test_grpo_run import comparable, rows_of
+from tests.test_grpo_run import ftis_grpo as run_swarm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ftis_grpo(*args: str, out: Path) -> tuple[int, list[str]]:
+    """`ftis-grpo ARGS --out OUT` in this process (as far as the launcher goes); returns
+    (exit code, stderr lines). Nothing may start: the tests' cases all fail before torchrun."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main(["--no-progress", *args, "--out", str(out)])
+        except SystemExit as exc:  # argparse's own exits
+            rc = exc.code
+    return rc, err.getvalue().splitlines()
+
+
+def _fake_run(out: Path, cfg: RunConfig, rounds_done: int) -> None:
+    """What a run that completed `rounds_done` rounds leaves for the launcher's checks."""
+    (out / "ckpt").mkdir(parents=True)
+    checkpoint.mark_latest(out / "ckpt", rounds_done)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg)))
+    (out / "metrics.jsonl").write_text("")
+
+
+# -- configuration and usage errors: one line, the key named, exit code 2, nothing started ------
+CONFIG_ERRORS = [
+    (["--rounds", "-3"], "rounds: expected a value >= 1, got -3"),
+    (["--set", "rounds=abc"], "rounds: expected an integer, got 'abc'"),
+    (["--set", "group_size=abc"], "group_size: expected an integer, got 'abc'"),
+    (["--set", "nodes.0.lr=fast"], "nodes.0.lr: expected a number, got 'fast'"),
+    (["--set", "nodes.5.lr=1e-3"], "nodes.5: expected an index from 0 to 1"),
+    (["--set", "nodes.7.lr"], "--set: expected KEY=VALUE, got 'nodes.7.lr'"),
+    (["--set", "verify_rewards=nope"], "verify_rewards: expected true or false, got 'nope'"),
+    (["--set", "ckpt_every=0"], "ckpt_every: expected a value >= 1, got 0"),
+    (["--set", "nodes.1.hostile=evil"], "nodes.1.hostile: expected one of 'forged_logprobs'"),
+    (["--set", "lossy=1"], "lossy: expected a known key (did you mean loss?"),
+    (["--set", "rounds.x=1"], "rounds.x: expected a key inside a mapping"),
+    (["--set", "epsilon=1.5"], "epsilon: expected a value < 1"),
+    (["--nodes", "0"], "--nodes: expected a number of nodes >= 1, got 0"),
+    (["--rounds", "x"], "--rounds: expected an integer, got 'x'"),
+    (["--loss", "fast"], "--loss: expected one of 'on-policy'"),
+    (["--set", "nodes.1.model=no/such"], "nodes.1.model: expected a local Hugging Face checkpoint"),
+]
+
+
+@pytest.mark.parametrize("args, line", CONFIG_ERRORS, ids=[" ".join(a) for a, _ in CONFIG_ERRORS])
+def test_config_error_is_one_line_naming_the_key_before_anything_starts(tmp_path, args, line):
+    rc, err = ftis_grpo("--preset", "smoke", *args, out=tmp_path / "run")
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"ftis-grpo: {line}"), err
+    assert not (tmp_path / "run").exists()  # nothing was started, nothing was written
+
+
+def test_each_of_several_problems_gets_its_own_line(tmp_path):
+    rc, err = ftis_grpo("--preset", "smoke", "--set", "task=jsonl", out=tmp_path / "run")
+    assert rc == 2 and err == [
+        "ftis-grpo: data.train: expected a JSONL file (task jsonl), got null",
+        "ftis-grpo: data.test: expected a JSONL file (task jsonl), got null",
+        "ftis-grpo: data.ood: expected a JSONL file (task jsonl), got null",
+    ] + [f"ftis-grpo: nodes.{i}.model: expected a model folder: preset models know only the "
+         "built-in task's vocabulary (task jsonl), got null" for i in range(2)]
+
+
+def test_yaml_file_that_is_not_a_mapping_is_a_config_error(tmp_path):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("[1, 2]\n")
+    rc, err = ftis_grpo("--config", str(listed), out=tmp_path / "run")
+    assert rc == 2 and err == [f"ftis-grpo: --config {listed}: expected a mapping of config keys "
+                               "(key: value lines), got [1, 2]"]
+
+
+def test_out_that_is_a_file_is_a_config_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    rc, err = ftis_grpo("--preset", "smoke", out=tmp_path / "afile")
+    assert rc == 2 and err == [f"ftis-grpo: --out: expected a folder, got "
+                               f"{str(tmp_path / 'afile')!r}, which is a file"]
+
+
+def test_resume_names_each_changed_key_with_its_old_and_new_value(tmp_path):
+    _fake_run(tmp_path, build_config("smoke", overrides={"out": str(tmp_path)}), rounds_done=2)
+    rc, err = ftis_grpo("--preset", "smoke", "--resume", "--loss", "nois",
+                        "--set", "nodes.1.lr=0.5", "--rounds", "9", out=tmp_path)
+    assert rc == 2 and len(err) == 2, err
+    assert err[0].startswith("ftis-grpo: loss: expected 'f-tis' as in the run being resumed")
+    assert err[0].endswith(", got 'nois'")
+    assert err[1].startswith("ftis-grpo: nodes.1.lr: expected 0.001 as in the run being resumed")
+    assert err[1].endswith(", got 0.5")
+
+
+def test_resume_without_a_checkpoint_or_rounds_left_is_a_config_error(tmp_path):
+    rc, err = ftis_grpo("--preset", "smoke", "--resume", out=tmp_path / "new")
+    assert rc == 2 and err[0].startswith("ftis-grpo: --resume: expected a complete checkpoint")
+    assert not (tmp_path / "new").exists()  # the folder it made for the run is gone again
+    _fake_run(tmp_path / "done", build_config("smoke", overrides={"out": str(tmp_path)}), 4)
+    rc, err = ftis_grpo("--preset", "smoke", "--resume", out=tmp_path / "done")
+    assert rc == 2 and err == [f"ftis-grpo: rounds: expected more than the 4 rounds the run in "
+                               f"{tmp_path / 'done'} has done (--rounds N extends it), got 4"]
+
+
+def test_resume_hint_only_when_a_checkpoint_exists(tmp_path):
+    cfg = build_config("smoke", overrides={"out": str(tmp_path)})
+    argv = ["--preset", "smoke", "--out", str(tmp_path), "--overwrite"]
+    assert _resume_hint(argv, cfg) == ""  # died before its first checkpoint: nothing to resume
+    (tmp_path / "ckpt").mkdir()
+    checkpoint.mark_latest(tmp_path / "ckpt", 0)
+    hint = _resume_hint(argv, cfg)
+    assert hint.endswith(f"ftis-grpo --preset smoke --out {tmp_path} --resume"), hint
+    checkpoint.mark_latest(tmp_path / "ckpt", cfg.rounds)
+    assert _resume_hint(argv, cfg) == ""  # every round done: a resume would have nothing to do
+
+
+def test_every_config_value_is_checked_when_the_config_is_built():
+    with pytest.raises(ValueError, match="nodes.0.warmup_format: expected a value <= 1"):
+        build_config("smoke", sets=("nodes.0.warmup_format=2",))
+    cfg = build_config("smoke")
+    with pytest.raises(ValueError, match="number"):
+        cfg.nodes[0].lr = "fast"  # assignments are checked too
+
+
+# -- a CLI that explains itself -------------------------------------------------------------------
+def test_help_gives_every_flag_a_text_and_lists_the_presets(capsys):
+    from ftis_kernels.grpo.config import PRESET_HELP
+
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name, line in PRESET_HELP.items():
+        assert f"{name} {line}" in text
+    for action in parser._actions:
+        assert action.help and all(flag in text for flag in action.option_strings), action
+    for flag, default in (("--out", "runs/grpo"), ("--rounds", "20"), ("--loss", "f-tis"),
+                          ("--timeout", "120.0"), ("--threads", "cores / nodes")):
+        assert f"(default {default})" in text or f"(default: {default})" in text, flag
+
+
+def test_list_keys_names_every_key_with_allowed_values_and_default(capsys):
+    assert cli.main(["--list-keys"]) == 0
+    text = capsys.readouterr().out
+    keys = [row[0] for row in describe_keys()]
+    names = list(RunConfig.__pydantic_fields__) + [
+        f"nodes.<i>.{n}" for n in NodeSpec.__pydantic_fields__]
+    assert keys == names and all(k in text for k in keys)
+    assert "'vertical' | 'horizontal'" in text and "integer >= 1" in text
+
+
+def test_print_config_is_the_effective_config_as_a_valid_config_file(tmp_path, capsys):
+    args = ["--preset", "smoke", "--loss", "nois", "--set", "nodes.1.lr=0.01", "--print-config"]
+    assert cli.main([*args, "--out", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
+    assert "# 'on-policy' | 'nois'" in printed and not (tmp_path / "run").exists()
+    (tmp_path / "printed.yaml").write_text(printed)
+    again = build_config(config_file=str(tmp_path / "printed.yaml"))
+    expected = build_config("smoke", overrides={"loss": "nois", "out": str(tmp_path / "run")},
+                            sets=("nodes.1.lr=0.01",))
+    assert to_dict(again) == to_dict(expected)
+    assert yaml.safe_load(printed)["nodes"][1]["lr"] == 0.01
+
+
+# -- one run per output folder --------------------------------------------------------------------
+def test_second_run_on_a_locked_out_fails_at_once_naming_the_holder(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    with OutLock(tmp_path):
+        rc, err = ftis_grpo("--preset", "smoke", out=tmp_path)
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("ftis-grpo: --out: expected a folder no other run is writing to")
+    assert f"PID {os.getpid()} on host {socket.gethostname()}" in err[0]
+    with OutLock(tmp_path):  # released when its holder is done
+        assert (tmp_path / LOCK_FILE).exists()
+
+
+# -- never destroy a previous run -----------------------------------------------------------------
+def test_fresh_run_into_a_folder_holding_a_run_is_refused(tmp_path):
+    _fake_run(tmp_path, build_config("smoke"), rounds_done=50)
+    rc, err = ftis_grpo("--preset", "smoke", out=tmp_path)
+    assert rc == 2 and len(err) == 1, err
+    assert "expected an empty or new folder (--resume continues the run there, --overwrite " \
+           "replaces it)" in err[0] and "holds a run: ckpt, metrics.jsonl, config.json" in err[0]
+    assert checkpoint.latest_round(tmp_path / "ckpt") == 50
+
+
+def test_overwrite_deletes_the_previous_runs_outputs_and_nothing_else(tmp_path):
+    _fake_run(tmp_path, build_config("smoke"), rounds_done=50)
+    (tmp_path / "notes.txt").write_text("mine")
+    check_out(build_config("smoke", overrides={"out": str(tmp_path)}), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_checkpoint_pruning_never_deletes_a_later_rounds_folder(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    later = checkpoint.node_dir(tmp_path, 0, 50)
+    later.mkdir(parents=True)
+    for r in (1, 2, 3):
+        checkpoint.save_node(tmp_path, 0, r, model, optimizer, torch.Generator(), {})
+    kept = sorted(p.name for p in (tmp_path / "node0").iterdir())
+    assert kept == ["round_00002", "round_00003", "round_00050"]
+
+
+def test_stale_tmp_checkpoint_folders_are_removed_when_a_run_resumes(tmp_path):
+    cfg = build_config("smoke", overrides={"out": str(tmp_path), "resume": True, "rounds": 9})
+    _fake_run(tmp_path, cfg, rounds_done=2)
+    stale = checkpoint.node_dir(tmp_path / "ckpt", 1, 4).with_suffix(".tmp")
+    stale.mkdir(parents=True)
+    check_out(cfg, overwrite=False)
+    assert not stale.exists() and (tmp_path / "ckpt" / "latest.json").exists()
+
+
+# -- processes: signals and slow warm-ups (real runs of the smoke preset) -------------------------
+def _env() -> dict[str, str]:
+    env = dict(os.environ, FTIS_LOG_LEVEL="INFO")
+    env.pop("TRITON_INTERPRET", None)  # the driver's CPU path, as a user's run takes
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_signal_to_the_launcher_alone_stops_every_process(tmp_path):
+    log_file = tmp_path / "log.txt"
+    with open(log_file, "w") as log_out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ftis_kernels.grpo", "--preset", "smoke", "--no-progress",
+             "--rounds", "50", "--out", str(tmp_path / "run")],
+            cwd=ROOT, env=_env(), stdout=log_out, stderr=subprocess.STDOUT)
+    launcher = psutil.Process(proc.pid)
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "vocabulary of" not in log_file.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)  # until both nodes are set up, inside the run
+        tree = launcher.children(recursive=True)
+        assert len(tree) >= 3, log_file.read_text()[-3000:]  # torchrun and its 2 nodes
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher's PID only
+        proc.wait(timeout=90)
+        log = log_file.read_text()
+        assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+        assert "SIGTERM received: stopping the swarm" in log
+        assert "node 0: stopped by SIGTERM" in log and "Traceback" not in log, log[-3000:]
+        _, alive = psutil.wait_procs(tree, timeout=5)
+        assert alive == [], [p.pid for p in alive]
+    finally:
+        for p in [launcher, *tree]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_a_long_warm_up_does_not_trip_a_peers_timeout(tmp_path):
+    # Node 0 warms up for 200 steps (several seconds), node 1 not at all: node 1 waits for it
+    # far longer than the 5 s a silent peer is given once the rounds run.
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftis_kernels.grpo", "--preset", "smoke", "--no-progress",
+         "--rounds", "1", "--timeout", "5", "--out", str(tmp_path),
+         "--set", "nodes.0.warmup_steps=200", "--set", "nodes.1.warmup_steps=0",
+         "--set", "nodes.1.lora=false"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "warm-up of 200 steps" in log and len((tmp_path / "metrics.jsonl").read_text()
+                                                  .splitlines()) == 2
+
+
+# == Non-finite updates, damaged checkpoints, torn metrics (issue 13 items 5 and 9) ================
+TASK = ArithmeticTask(seed=0)
+TOKENIZER = build_tokenizer(TASK.vocabulary_text())
+
+
+def _prompt(pid: int) -> list[int]:
+    return TOKENIZER(format_prompt(TASK.problem(pid).question))["input_ids"]
+
+
+# -- poisoned updates: a non-finite loss or gradient never reaches the weights (issue 13.5) -------
+def _batch(poisoned: bool) -> list[Sample]:
+    """Three peer samples with positive advantages; `poisoned`: the first claims log pi_gen =
+    -100 at one token (the issue's sample: the parser accepts it, VIS's weight overflows)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(3):
+        tokens = torch.randint(3, len(TOKENIZER), (5,), generator=g, dtype=torch.int32)
+        out.append(Sample(make_prompt_id("train", i), 1, tokens, -torch.rand(5, generator=g) * 3,
+                          1.0, 1.0 + i))
+    if poisoned:
+        out[0].logprobs[2] = -100.0
+    return out
+
+
+def _update(model, optimizer, samples, loss: str) -> dict[str, float]:
+    return grpo_update(model, optimizer, samples, _prompt, FTISOptions.for_variant(loss),
+                       micro_batch=2, pad_id=TOKENIZER.pad_token_id, grad_clip=1.0,
+                       device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("loss", ["vis", "f-vis"])
+def test_poisoned_peer_sample_skips_the_step_and_changes_no_parameter_or_optimizer_state(loss):
+    model = build_model("tiny", TOKENIZER, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert _update(model, optimizer, _batch(poisoned=False), loss)["skipped"] == 0.0
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {i: {k: v.clone() for k, v in s.items()} for i, s in
+             enumerate(optimizer.state_dict()["state"].values())}
+    stats = _update(model, optimizer, _batch(poisoned=True), loss)
+    assert stats["skipped"] == 1.0
+    assert skip_cause(stats) == "non-finite loss (-inf)"
+    assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())
+    after = list(optimizer.state_dict()["state"].values())
+    assert all(torch.equal(state[i][k], v) for i, s in enumerate(after) for k, v in s.items())
+    assert all(p.grad is None for p in model.parameters())
+    assert _update(model, optimizer, _batch(poisoned=False), loss)["skipped"] == 0.0
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_non_finite_gradient_with_a_finite_loss_skips_the_step():
+    model = build_model("tiny", TOKENIZER, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    next(model.parameters()).register_hook(lambda grad: grad * math.nan)
+    stats = _update(model, optimizer, _batch(poisoned=False), "f-tis")
+    assert math.isfinite(stats["loss"]) and stats["skipped"] == 1.0
+    assert skip_cause(stats) == "non-finite gradient norm (nan)"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+
+def test_max_skipped_steps_defaults_to_three_and_must_be_positive():
+    from ftis_kernels.grpo.config import RESUMABLE
+
+    assert build_config("smoke").max_skipped_steps == 3 and "max_skipped_steps" in RESUMABLE
+    with pytest.raises(ValueError, match="max_skipped_steps: expected a value >= 1, got 0"):
+        build_config("smoke", sets=("max_skipped_steps=0",))
+
+def test_skipped_in_a_row_counts_each_nodes_trailing_skipped_rounds():
+    from ftis_kernels.grpo.report import skipped_in_a_row
+
+    flags = {0: [1, 0, 1, 1], 1: [1, 1, 1, 0], 2: [1, 1]}
+    rows = [{"round": r, "node": n, "skipped": f} for n, fs in flags.items()
+            for r, f in enumerate(fs)]
+    assert skipped_in_a_row(rows[::-1]) == {0: 2, 1: 0, 2: 2}
+
+
+def test_improbable_logprobs_peer_sends_the_issues_sample_and_the_parser_accepts_it():
+    honest = _batch(poisoned=False)
+    sent = make_hostile(honest, "improbable_logprobs", len(TOKENIZER), torch.Generator())
+    assert sent[0].logprobs[0] == IMPROBABLE_LOGPROB == -100.0 and sent[0].advantage > 0
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(sent[1:], honest[1:]))
+    got, drops = unpack(pack(sent), sender=1, vocab_size=len(TOKENIZER), max_tokens=64)
+    assert len(got) == 3 and drops == []
+
+
+def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(tmp_path):
+    """Under --loss vis every round brings node 0 the -100 sample: each step is skipped, logged
+    and counted, the swarm stops after the third, and node 0's weights never changed."""
+    from safetensors.torch import load_file
+
+    rc, log, _ = run_swarm("--preset", "smoke", "--out", str(tmp_path), "--loss", "vis",
+                           "--set", "nodes.1.hostile=improbable_logprobs")
+    assert rc != 0
+    for round_ in range(3):
+        assert (f"node 0 (tiny-full) round {round_}: optimizer step skipped, non-finite loss"
+                in log)
+    assert "node 0 (tiny-full) skipped its optimizer step 3 rounds in a row" in log
+    assert "max_skipped_steps=3" in log
+    assert "a --resume would repeat it" in log and "Continue from the checkpoint" not in log
+    rows = rows_of(tmp_path)
+    assert [(r["round"], r["node"], r["skipped"]) for r in rows] == [
+        (r, n, int(n == 0)) for r in range(3) for n in range(2)]
+    assert "skipped" in (tmp_path / "summary.txt").read_text()
+    ckpt = tmp_path / "ckpt" / "node0"
+    start, after = (load_file(ckpt / f"round_0000{r}" / "model.safetensors") for r in (0, 2))
+    assert all(torch.equal(start[k], after[k]) and bool(torch.isfinite(after[k]).all())
+               for k in start)
+
+# -- checkpoints that prove themselves, metrics that survive a torn write (issue 13.9) -----------
+def _spoil(path) -> None:
+    """Write finite garbage (float32 123.0s) over the first tensor bytes of a safetensors file."""
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    with open(path, "r+b") as f:
+        f.seek(8 + header)
+        f.write(torch.full((16,), 123.0).numpy().tobytes())
+
+
+def test_checkpoint_manifest_catches_finite_garbage_in_a_weights_file(tmp_path):
+    from ftis_kernels.grpo import checkpoint
+
+    model = build_model("tiny", TOKENIZER, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sampler = torch.Generator().manual_seed(0)
+    for round_ in (2, 4):
+        checkpoint.save_node(tmp_path, 0, round_, model, optimizer, sampler, {"config": "x"})
+    assert checkpoint.node_rounds(tmp_path, 0) == [4, 2]
+    assert [checkpoint.verify_node(tmp_path, 0, r) for r in (4, 2)] == [None, None]
+    _spoil(checkpoint.node_dir(tmp_path, 0, 4) / "model.safetensors")
+    problem = checkpoint.verify_node(tmp_path, 0, 4)
+    assert "model.safetensors does not match its sha256" in problem
+    assert checkpoint.verify_node(tmp_path, 0, 2) is None
+    (checkpoint.node_dir(tmp_path, 0, 2) / "rng.pt").unlink()
+    assert "rng.pt is missing" in checkpoint.verify_node(tmp_path, 0, 2)
+    (checkpoint.node_dir(tmp_path, 0, 2) / checkpoint.MANIFEST).write_text("{")
+    assert "unreadable" in checkpoint.verify_node(tmp_path, 0, 2)
+
+
+def test_resume_round_is_the_newest_that_every_node_has_good():
+    from ftis_kernels.grpo.checkpoint import newest_common
+
+    assert newest_common([[4, 2], [4, 2]]) == 4
+    assert newest_common([[4, 2], [2]]) == 2
+    assert newest_common([[4], [2]]) is None
+    assert newest_common([[4, 2], []]) is None
+
+
+def _metrics_file(tmp_path, tail: str = "", middle: str = ""):
+    rows = [json.dumps({"round": r, "node": n, "reward_mean": 0.5}) for r in range(3)
+            for n in range(2)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(rows[:3] + ([middle] if middle else []) + rows[3:]) + "\n" + tail)
+    return path
+
+
+@pytest.mark.parametrize("tail", ['{"round": 3, "node": 0, "rew', "\x00\x00\x00\x00",
+                                  '["not", "a", "row"]\n'])
+def test_torn_or_garbage_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog, tail):
+    from ftis_kernels.grpo.report import read_metrics
+
+    rows = read_metrics(_metrics_file(tmp_path, tail=tail))
+    assert [(r["round"], r["node"]) for r in rows] == [(r, n) for r in range(3) for n in range(2)]
+    assert "line 7 (the last): dropped a torn or garbage row" in caplog.text
+
+
+@pytest.mark.parametrize("middle", ['{"round": 1, "node": 1, "rew', "garbage", '{"node": 1}'])
+def test_bad_metrics_line_before_the_last_is_an_error_naming_the_line(tmp_path, middle):
+    from ftis_kernels.grpo.report import read_metrics
+
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 4: .*fix or delete that line"):
+        read_metrics(_metrics_file(tmp_path, middle=middle))
+
+
+
+@pytest.fixture(scope="module")
+def four_rounds(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "run"
+    rc, log, _ = run_swarm("--preset", "smoke", "--out", str(out))
+    assert rc == 0, log[-4000:]
+    return out, rows_of(out)
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint_and_a_torn_metrics_line(four_rounds):
+    """Finite garbage in node 1's newest weights (and later in node 0's older ones): --resume
+    refuses when no round is good on every node, and otherwise reruns from the newest that is,
+    giving the metrics of the uninterrupted run (extended by a fifth round)."""
+    out, full = four_rounds
+    ckpt = out / "ckpt"
+    _spoil(ckpt / "node1" / "round_00004" / "model.safetensors")
+    older = ckpt / "node0" / "round_00002" / "model.safetensors"
+    intact = older.read_bytes()
+    _spoil(older)
+    rc, log, _ = run_swarm("--preset", "smoke", "--out", str(out), "--resume", "--rounds", "5")
+    assert rc != 0
+    assert "--resume: no checkpoint under" in log and "is good on every node" in log
+    assert "node 0: [4]; node 1: [2]" in log
+    older.write_bytes(intact)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"round": 4, "node": 0, "rew')  # a write cut short by a kill
+    rc, log, _ = run_swarm("--preset", "smoke", "--out", str(out), "--resume", "--rounds", "5")
+    assert rc == 0, log[-4000:]
+    assert "checkpoint of round 4 is damaged, not used" in log
+    assert "model.safetensors does not match its sha256" in log
+    assert "falling back to the checkpoint of round 2" in log
+    assert "dropped a torn or garbage row" in log
+    rows = comparable(rows_of(out))
+    assert rows[:-2] == comparable(full) and [r["round"] for r in rows[-2:]] == [4, 4]
+
+
+def test_resume_with_a_bad_metrics_line_before_the_last_names_the_line(four_rounds, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(four_rounds[0], out)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[2] = "garbage\n"
+    (out / "metrics.jsonl").write_text("".join(lines))
+    rc, log, _ = run_swarm("--preset", "smoke", "--out", str(out), "--resume", "--rounds", "9")
+    assert rc == 2 and "starting a local swarm" not in log  # the launcher refuses at once
+    assert "ftis-grpo: --resume: " in log and "metrics.jsonl, line 3: " in log

@@ -1,0 +1,58 @@
+"""The run's report: the summary table and the plan of curves.png, from metrics rows."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from ftis_kernels.grpo.report import curves_plan, mean_window, plot_curves, summary_table
+
+
+def _rows(n_rounds: int, ood=lambda r, n: 0.0, skipped=()) -> list[dict]:
+    """Two nodes; node n's reward in round r is r / 100 + n / 10; evaluations every 2 rounds."""
+    rows = []
+    for r in range(n_rounds):
+        for n in range(2):
+            evaluated = r % 2 == 0
+            rows.append(dict(
+                round=r, node=n, name=f"node-{n}", mode="f-tis", collab="vertical",
+                reward_mean=r / 100 + n / 10, acc_id=0.5 if evaluated else None,
+                acc_ood=ood(r, n) if evaluated else None, kl_mean=1.0, filtered_frac=0.0,
+                tokens_sent=10, bytes_sent=100, seconds=1.0, skipped=int((r, n) in skipped),
+            ))
+    return rows
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 1), (4, 2), (9, 4), (10, 5), (80, 5)])
+def test_mean_window_is_five_rounds_or_half_a_short_run(n, k):
+    assert mean_window(n) == k
+
+
+def test_summary_names_the_reward_window_it_used_and_counts_skipped_steps():
+    table = summary_table(_rows(4, skipped={(2, 1), (3, 1)})).splitlines()
+    assert "reward (2-round means)" in table[0] and "skipped" in table[0]
+    node1 = table[3].split()
+    assert node1[3:6] == ["0.105", "->", "0.125"]  # rounds 0-1 and 2-3 of 0.1 + r / 100
+    assert node1[14] == "2"  # after acc_id, acc_ood (3 cells each), kl_mean, filtered
+    long = summary_table(_rows(40)).splitlines()
+    assert "reward (5-round means)" in long[0]
+    assert long[2].split()[3:6] == ["0.020", "->", "0.370"]
+    assert "reward (first -> last round)" in summary_table(_rows(1)).splitlines()[0]
+
+
+def test_curves_draw_ood_only_where_it_carries_signal_and_caption_the_smoothing(tmp_path):
+    k, panels, caption = curves_plan(_rows(4))
+    assert k == 2 and [p[0] for p in panels] == ["reward_mean", "acc_id"]
+    assert all(label for _, _, label in panels)
+    assert "trailing mean of the last 2 rounds" in caption[0]
+    assert any("0.000 at every evaluation" in line and "not drawn" in line for line in caption)
+    _, panels, caption = curves_plan(_rows(12, ood=lambda r, n: r / 20, skipped={(5, 0)}))
+    assert [p[0] for p in panels] == ["reward_mean", "acc_id", "acc_ood"]
+    assert any("skipped" in line for line in caption)
+    assert "too few rounds" in curves_plan(_rows(1))[2][0]
+    for rows, panels_drawn in ((_rows(4), 2), (_rows(12, ood=lambda r, n: r / 20), 3)):
+        path = tmp_path / "curves.png"
+        plot_curves(rows, path)
+        width = struct.unpack(">I", path.read_bytes()[16:20])[0]  # the PNG's IHDR width
+        assert width == 5 * panels_drawn * 110

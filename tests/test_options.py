@@ -1,0 +1,109 @@
+"""The options are defined once (`ftis_kernels.options`): every surface takes its names, defaults
+and types from that definition and cannot drift; every enumerated option dispatches through a
+table that raises on an unknown value; presets are valid option sets."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import pytest
+import torch
+
+from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, per_sample
+from ftis_kernels.options import (
+    OPTION_FIELDS,
+    OPTION_NAMES,
+    PRESETS,
+    option_args,
+    options_from_args,
+    with_option_keywords,
+)
+
+FORWARD_OPS = ("ftis_loss_fwd", "ftis_linear_loss_fwd")
+
+
+def _keyword_defaults(func) -> dict:
+    return {
+        name: p.default
+        for name, p in inspect.signature(func).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
+@pytest.mark.parametrize("op", [ftis_loss, ftis_linear_loss], ids=lambda f: f.__name__)
+def test_public_ops_list_every_option_with_its_default(op):
+    keywords = _keyword_defaults(op)
+    for name, f in OPTION_FIELDS.items():
+        assert name in keywords, f"{op.__name__} lacks the option {name}"
+        assert keywords[name] == f.default or (
+            isinstance(f.default, float) and math.isnan(f.default)
+        ), f"{op.__name__}: {name} defaults to {keywords[name]!r}, the schema to {f.default!r}"
+
+
+@pytest.mark.parametrize("op", FORWARD_OPS)
+def test_custom_op_schemas_carry_every_option_by_name_and_type(op):
+    schema = getattr(torch.ops.ftis_kernels, op).default._schema
+    arguments = {a.name: str(a.type) for a in schema.arguments}
+    for name, f in OPTION_FIELDS.items():
+        assert name in arguments, f"{op} lacks the option {name}"
+        optional = f.type.startswith("Optional")
+        assert arguments[name].startswith("Optional") == optional, (name, arguments[name])
+
+
+def test_a_new_option_reaches_the_public_signature_and_the_op_schema(monkeypatch):
+    # The surfaces are built from OPTION_FIELDS: adding a field there is all it takes. A dummy
+    # option added to the definition shows up in a signature and a schema built from it.
+    from ftis_kernels import options as options_module
+
+    dummy = dataclasses.field(
+        default=0.5, metadata={"help": "a dummy", "choices": None, "check": "finite"}
+    )
+    dummy.name, dummy.type = "dummy_option", "float"
+    monkeypatch.setitem(options_module.OPTION_FIELDS, "dummy_option", dummy)
+
+    def op(x, *, options=None, **option_keywords):
+        return x
+
+    assert _keyword_defaults(with_option_keywords(op))["dummy_option"] == 0.5
+    assert "float dummy_option" in options_module.option_schema()
+
+
+def test_trl_config_takes_its_option_fields_from_the_definition():
+    trl_module = pytest.importorskip("ftis_kernels.integrations.trl")
+    config_fields = {f.name: f for f in dataclasses.fields(trl_module.FTISGRPOConfig)}
+    for name in OPTION_NAMES:
+        assert trl_module.TRL_NAMES.get(name, name) in config_fields, name
+    for name in trl_module.OWN_OPTIONS:
+        f = config_fields[name]
+        assert f.default == OPTION_FIELDS[name].default, name
+        assert f.metadata["help"] == OPTION_FIELDS[name].metadata["help"], name
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_valid_and_crosses_the_op_boundary_unchanged(name):
+    options = FTISOptions.preset(name)
+    names = OPTION_NAMES
+    assert options_from_args(dict(zip(names, option_args(options)))) == options
+    assert PRESETS[name].source
+
+
+def test_presets_take_overrides_and_the_default_is_f_tis():
+    assert FTISOptions.preset("f-tis") == FTISOptions()
+    assert FTISOptions.preset("GSPO", epsilon=0.1).ratio_level == "sequence"
+
+
+ENUMERATED = [name for name, f in OPTION_FIELDS.items() if f.metadata["choices"] is not None]
+
+
+@pytest.mark.parametrize("name", ENUMERATED)
+def test_every_enumerated_option_dispatches_through_a_table_that_raises(name):
+    # Bypass the constructor's validation: the per-sample part itself must refuse the value,
+    # naming the option, instead of falling through to a default branch.
+    options = FTISOptions(beta=0.1)
+    object.__setattr__(options, name, "bogus")
+    logp = -torch.rand(2, 3)
+    args = (logp, logp - 0.1, torch.tensor([1.0, -1.0]), None, logp + 0.05, logp - 0.2, options)
+    with pytest.raises(ValueError, match=rf"^{name}: expected one of"):
+        per_sample.per_sample_loss(*args)
