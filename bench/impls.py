@@ -11,6 +11,8 @@ logits family (input: (B, T, V) logits):
   ftis_loss            `ftis_kernels.ftis_loss` (Triton on CUDA, the chunked PyTorch path on CPU)
   ftis_loss_inplace    the same with inplace_backward="force" (fwd+bwd only)
   ftis_loss_filter     the same with the paper's F-TIS filter on (FTIS_OPTIONS)
+  trl_eager            TRL's GRPO loss code (`selective_log_softmax`, then the token-level "grpo"
+                       formula of `GRPOTrainer._compute_loss`), TIS as its importance_sampling_ratio
   liger_triton         Liger-Kernel `triton_grpo_loss` (CUDA), TIS through `vllm_is_ratio`
   liger_triton_inplace the same with its inplace=True (fwd+bwd only)
 linear family (inputs: hidden (B, T, H), lm-head weight (V, H); gradients to both):
@@ -33,7 +35,7 @@ import torch
 from bench.workload import FTIS_OPTIONS, TIS_OPTIONS, Case
 
 LOGITS_IMPLS = ("ref_eager", "ref_compile", "ftis_loss", "ftis_loss_inplace", "ftis_loss_filter",
-                "liger_triton", "liger_triton_inplace")  # fmt: skip
+                "trl_eager", "liger_triton", "liger_triton_inplace")  # fmt: skip
 LINEAR_IMPLS = ("ref_eager", "ref_compile", "ftis_loss", "ftis_linear_loss", "liger_chunked")
 IMPLS = {"logits": LOGITS_IMPLS, "linear": LINEAR_IMPLS}
 MODES = ("fwd", "fwd+bwd")
@@ -85,6 +87,8 @@ def unavailable(name: str, family: str, mode: str, device: torch.device) -> Opti
 
             if not triton_is_interpreted():
                 return "Liger's Triton kernels need CUDA (or TRITON_INTERPRET=1)"
+    if name == "trl_eager" and importlib.util.find_spec("trl") is None:
+        return "trl not installed (pip install trl)"
     if name == "ftis_linear_loss" and _ftis_linear_loss() is None:
         return "ftis_kernels.ftis_linear_loss not importable"
     return None
@@ -128,6 +132,22 @@ def _compiled_ref(case: Case) -> Callable:
     return _COMPILED["fn"]
 
 
+def _trl_grpo_loss(logits: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """TRL's GRPO loss on (B, T, V) logits, as `GRPOTrainer._compute_loss` (trl 1.16) computes it
+    for this work: token-level ratio with old = current (detached), two-sided clip, the truncated
+    IS weight multiplied in as vLLM's `importance_sampling_ratio`, "grpo" reduction. TRL's
+    entropy (a logging-only pass over the logits) is left out."""
+    from trl.trainer.utils import selective_log_softmax
+
+    mask = inputs["mask"].float()
+    logps = selective_log_softmax(logits, inputs["tokens"])
+    coef_1 = torch.exp(logps - logps.detach())
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
+    adv = inputs["advantages"][:, None]
+    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv) * inputs["is_weight"]
+    return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
 def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
     """Build implementation `name` on `inputs` (from `workload.make_inputs(case)`) for `mode`."""
     from ref import ref_ftis_loss
@@ -159,6 +179,9 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
                 restore,
                 opts,
             )
+        if name == "trl_eager":
+            return Prepared(lambda: _finish(_trl_grpo_loss(x, inputs), leaves, mode), None, opts,
+                            note="TIS weight passed in as importance_sampling_ratio")
         if name in ("liger_triton", "liger_triton_inplace"):
             from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 

@@ -10,9 +10,12 @@ Peak memory, as extra bytes over what was allocated before the call (inputs, sav
   /proc/self/clear_refs just before the measured call, minus the resident set at that moment.
   It counts every byte the call touched, whoever allocated it (torch, oneDNN, inductor's C++).
   It is only honest in a fresh process whose allocator returns freed memory to the system, which
-  `bench.run` arranges: one subprocess per measurement, MALLOC_MMAP_THRESHOLD_ fixed at 64 KiB
-  so that glibc serves every large block by mmap and unmaps it on free (with its default
-  dynamic threshold a block freed during the warm-up would be reused unseen).
+  `bench.run` arranges: one subprocess per measurement, and `mmap_large_blocks()` just before the
+  peak call, so that glibc serves every block of 64 KiB or more by mmap and unmaps it on free
+  (with its default dynamic threshold a block freed earlier would be reused unseen).
+  Only that call: the timed calls run with the default allocator, as a user's would. A fixed
+  64 KiB threshold makes every scratch chunk a fresh mmap with its page faults, which doubled
+  some CPU times (issue 16).
 """
 
 from __future__ import annotations
@@ -100,6 +103,18 @@ def cpu_rss_supported() -> bool:
         return _proc_status_kib("VmHWM") > 0
     except OSError:
         return False
+
+
+def mmap_large_blocks() -> None:
+    """glibc only: from now on serve blocks >= 64 KiB by mmap (unmapped on free) and give the
+    heap's free pages back, so that the resident set follows the live allocations. The same as
+    starting the process with MALLOC_MMAP_THRESHOLD_=65536, but after the timed calls."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_mmap_threshold = -3  # malloc.h
+    libc.mallopt(m_mmap_threshold, 1 << 16)
+    libc.malloc_trim(0)
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device, restore=None) -> int:

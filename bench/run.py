@@ -8,9 +8,10 @@ comparison means nothing). The roofline ceilings (copy bandwidth, matmul rates) 
 the start of the same run.
 
 On CUDA everything runs in this process. On CPU each measurement runs in a fresh subprocess
-(`--worker`), which is what makes the resident-set peak honest (see `bench.measure`); the CPU
-path of the library is the chunked PyTorch one (TRITON_INTERPRET is removed from the workers'
-environment).
+(`--worker`), which is what makes the resident-set peak honest (see `bench.measure`): the timed
+calls first, with the default allocator, then the peak-memory call with large blocks mmapped;
+the CPU path of the library is the chunked PyTorch one (TRITON_INTERPRET is removed from the
+workers' environment).
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def measure_one(case: Case, impl: str, mode: str, device: torch.device, inputs: 
             prep.restore()
         loss = float(prep.run())
     measure.sync(device)
-    peak = measure.peak_extra_bytes(prep.run, device, prep.restore)
     t = measure.time_fn(prep.run, device, prep.restore,
                         **{k: v for k, v in reps.items() if k != "warmup"})  # fmt: skip
+    if device.type == "cpu":
+        measure.mmap_large_blocks()
+    peak = measure.peak_extra_bytes(prep.run, device, prep.restore)
     return {"status": "ok", "time_ms": t, "peak_extra_bytes": peak, "loss": loss, "options": prep.options,
             "note": prep.note, "loadavg_1min_after": os.getloadavg()[0]}  # fmt: skip
 
@@ -107,15 +110,17 @@ def worker(spec: dict) -> dict:
     return raw
 
 
-def run_worker_subprocess(spec: dict) -> dict:
+def run_worker_subprocess(spec: dict, repo: Path = measure.REPO) -> dict:
+    """One measurement in a fresh process, with the library (and harness) of `repo`."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    # glibc: serve blocks >= 64 KiB by mmap, returned to the system on free (see bench.measure).
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(measure.REPO), env.get("PYTHONPATH")) if p)
+    # The default allocator for the timed calls (measure_one switches it for the peak call).
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "bench.run", "--worker", json.dumps(spec)]
     try:
-        proc = subprocess.run(cmd, cwd=measure.REPO, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"status": "error", "reason": f"worker timed out after {WORKER_TIMEOUT_S} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -22,7 +22,8 @@ import torch
 
 from bench import measure, plot, report
 from bench.impls import IMPLS, MODES, liger_version, prepare, unavailable
-from bench.run import finish_record, measure_ceilings, measure_one, reference_loss
+from bench.run import (finish_record, measure_ceilings, measure_one, reference_loss,
+                       run_worker_subprocess)
 from bench.workload import FTIS_OPTIONS, TEST_CASES, TIS_OPTIONS, Case, make_inputs
 
 DEVICES = [
@@ -111,6 +112,42 @@ def test_peak_memory_method_sees_a_known_allocation(device):
     peak = json.loads(out.stdout.strip().splitlines()[-1])
     # RSS is read in KiB pages and a few of the baseline's may be released meanwhile: within 3%.
     assert 0.97 * (64 << 20) <= peak <= 1.10 * (64 << 20), peak / 2**20
+
+
+_ALLOCATOR_PROBE = textwrap.dedent(
+    """
+    import json, torch
+    from bench import measure
+    def touch():
+        return torch.ones(4 << 20).sum()  # 16 MiB
+    for _ in range(3):  # as the timed calls do, with glibc's default (adaptive) allocator
+        touch()
+    measure.mmap_large_blocks()
+    print(json.dumps(measure.peak_extra_bytes(touch, torch.device("cpu"))))
+    """
+)
+
+
+def test_timed_calls_use_the_default_allocator_and_the_peak_call_sees_reused_memory(monkeypatch):
+    if not measure.cpu_rss_supported():
+        pytest.skip("no resettable RSS high-water mark on this system")
+    env = dict(os.environ, PYTHONPATH=str(measure.REPO))
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    cmd = [sys.executable, "-c", _ALLOCATOR_PROBE]
+    out = subprocess.run(cmd, env=env, cwd=measure.REPO, capture_output=True, text=True,
+                         timeout=120, check=True)
+    peak = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0.97 * (16 << 20) <= peak <= 1.10 * (16 << 20), peak / 2**20
+    seen = {}
+
+    def fake_run(cmd, env, **kwargs):
+        seen.update(env)
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"status": "ok"}', stderr="")
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert run_worker_subprocess({}) == {"status": "ok"}
+    assert "MALLOC_MMAP_THRESHOLD_" not in seen and "TRITON_INTERPRET" not in seen
 
 
 _LIGER_PROBE = textwrap.dedent(

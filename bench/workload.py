@@ -104,6 +104,7 @@ CPU_CASES: tuple[Case, ...] = (
     _logits_case(1024, 32000, "float32", T=256),
     _logits_case(512, 151936, "float32", T=256),
     _logits_case(1024, 32000, "bfloat16", T=256),
+    _logits_case(512, 151936, "bfloat16", T=256),
     _linear_case(1024, 32000, 256, "float32", T=256),
 )
 

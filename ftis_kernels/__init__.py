@@ -1,8 +1,9 @@
 """ftis-kernels: fused Triton kernels for the F-TIS loss of collaborative GRPO."""
 
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
+from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.options import FTISOptions
 
-__all__ = ["FTISOptions", "ftis_linear_loss", "ftis_loss"]
+__all__ = ["FTISOptions", "ftis_linear_loss", "ftis_logprobs", "ftis_loss"]
 __version__ = "0.1.0"

@@ -48,7 +48,8 @@ from ftis_kernels.options import (
     resolve_options,
     with_option_keywords,
 )
-from ftis_kernels.per_sample import per_sample_loss
+from ftis_kernels.sharded import all_reduce_sum, check_shards, combine_row_stats, group_name
+from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor, check_values
 
 # With chunk_size=None, a chunk holds at most this many logits (2^25: 64 MiB in bf16, 128 MiB in
@@ -206,7 +207,10 @@ def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tu
 _FWD_SCHEMA = forward_schema(
     "Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor gen_logprobs, "
     "Tensor advantages, Tensor? mask, Tensor? old_logprobs, Tensor? ref_logprobs"
-).format(trailing="int chunk_size, str backend")
+).format(
+    trailing="Tensor? cu_seqlens, int max_seqlen, int vocab_start, str? group_name, "
+    "int chunk_size, str backend"
+)
 
 
 def _ftis_linear_loss_fwd_impl(*inputs):
@@ -220,11 +224,20 @@ def _ftis_linear_loss_fwd_impl(*inputs):
     B, T, _ = hidden.shape
     m = None if mask is None else mask != 0
     rows = _completion_rows(m, B, T, hidden.device)
+    V, name, start = weight.shape[0], args["group_name"], args["vocab_start"]
+    local = tokens if name is None else tokens - start
+    if name is not None:
+        group, V = check_shards(name, hidden.device, start, weight.shape[0], hidden.shape[2])
     chunking = (opt.temperature, args["chunk_size"], args["backend"])
-    logp, row_max, log_sum, entropy = linear_logp_lse(hidden, weight, bias, tokens, rows, *chunking)
+    logp, row_max, log_sum, entropy = linear_logp_lse(hidden, weight, bias, local, rows, *chunking)
+    if name is not None:
+        stats = (logp, row_max, log_sum, entropy)
+        shard = (group, local, weight.shape[0], m)
+        logp, row_max, log_sum, entropy = combine_row_stats(*shard, *stats)
     stats = (logp, row_max, log_sum)
-    check_values(weight.shape[0], tokens, gen, adv, mask, old, ref, stats, logits_name="hidden")
-    result = per_sample_loss(logp, gen, adv, m, old, ref, opt, entropy)
+    check_values(V, tokens, gen, adv, mask, old, ref, stats, logits_name="hidden")
+    packing = (args["cu_seqlens"], args["max_seqlen"])
+    result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
     return forward_outputs(result, row_max, log_sum)
 
 
@@ -237,8 +250,10 @@ _ftis_linear_loss_fwd = torch.library.custom_op(
 
 
 @_ftis_linear_loss_fwd.register_fake
-def _(hidden, *_):
-    return fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1])
+def _(*inputs):
+    args = arguments(_ftis_linear_loss_fwd, inputs)
+    hidden = args["hidden"]
+    return fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"])
 
 
 @torch.library.custom_op("ftis_kernels::ftis_linear_loss_bwd", mutates_args=())
@@ -258,20 +273,24 @@ def _ftis_linear_loss_bwd(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    group_name: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed (a custom
     op returns no None). coef and entropy_coef already scaled by the incoming gradient and
-    1 / temperature."""
+    1 / temperature. With group_name (a vocabulary shard per rank), grad_hidden is summed over the
+    ranks; grad_weight and grad_bias stay this shard's."""
     needs = (need_hidden, need_weight, need_bias)
     stats = (row_max, log_sum, coef, entropy, entropy_coef)
     grads = linear_grads(hidden, weight, bias, tokens, *stats, temperature, chunk_size, backend,
                          needs)
+    if group_name is not None and grads[0] is not None:
+        all_reduce_sum(grads[0], group_name)
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
 
 
 @_ftis_linear_loss_bwd.register_fake
-def _(hidden, weight, bias, tokens, *rest):
-    need_hidden, need_weight, need_bias = rest[-3:]
+def _(hidden, weight, bias, tokens, *stats_and_flags, group_name=None):
+    need_hidden, need_weight, need_bias = stats_and_flags[-3:]
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else hidden.new_empty(0),
@@ -281,9 +300,12 @@ def _(hidden, weight, bias, tokens, *rest):
 
 def _setup_context(ctx, inputs, output):
     args = arguments(_ftis_linear_loss_fwd, inputs)
-    tensors = (args["hidden"], args["weight"], args["bias"], args["tokens"])
+    tokens = args["tokens"]
+    if args["group_name"] is not None:  # this shard's ids; another shard's token is never hit
+        tokens = tokens - args["vocab_start"]
+    tensors = (args["hidden"], args["weight"], args["bias"], tokens)
     save_for_backward(ctx, args, inputs, output, *tensors)
-    ctx.chunk_size = args["chunk_size"]
+    ctx.chunk_size, ctx.group_name = args["chunk_size"], args["group_name"]
 
 
 def _backward(ctx, grad_loss, *_):
@@ -293,7 +315,7 @@ def _backward(ctx, grad_loss, *_):
     need_bias = bias is not None and needs[2]
     grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
         hidden, weight, bias, tokens, *stats, ctx.temperature, ctx.chunk_size, ctx.backend,
-        needs[0], needs[1], need_bias,
+        needs[0], needs[1], need_bias, ctx.group_name,
     )
     grads = (
         grad_hidden if needs[0] else None,
@@ -342,6 +364,9 @@ def ftis_linear_loss(
     bias: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
     options: Optional[FTISOptions] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_start: int = 0,
+    process_group: Optional[Any] = None,
     **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and metrics of `ftis_loss(hidden @ weight.T + bias, ...)`, from the hidden
@@ -356,6 +381,12 @@ def ftis_linear_loss(
         chunk_size: positions per chunk (rows of logits alive at once); None = as many as keep a
             chunk within AUTO_CHUNK_ELEMENTS logits. Only memory and speed depend on it.
         options, **option_keywords: as in `ftis_loss` (the fields of `FTISOptions`).
+        cu_seqlens: packed batches as in `ftis_loss`: hidden (N, H) or (1, N, H).
+        vocab_start, process_group: a vocabulary-sharded lm-head, as in `ftis_loss`: weight
+            (V_local, H) (and bias (V_local,)) are the rows vocab_start : vocab_start + V_local of
+            the full lm-head on this rank; hidden and the rows are the same on every rank.
+            grad_hidden is summed over the ranks (one all-reduce of (B, T, H) in the backward);
+            grad_weight and grad_bias are this shard's.
 
     The logits of a chunk are computed in the hidden dtype, as the model's lm-head would; the
     row passes and the reductions accumulate in fp32. Hidden states at masked positions are never
@@ -366,10 +397,21 @@ def ftis_linear_loss(
         metrics: as `ftis_loss`.
     """
     opt = resolve_options(options, option_keywords)
+    flat = cu_seqlens is not None and isinstance(hidden, torch.Tensor) and hidden.dim() == 2
+    hidden = hidden.unsqueeze(0) if flat else hidden
     B, T, H, V = _check_linear_inputs(hidden, weight, bias, chunk_size)
     backend = select_backend(hidden.device)
+    samples, max_seqlen = B, 0
+    if cu_seqlens is not None:
+        if B != 1:
+            shape = tuple(hidden.shape)
+            raise ValueError(f"hidden: expected (N, H) or (1, N, H) with cu_seqlens, got {shape}")
+        samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, hidden.device)
+        tokens, gen_logprobs, mask, old_logprobs, ref_logprobs = packed_rows(
+            T, tokens, gen_logprobs, mask, old_logprobs, ref_logprobs
+        )
     rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    check_row_tensors(B, T, hidden.device, *rows, opt.beta)
+    check_row_tensors(B, T, hidden.device, *rows, opt.beta, samples=samples)
     outputs = _ftis_linear_loss_fwd(
         hidden,
         weight,
@@ -381,7 +423,11 @@ def ftis_linear_loss(
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
         *option_args(opt),
+        cu_seqlens,
+        max_seqlen,
+        vocab_start,
+        group_name(process_group, vocab_start),
         auto_chunk_size(V) if chunk_size is None else int(chunk_size),
         backend,
     )
-    return outputs[0], public_metrics(outputs)
+    return outputs[0], public_metrics(outputs, T if flat else None)

@@ -27,8 +27,9 @@ from ftis_kernels.options import (
     resolve_options,
     with_option_keywords,
 )
+from ftis_kernels.sharded import check_shards, combine_row_stats, group_name
 from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
-from ftis_kernels.per_sample import per_sample_loss
+from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.validate import (
     LOGIT_DTYPES,
     check_inplace_backward,
@@ -62,25 +63,33 @@ def forward_outputs(result, row_max: torch.Tensor, log_sum: torch.Tensor) -> tup
     return (result.loss, *metrics, row_max, log_sum, result.coef, result.entropy_coef)
 
 
-def fake_forward_outputs(like: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
+def fake_forward_outputs(
+    like: torch.Tensor, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, ...]:
     """Shape-only outputs of a forward op of this library, on the device of `like`; shared by
-    `ftis_loss` and `ftis_linear_loss`."""
+    `ftis_loss` and `ftis_linear_loss`. Packed (cu_seqlens given): B = 1 row of T tokens and
+    cu_seqlens.shape[0] - 1 samples."""
     f32, per_token = torch.float32, (B, T)
+    samples = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
     def metric(name: str) -> torch.Tensor:
         if name in PER_TOKEN_METRICS:
             return like.new_empty(per_token, dtype=f32)
         if name in PER_SAMPLE_METRICS:
-            return like.new_empty((B,), dtype=torch.bool if name == "filtered" else f32)
+            return like.new_empty((samples,), dtype=torch.bool if name == "filtered" else f32)
         return like.new_empty((), dtype=f32)
 
     saved = (like.new_empty(per_token, dtype=f32) for _ in SAVED_NAMES)
     return (like.new_empty((), dtype=f32), *(metric(n) for n in METRIC_NAMES), *saved)
 
 
-def public_metrics(outputs: tuple) -> dict[str, torch.Tensor]:
-    """The metrics of a forward op's outputs, detached, by name."""
-    return {name: value.detach() for name, value in zip(METRIC_NAMES, outputs[1:])}
+def public_metrics(outputs: tuple, flat: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The metrics of a forward op's outputs, detached, by name; per-token ones as (flat,) when
+    given (packed inputs passed as (N, V) or (N, H))."""
+    metrics = {name: value.detach() for name, value in zip(METRIC_NAMES, outputs[1:])}
+    for name in PER_TOKEN_METRICS if flat is not None else ():
+        metrics[name] = metrics[name].reshape(flat)
+    return metrics
 
 
 # The op is registered with torch.library so that torch.compile(fullgraph=True) sees one opaque
@@ -91,7 +100,10 @@ def public_metrics(outputs: tuple) -> dict[str, torch.Tensor]:
 _FWD_SCHEMA = forward_schema(
     "Tensor logits, Tensor tokens, Tensor gen_logprobs, Tensor advantages, Tensor? mask, "
     "Tensor? old_logprobs, Tensor? ref_logprobs"
-).format(trailing="bool inplace_backward, str backend")
+).format(
+    trailing="Tensor? cu_seqlens, int max_seqlen, int vocab_start, str? group_name, "
+    "bool inplace_backward, str backend"
+)
 
 
 def _ftis_loss_fwd_impl(*inputs):
@@ -102,9 +114,18 @@ def _ftis_loss_fwd_impl(*inputs):
     logits, tokens, gen, adv = (args[k] for k in ("logits", "tokens", "gen_logprobs", "advantages"))
     mask, old, ref = args["mask"], args["old_logprobs"], args["ref_logprobs"]
     m = None if mask is None else mask != 0
-    logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, tokens, m, opt.temperature)
-    check_values(logits.shape[-1], tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
-    result = per_sample_loss(logp, gen, adv, m, old, ref, opt, entropy)
+    V, name, start = logits.shape[-1], args["group_name"], args["vocab_start"]
+    local = tokens if name is None else tokens - start
+    if name is not None:
+        group, V = check_shards(name, logits.device, start, logits.shape[-1])
+    logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, local, m, opt.temperature)
+    if name is not None:
+        stats = (logp, row_max, log_sum, entropy)
+        shard = (group, local, logits.shape[-1], m)
+        logp, row_max, log_sum, entropy = combine_row_stats(*shard, *stats)
+    check_values(V, tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
+    packing = (args["cu_seqlens"], args["max_seqlen"])
+    result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
     return forward_outputs(result, row_max, log_sum)
 
 
@@ -114,8 +135,10 @@ _ftis_loss_fwd = torch.library.custom_op(
 
 
 @_ftis_loss_fwd.register_fake
-def _(logits, *_):
-    return fake_forward_outputs(logits, logits.shape[0], logits.shape[1])
+def _(*inputs):
+    args = arguments(_ftis_loss_fwd, inputs)
+    logits = args["logits"]
+    return fake_forward_outputs(logits, logits.shape[0], logits.shape[1], args["cu_seqlens"])
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
@@ -183,7 +206,10 @@ def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *
 
 def _setup_context(ctx, inputs, output):
     args = arguments(_ftis_loss_fwd, inputs)
-    save_for_backward(ctx, args, inputs, output, args["logits"], args["tokens"])
+    tokens = args["tokens"]
+    if args["group_name"] is not None:  # this shard's ids; another shard's token is never hit
+        tokens = tokens - args["vocab_start"]
+    save_for_backward(ctx, args, inputs, output, args["logits"], tokens)
     ctx.inplace_backward = args["inplace_backward"]
 
 
@@ -214,6 +240,9 @@ def ftis_loss(
     *,
     options: Optional[FTISOptions] = None,
     inplace_backward: bool | str = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_start: int = 0,
+    process_group: Optional[Any] = None,
     **option_keywords: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss (the quantity to minimise) and its metrics, fused from the logits.
@@ -236,6 +265,17 @@ def ftis_loss(
             overwritten by their gradient. Refused (ValueError) for logits whose elements share
             memory (expanded or overlapping views) and, unless "force", for a leaf tensor that
             requires grad or a view of one (your own tensor would become its gradient).
+        cu_seqlens: (S + 1,) int32 | int64 offsets of a packed (padding-free) batch, or None.
+            Then logits are (N, V) or (1, N, V), the per-token tensors (N,) or (1, N), advantages
+            (S,), and sample s is tokens cu_seqlens[s] : cu_seqlens[s + 1]; the result is the
+            padded call's on the same data (dr_grpo's L: max_completion_length, else the longest
+            segment). Starts at 0, non-decreasing, ends at N (one synchronisation to check).
+        vocab_start, process_group: a vocabulary-sharded lm-head: logits (B, T, V_local) are the
+            columns vocab_start : vocab_start + V_local of the full logits, held by this rank of
+            `process_group` (the shards tile [0, V) in rank order); tokens are global ids. Loss,
+            metrics and the saved row statistics are global (sharded.py: one all-reduce of max,
+            one of sum over 3 (B, T) floats, and an all-gather of the shard sizes per forward);
+            d loss / d logits covers this rank's columns. Every rank calls with the same rows.
 
     Per token, with A = 0 for rejected samples and the defaults (F-TIS, loss_type "grpo"):
         loss_t = -min(pi/pi_gen, C) * min(R A, clip(R, 1-eps, 1+eps_high) A) + beta * k3(ref - logp)
@@ -244,7 +284,8 @@ def ftis_loss(
     Returns:
         loss: 0-dim fp32; gradients flow to `logits` only.
         metrics: detached tensors (per_sample.METRIC_NAMES): "logp", "entropy" (B, T) fp32 (0
-            where masked), "kl" (B,) fp32, "filtered" (B,) bool, and 0-dim fp32 "filtered_frac",
+            where masked; packed: (N,) or (1, N) as the logits), "kl" (B,) fp32, "filtered" (B,)
+            bool (packed: (S,)), and 0-dim fp32 "filtered_frac",
             "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac",
             "is_ratio_mean", "is_ratio_max", "is_ratio_min", "entropy_mean" (over completion
             tokens; is_ratio_* is the raw IS ratio before truncation or masking).
@@ -261,14 +302,25 @@ def ftis_loss(
         Logits at masked positions may hold anything and never reach the loss or the gradient.
     """
     opt = resolve_options(options, option_keywords)
+    flat = cu_seqlens is not None and isinstance(logits, torch.Tensor) and logits.dim() == 2
+    logits = logits.unsqueeze(0) if flat else logits
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or min(logits.shape) < 1:
         got = logits.shape if isinstance(logits, torch.Tensor) else logits
         raise ValueError(f"logits: expected a (B, T, V) tensor with B, T, V >= 1, got {got!r}")
     B, T, V = logits.shape
     check_tensor("logits", logits, (B, T, V), LOGIT_DTYPES, logits.device)
     backend = select_backend(logits.device)
+    samples, max_seqlen = B, 0
+    if cu_seqlens is not None:
+        if B != 1:
+            shape = tuple(logits.shape)
+            raise ValueError(f"logits: expected (N, V) or (1, N, V) with cu_seqlens, got {shape}")
+        samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, logits.device)
+        tokens, gen_logprobs, mask, old_logprobs, ref_logprobs = packed_rows(
+            T, tokens, gen_logprobs, mask, old_logprobs, ref_logprobs
+        )
     rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    check_row_tensors(B, T, logits.device, *rows, opt.beta)
+    check_row_tensors(B, T, logits.device, *rows, opt.beta, samples=samples)
     inplace = check_inplace_backward(logits, inplace_backward)
     outputs = _ftis_loss_fwd(
         logits,
@@ -279,7 +331,11 @@ def ftis_loss(
         None if old_logprobs is None else old_logprobs.detach(),
         None if ref_logprobs is None else ref_logprobs.detach(),
         *option_args(opt),
+        cu_seqlens,
+        max_seqlen,
+        vocab_start,
+        group_name(process_group, vocab_start),
         inplace,
         backend,
     )
-    return outputs[0], public_metrics(outputs)
+    return outputs[0], public_metrics(outputs, T if flat else None)

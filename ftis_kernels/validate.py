@@ -64,11 +64,14 @@ def check_row_tensors(
     old_logprobs: object,
     ref_logprobs: object,
     beta: float,
+    samples: Optional[int] = None,
 ) -> None:
-    """Shapes, dtypes and devices of everything but the logits (or hidden states): no sync."""
+    """Shapes, dtypes and devices of everything but the logits (or hidden states): no sync.
+    `samples`: the number of advantages when it is not B (packed batches)."""
     check_tensor("tokens", tokens, (B, T), TOKEN_DTYPES, device)
     check_tensor("gen_logprobs", gen_logprobs, (B, T), None, device, floating=True)
-    check_tensor("advantages", advantages, (B,), None, device, floating=True)
+    n = B if samples is None else samples
+    check_tensor("advantages", advantages, (n,), None, device, floating=True)
     if mask is not None:
         check_tensor("mask", mask, (B, T), None, device)
         if mask.is_complex():

@@ -273,7 +273,9 @@ def test_custom_ops_pass_opcheck(device):
     tokens, gen, adv, mask, old, ref = case.inputs
     hidden, weight, bias = (x.float() for x in (case.hidden, case.weight, case.bias))
     options = option_args(FTISOptions(entropy_coef=0.01))
-    fwd_args = (hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options, 2, "torch")
+    unpacked_unsharded = (None, 0, 0, None)  # cu_seqlens, max_seqlen, vocab_start, group_name
+    fwd_args = (hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options,
+                *unpacked_unsharded, 2, "torch")  # fmt: skip
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_fwd.default, fwd_args)
     outputs = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
     *_, row_max, log_sum, coef, entropy_coef = outputs

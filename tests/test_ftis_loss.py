@@ -323,6 +323,74 @@ def test_entropy_and_its_gradient_are_exact_with_minus_inf_logits(device):
         check_against_reference(case, torch.float32, impl, entropy_coef=0.1, is_mode="none")
 
 
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 1e4), (torch.bfloat16, 100.0)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_cpu_row_passes_match_float64_softmax_at_large_logits(dtype, offset, temperature, inplace):
+    """The chunked PyTorch passes against float64, on logits far from 0 (where one rounded
+    log-sum-exp would cost ~1e-3 of every probability), across several chunks, with a masked row
+    of nan, a row without gradient holding inf, -inf at untaken tokens, written in place or not."""
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 2, 5, 100  # 2 rows per chunk (CPU_CHUNK_ELEMENTS = 256 here)
+    x = (torch.randn(B, T, V, generator=g) * 3 + offset).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    x[1, 3, (tokens[1, 3] + 1) % V] = -math.inf
+    x[0, 1] = math.nan
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 1] = False
+    logp, row_max, log_sum, entropy = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
+    live_logits = torch.where(mask[..., None], x.double(), 0.0) / temperature
+    want_logp = torch.log_softmax(live_logits, -1).gather(-1, tokens[..., None])[..., 0]
+    numerics.assert_close("logp", logp, torch.where(mask, want_logp, 0.0), numerics.FP32)
+    want_p = torch.softmax(live_logits, -1)
+    want_h = -(want_p * torch.log_softmax(live_logits, -1).clamp(min=-1e300)).sum(-1)
+    want_h = torch.where(mask, want_h, 0.0)
+    numerics.assert_close("entropy", entropy, want_h, numerics.Tol(1e-4, 1e-5))
+    assert logp[0, 1] == 0 and row_max[0, 1] == 0 and log_sum[0, 1] == 0 and entropy[0, 1] == 0
+    # Without the entropy: the same statistics, entropy None.
+    plain = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature, with_entropy=False)
+    assert plain[3] is None
+    assert all(torch.equal(a, b) for a, b in zip(plain[:3], (logp, row_max, log_sum)))
+    assert torch.equal(row_max[mask], (x.float().amax(-1) / temperature)[mask])
+    # A mask of only live rows is skipped, not applied: the same as none.
+    all_live = logp_lse.logp_lse_fwd_torch(x[1:], tokens[1:], mask[1:], temperature)
+    no_mask = logp_lse.logp_lse_fwd_torch(x[1:], tokens[1:], None, temperature)
+    assert all(torch.equal(a, b) for a, b in zip(all_live, no_mask))
+
+    coef = torch.randn(B, T, generator=g)
+    coef[0, 1] = 0.0
+    coef[1, 0] = 0.0
+    x[1, 0] = math.inf  # no gradient: never read
+    out = x if inplace else torch.empty_like(x)
+    # A token of another vocabulary shard (id outside [0, V), sharded.py) adds no 1 - p entry.
+    shard_tokens = tokens.clone()
+    shard_tokens[1, 2] = V + 5
+    shard_tokens[0, 4] = -3
+    x_in = x.clone()
+    grad = logp_lse.logits_bwd_torch(x, shard_tokens, row_max, log_sum, coef, temperature, out)
+    onehot = torch.nn.functional.one_hot(shard_tokens.clamp(0, V - 1), V).double()
+    owned = (shard_tokens >= 0) & (shard_tokens < V)
+    onehot = onehot * owned[..., None]
+    want = coef.double()[..., None] * (onehot - torch.softmax(live_logits, -1))
+    want = torch.where((coef != 0)[..., None], want, 0.0)
+    assert grad is out and grad.dtype == dtype
+    tol = numerics.FP32 if dtype == torch.float32 else numerics.Tol(2.0**-8, 1e-6)
+    numerics.assert_close("grad", grad, want, tol)
+    # With an entropy term: d loss / d x = c (onehot - p) - e p (log p + H).
+    ecoef = torch.randn(B, T, generator=g)
+    ecoef[0, 1] = 0.0
+    ecoef[1, 0] = 0.0
+    out = torch.empty_like(x_in)
+    stats = (row_max, log_sum, coef, temperature, out, entropy, ecoef)
+    grad = logp_lse.logits_bwd_torch(x_in, shard_tokens, *stats)
+    log_p = torch.log_softmax(live_logits, -1)
+    dh = want_p * (log_p.clamp(min=-1e4) + want_h[..., None])
+    want = want - ecoef.double()[..., None] * dh
+    want = torch.where(((coef != 0) | (ecoef != 0))[..., None], want, 0.0)
+    # That chunk takes the plain fp32 formula (x / tau rounded at |x| = 1e4: spacing ~1e-3).
+    numerics.assert_close("grad with entropy", grad, want, numerics.Tol(4e-3, 1e-4))
+
+
 def test_triton_interpreter_is_detected_through_the_kernels_heuristics():
     # Guards the CPU test matrix: a wrapper (triton.heuristics) around the kernels must not hide
     # the interpreter, or every "triton" case would silently run nothing but the torch path.

@@ -4,6 +4,8 @@
   of a Hugging Face causal LM (peft-aware), the inputs of `ftis_linear_loss`.
 - `ftis_kernels.integrations.trl` (needs the `trl` extra): `FTISGRPOConfig` and `FTISGRPOTrainer`,
   TRL's GRPOTrainer with the F-TIS loss.
+- `ftis_kernels.integrations.verl` (needs the `verl` extra): registers F-TIS as verl's policy
+  loss `ftis`; `FTISPolicyLossConfig` carries its options in verl's actor config.
 
 Nothing here is imported by `import ftis_kernels`, and this package imports none of its modules,
 so the core never pulls in a training framework.

@@ -157,6 +157,7 @@ def lm_head_inputs(
     input_ids: torch.Tensor,
     attention_mask: Optional[torch.Tensor],
     completion_mask: torch.Tensor,
+    states: Optional[torch.Tensor] = None,
 ) -> LMHeadInputs:
     """Hidden states of the completion positions, their target tokens and the lm-head.
 
@@ -167,6 +168,9 @@ def lm_head_inputs(
         attention_mask: (B, L) 0/1 or bool, or None (all ones).
         completion_mask: (B, L) 0/1 or bool over input_ids; or (B, C) over its last C columns
             (TRL's layout, prompt and completion concatenated).
+        states: (B, L, H) the decoder's last hidden states when the caller ran the model itself
+            (e.g. through a DDP wrapper, whose forward arms the gradient all-reduce); None = run
+            the decoder here.
 
     The columns returned start at the first column holding a completion token (`start`, >= 1)
     and run to L; mask = completion_mask & attention_mask on them. The decoder runs on the whole
@@ -196,7 +200,8 @@ def lm_head_inputs(
     causal_lm = _unwrap_peft(model)
     _check_plain_logits(causal_lm.config)
     decoder = causal_lm.get_decoder()
-    states = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    if states is None:
+        states = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     # The head sees every position, as in the model's forward, so LoRA dropout draws the same masks.
     hidden, weight, bias = linear_head(causal_lm.get_output_embeddings(), states)
     hidden = hidden[:, start - 1 : L - 1]

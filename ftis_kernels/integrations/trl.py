@@ -50,6 +50,7 @@ import torch
 
 from ftis_kernels._extras import require
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
+from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import lm_head_inputs
 from ftis_kernels.options import DEFAULTS, OPTION_FIELDS, OPTION_NAMES, FTISOptions, dispatch
@@ -135,7 +136,8 @@ class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
         default="ftis_linear_loss",
         metadata={
             "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never materialised; "
-            "single-process) or 'ftis_loss' (from the completion logits of the model's forward)."
+            "one process or DDP, not FSDP / DeepSpeed) or 'ftis_loss' (from the completion logits "
+            "of the model's forward)."
         },
     )
     vllm_importance_sampling_correction: bool = field(
@@ -215,10 +217,11 @@ class FTISGRPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise ValueError("processing_class: FTISGRPOTrainer supports text-only causal LMs, "
                              "got a multimodal processor")
-        if args.ftis_op == "ftis_linear_loss" and self.accelerator.num_processes > 1:
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        if args.ftis_op == "ftis_linear_loss" and sharded:
             _refuse("ftis_op", args.ftis_op,
-                    "it runs the decoder outside the distributed wrapper, so is single-process only; "
-                    "use ftis_op='ftis_loss' with several processes")  # fmt: skip
+                    "FSDP and DeepSpeed shard the lm-head weight it reads outside the model's forward "
+                    "(not supported yet); use ftis_op='ftis_loss', or DDP")  # fmt: skip
         if self.aux_loss_enabled:
             _refuse("router_aux_loss_coef", self.router_aux_loss_coef,
                     "F-TIS adds no MoE load-balancing loss; set router_aux_loss_coef=0.0")  # fmt: skip
@@ -233,8 +236,16 @@ class FTISGRPOTrainer(GRPOTrainer):
             return functools.partial(ftis_loss, out.logits[:, :-1])
         # Every completion column, so that the columns are TRL's; the loss mask goes to the op.
         columns = torch.ones(input_ids.shape[0], T, dtype=torch.bool, device=input_ids.device)
+        unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
-            x = lm_head_inputs(self.accelerator.unwrap_model(model), input_ids, attention_mask, columns)
+            states = None
+            if model is not unwrapped:
+                # Through the wrapper: DDP's forward arms the all-reduce of the gradients. One
+                # position of logits is computed and dropped.
+                out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
+                            output_hidden_states=True, use_cache=False)
+                states = out.hidden_states[-1]
+            x = lm_head_inputs(unwrapped, input_ids, attention_mask, columns, states=states)
         return functools.partial(ftis_linear_loss, x.hidden, x.weight, bias=x.bias)
 
     def _compute_loss(self, model, inputs):
@@ -309,6 +320,33 @@ class FTISGRPOTrainer(GRPOTrainer):
         self._last_world_entropy = world_entropy
         self._entropy_window_stats = None
         self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **multimodal):
+        """TRL's pi_old and reference passes (no grad: the F-TIS loss computes its own log pi_theta)
+        with `ftis_logprobs` from the hidden states and the lm-head, the row kernels of the loss:
+        (B, logits_to_keep) log-probabilities at the temperature, 0 at padding."""
+        if compute_aux_loss or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal,
+            )
+        B = input_ids.shape[0]
+        batch_size = batch_size or B
+        columns = torch.ones(B, logits_to_keep, dtype=torch.bool, device=input_ids.device)
+        unwrapped = self.accelerator.unwrap_model(model)
+        logps, entropies = [], []
+        with torch.no_grad(), self.accelerator.autocast():
+            for b0 in range(0, B, batch_size):
+                rows = slice(b0, b0 + batch_size)
+                x = lm_head_inputs(unwrapped, input_ids[rows], attention_mask[rows], columns[rows])
+                logp, entropy = ftis_logprobs(x.hidden, x.tokens, x.weight, bias=x.bias,
+                                              mask=x.mask, temperature=self.temperature)
+                logps.append(logp)
+                entropies.append(entropy)
+        entropy = torch.cat(entropies) if compute_entropy else None
+        return torch.cat(logps), entropy, None
 
     def _current_logprobs(self, head: Callable, tokens, advantages, mask) -> torch.Tensor:
         """log pi_theta(tokens) at the loss's temperature, detached, from the same op and inputs

@@ -39,7 +39,10 @@ MAX_BLOCK_V = 4096
 # The lowest finite fp32: the start of a running max (tl_utils.NEG_BIG), so that an all -inf row
 # gives log_sum = -inf rather than NaN from -inf - -inf.
 FP32_LOWEST = torch.finfo(torch.float32).min
-# Elements of float32 scratch the CPU path holds per chunk (16 MiB).
+# Logits per chunk of the CPU path, and the size of its fp32 scratch buffer (16 MiB): small
+# enough that a chunk mostly stays in cache between its passes, large enough that the parallel
+# loops (~5 per chunk and direction) stay few: on a loaded machine each one waits for both
+# threads to be scheduled (measured: bench/README.md, CPU path).
 CPU_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -270,6 +273,18 @@ def triton_is_interpreted() -> bool:
 
 
 # --- CPU path: the same two passes in PyTorch, a chunk of rows at a time ------------------------
+#
+# Every pass over a chunk writes into memory allocated once per call (one fp32 scratch chunk, a
+# second one for the entropy's running sum, or the output itself), and the chunk is small enough
+# to stay in cache between its passes, so the logits are read from memory about once per
+# direction. The exponential is torch's exp2 of (x / tau - row_max) * log2(e): on CPU, exp2 runs
+# several times faster than exp. Rows are masked only when some row of a chunk is dead.
+# Forward per chunk: [bf16/fp16: up-cast into the scratch], max, shift into the scratch, scale,
+# exp2, sum [entropy: sum of e * shift]. Backward without an entropy term: [up-cast], shift into
+# the scratch, scale, exp2, one multiply by -coef / sum that writes the output, and the taken
+# tokens' entries; with an entropy term in a chunk, that chunk takes the plain fp32 formula.
+
+LOG2E = 1.4426950408889634
 
 
 def _row_chunks(B: int, T: int, V: int):
@@ -281,6 +296,19 @@ def _row_chunks(B: int, T: int, V: int):
             yield b, t0, min(T, t0 + rows)
 
 
+def _scratch(B: int, T: int, V: int, device) -> torch.Tensor:
+    """One fp32 (rows, V) buffer a call's chunks share."""
+    rows = min(T, max(1, CPU_CHUNK_ELEMENTS // V))
+    return torch.empty(rows, V, dtype=torch.float32, device=device)
+
+
+def _exp2_shifted(
+    x: torch.Tensor, neg_row_max: torch.Tensor, temperature: float, out: torch.Tensor
+) -> torch.Tensor:
+    """out = exp(x / tau - row_max), as exp2((x / tau - row_max) * log2 e); x may be out itself."""
+    return torch.add(neg_row_max, x, alpha=1.0 / temperature, out=out).mul_(LOG2E).exp2_()
+
+
 def logp_lse_fwd_torch(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -289,43 +317,78 @@ def logp_lse_fwd_torch(
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """PyTorch forward with the signature and results of `logp_lse_fwd` (the same row statistics,
-    the same non-finite semantics); fp32 scratch is bounded by one chunk (two with the entropy)."""
+    the same non-finite semantics), a chunk of rows at a time. logits (B, T, V) fp32 | bf16 |
+    fp16, any strides; tokens (B, T); mask (B, T) bool or None. fp32 scratch is bounded by one
+    chunk (two with the entropy)."""
     B, T, V = logits.shape
-    logp, row_max, log_sum = (
-        torch.zeros(B, T, dtype=torch.float32, device=logits.device) for _ in range(3)
-    )
+    f32 = torch.float32
+    logp, row_max, log_sum = (torch.zeros(B, T, dtype=f32, device=logits.device) for _ in range(3))
     entropy = torch.zeros_like(logp) if with_entropy else None
+    if mask is not None and bool(mask.all()):
+        mask = None
+    scratch = _scratch(B, T, V, logits.device)
+    scratch_e = torch.empty_like(scratch) if with_entropy else None
     for b, t0, t1 in _row_chunks(B, T, V):
-        active = None if mask is None else mask[b, t0:t1]
-        if active is not None and not bool(active.any()):
-            continue
-        x = logits[b, t0:t1].float() / temperature
-        # The Triton kernels' start value: an all -inf row gets a finite max and log_sum = -inf
-        # (not NaN from -inf - -inf); NaN stays NaN.
-        chunk_max = x.amax(dim=-1).clamp(min=FP32_LOWEST)
-        shifted = x - chunk_max[:, None]
+        live = None if mask is None else mask[b, t0:t1]
+        if live is not None:
+            if not bool(live.any()):
+                continue
+            if bool(live.all()):
+                live = None
+        x = logits[b, t0:t1]
+        s = scratch[: t1 - t0]
+        if x.dtype != f32:
+            # One up-cast into the scratch, then fp32 passes in place (mixed-dtype ops are slow).
+            x = s.copy_(x)
         # A bad token id is refused by the caller after the forward: until then, read a valid one.
-        token = tokens[b, t0:t1].long().clamp(0, V - 1)[:, None]
-        shifted_token = shifted.gather(-1, token)[:, 0]
-        chunk = [chunk_max]
+        x_token = x.gather(-1, tokens[b, t0:t1, None].long().clamp(0, V - 1))
+        # max_v(x / tau) = max_v(x) / tau exactly: rounded division is monotonic. The Triton
+        # kernels' start value: an all -inf row gets a finite max and log_sum = -inf (not NaN
+        # from -inf - -inf); NaN stays NaN.
+        m = x.amax(dim=-1, keepdim=True)
+        if temperature != 1.0:
+            m.div_(temperature)
+        m.clamp_(min=FP32_LOWEST)
+        neg_m = m.neg()
+        shifted_token = torch.add(neg_m, x_token, alpha=1.0 / temperature)
         if with_entropy:
-            e = shifted.exp()
-            s = e.sum(dim=-1)
+            shifted = torch.add(neg_m, x, alpha=1.0 / temperature, out=s)
+            e = torch.mul(shifted, LOG2E, out=scratch_e[: t1 - t0]).exp2_()
+            total = e.sum(dim=-1, keepdim=True)
             # H = log s - sum e * shifted / s; a -inf logit adds 0 (not 0 * -inf = nan).
-            u = e.mul_(shifted.clamp_(min=FP32_LOWEST)).sum(dim=-1)
-            chunk_log_sum = s.log()
-            chunk_entropy = chunk_log_sum - u / s
+            u = e.mul_(shifted.clamp_(min=FP32_LOWEST)).sum(dim=-1, keepdim=True)
+            chunk_log_sum = total.log()
+            parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum),
+                     chunk_log_sum - u / total]  # fmt: skip
         else:
-            chunk_log_sum = shifted.exp_().sum(dim=-1).log_()
-        chunk += [chunk_log_sum, shifted_token - chunk_log_sum]
+            chunk_log_sum = _exp2_shifted(x, neg_m, temperature, s).sum(dim=-1, keepdim=True).log_()
+            parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum)]
+        chunk = torch.cat(parts, dim=1)
+        if live is not None:
+            # The chunk's masked rows were read with the rest (may hold anything): written as 0.
+            chunk.masked_fill_(~live[:, None], 0.0)
+        row_max[b, t0:t1] = chunk[:, 0]
+        log_sum[b, t0:t1] = chunk[:, 1]
+        logp[b, t0:t1] = chunk[:, 2]
         if with_entropy:
-            chunk.append(chunk_entropy)
-        if active is not None:
-            chunk = [torch.where(active, v, 0.0) for v in chunk]
-        row_max[b, t0:t1], log_sum[b, t0:t1], logp[b, t0:t1] = chunk[:3]
-        if with_entropy:
-            entropy[b, t0:t1] = chunk[3]
+            entropy[b, t0:t1] = chunk[:, 3]
     return logp, row_max, log_sum, entropy
+
+
+def _logits_bwd_entropy_chunk(x, tokens, row_max, log_sum, c, ec, entropy, temperature, V):
+    """One chunk's d loss / d logits (rows, V) fp32 with an entropy term, the plain formula."""
+    x = x.float() / temperature
+    log_p = (x - row_max[:, None]).sub_(log_sum[:, None])
+    grad = log_p.exp()
+    # -p_v (c + e (log p_v + H)), with dH/dlogit_v = -p_v (log p_v + H). log p_v is clamped where
+    # p_v underflows to 0 anyway, so that 0 * -inf stays 0.
+    h = (c + ec * entropy)[:, None]
+    grad.mul_(log_p.clamp_(min=-1e4).mul_(ec[:, None]).add_(h)).neg_()
+    # A token outside [0, V) is another vocabulary shard's (sharded.py): it adds nothing here.
+    token = tokens.long()
+    owned = (token >= 0) & (token < V)
+    grad.scatter_add_(-1, token.clamp(0, V - 1)[:, None], torch.where(owned, c, 0.0)[:, None])
+    return grad
 
 
 def logits_bwd_torch(
@@ -339,32 +402,57 @@ def logits_bwd_torch(
     entropy: Optional[torch.Tensor] = None,
     entropy_coef: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """PyTorch backward with the signature and results of `logits_bwd`."""
+    """PyTorch backward with the signature and results of `logits_bwd`. logits, out (B, T, V), out
+    may be the logits themselves; tokens (B, T); row_max, log_sum, coef (B, T) fp32 from the
+    forward, coef already scaled by the incoming gradient and 1 / temperature; entropy,
+    entropy_coef (B, T) or both None. Returns out.
+
+    Without an entropy term: out[r, v] = -coef_r * exp(x[r, v] / tau - row_max_r) *
+    exp(-log_sum_r) (one multiply writes it), and at a taken token this shard owns
+    -coef_r * expm1(logp_r) = coef_r * (1 - p_r) without the cancellation of 1 - p near p = 1.
+    Rows with coef = entropy_coef = 0 are written as 0, whatever they hold.
+    """
     B, T, V = logits.shape
+    f32 = torch.float32
+    scratch = _scratch(B, T, V, out.device)
     for b, t0, t1 in _row_chunks(B, T, V):
-        c = coef[b, t0:t1]
-        ec = None if entropy_coef is None else entropy_coef[b, t0:t1]
-        live = c != 0 if ec is None else (c != 0) | (ec != 0)
-        if not bool(live.any()):
-            out[b, t0:t1] = 0
+        c = coef[b, t0:t1, None]
+        ec = None if entropy_coef is None else entropy_coef[b, t0:t1, None]
+        has_entropy_grad = ec is not None and bool((ec != 0).any())
+        dead = c == 0 if not has_entropy_grad else (c == 0) & (ec == 0)
+        o = out[b, t0:t1]
+        if bool(dead.all()):
+            o.zero_()
             continue
-        x = logits[b, t0:t1].float() / temperature
-        log_p = (x - row_max[b, t0:t1, None]).sub_(log_sum[b, t0:t1, None])
-        entropy_term = None
-        if ec is not None and bool((ec != 0).any()):
-            # e * p_v (log p_v + H), with dH/dlogit_v = -p_v (log p_v + H). log p_v is clamped
-            # where p_v underflows to 0 anyway, so that 0 * -inf stays 0.
-            grad = log_p.exp()
-            h = entropy[b, t0:t1, None]
-            entropy_term = log_p.clamp_(min=-1e4).add_(h).mul_(grad).mul_(ec[:, None])
+        x = logits[b, t0:t1]
+        if has_entropy_grad:
+            stats = (row_max[b, t0:t1], log_sum[b, t0:t1], c[:, 0], ec[:, 0], entropy[b, t0:t1])
+            grad = _logits_bwd_entropy_chunk(x, tokens[b, t0:t1], *stats, temperature, V)
+            # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
+            o.copy_(grad.masked_fill_(dead, 0.0))
+            continue
+        token = tokens[b, t0:t1, None].long()
+        # A token outside [0, V) is another vocabulary shard's (sharded.py): no 1 - p entry here.
+        owned = (token >= 0) & (token < V)
+        tok = token.clamp(0, V - 1)
+        neg_m = row_max[b, t0:t1, None].neg()
+        ls = log_sum[b, t0:t1, None]
+        # Gathered before o is written: o may be the logits.
+        logp = torch.add(neg_m, x.gather(-1, tok).float(), alpha=1.0 / temperature).sub_(ls)
+        s = scratch[: t1 - t0]
+        # exp2 always runs on the contiguous scratch: its vectorised and scalar (tail) results
+        # differ in the last bit, and where the tail falls must not depend on the layout of out.
+        e = _exp2_shifted(s.copy_(x) if x.dtype != f32 else x, neg_m, temperature, s)
+        k = ls.neg().exp_().mul_(c).neg_()
+        if o.dtype == f32:
+            torch.mul(e, k, out=o)
         else:
-            grad = log_p.exp_()
-        # c (onehot - p) in the Triton kernel's order, so that both paths agree at the extremes.
-        grad.neg_().scatter_add_(-1, tokens[b, t0:t1].long()[:, None], torch.ones_like(grad[:, :1]))
-        grad.mul_(c[:, None])
-        if entropy_term is not None:
-            grad.sub_(entropy_term)
-        # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
-        grad = torch.where(live[:, None], grad, 0.0)
-        out[b, t0:t1] = grad.to(out.dtype)
+            o.copy_(e.mul_(k))
+        taken = logp.expm1_().mul_(c).neg_().to(o.dtype)
+        if not bool(owned.all()):
+            taken = torch.where(owned, taken, o.gather(-1, tok))
+        o.scatter_(-1, tok, taken)
+        if bool(dead.any()):
+            # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
+            o.masked_fill_(dead, 0.0)
     return out

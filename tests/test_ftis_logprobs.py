@@ -1,0 +1,79 @@
+"""`ftis_logprobs` against the float64 reference's log pi(token) and entropy (ref/ftis.py), from
+logits and from hidden states, padded and packed, on both backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftis_kernels import ftis_logprobs
+from ftis_kernels.kernels import logp_lse
+from ref import ref_ftis_loss
+from tests import numerics
+from tests.test_ftis_linear_loss import make_linear_case
+
+
+@pytest.fixture(autouse=True)
+def small_vocab_blocks(monkeypatch):
+    """Small blocks so that V = 37 still runs the multi-block loops."""
+    monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 16)
+    monkeypatch.setattr(logp_lse, "CPU_CHUNK_ELEMENTS", 64)
+
+
+def oracle(logits64, tokens, mask, temperature):
+    B, T, _ = logits64.shape
+    gen = torch.zeros(B, T)
+    _, metrics = ref_ftis_loss(logits64, tokens, gen, torch.zeros(B), mask,
+                               compute_dtype=torch.float64, temperature=temperature)  # fmt: skip
+    return metrics["logp"], metrics["entropy"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("from_hidden", [False, True])
+def test_logprobs_and_entropy_match_the_reference(dtype, from_hidden, monkeypatch):
+    case = make_linear_case(3, 5, 6, 37, seed=1)
+    tokens, *_ = case["rows"]
+    mask = case["rows"][3]
+    hidden, weight, bias = case["hidden"], case["weight"], case["bias"]
+    logits64 = hidden @ weight.T + bias  # exact inputs: the same logits in every dtype
+    want_logp, want_ent = oracle(logits64, tokens, mask, 0.7)
+    args = (
+        (hidden.to(dtype), tokens, weight.to(dtype))
+        if from_hidden
+        else (logits64.to(dtype), tokens)
+    )
+    kwargs = dict(mask=mask, temperature=0.7)
+    if from_hidden:
+        kwargs.update(bias=bias.to(dtype), chunk_size=4)
+    for interpreted in (True, False):  # the Triton kernels, then the PyTorch CPU path
+        monkeypatch.setattr(logp_lse, "triton_is_interpreted", lambda: interpreted)
+        logp, entropy = ftis_logprobs(*args, **kwargs)
+        numerics.assert_close("logp", logp, want_logp)
+        numerics.assert_close("entropy", entropy, want_ent)
+
+
+def test_packed_rows_give_the_padded_values():
+    case = make_linear_case(2, 6, 5, 29, seed=2, mask=None)
+    tokens, hidden, weight = case["rows"][0], case["hidden"].float(), case["weight"].float()
+    lengths = [6, 3]
+    packed_h = torch.cat([hidden[b, :n] for b, n in enumerate(lengths)])
+    packed_t = torch.cat([tokens[b, :n] for b, n in enumerate(lengths)])
+    padded = ftis_logprobs(hidden, tokens, weight)
+    packed = ftis_logprobs(packed_h, packed_t, weight)
+    for p, q in zip(packed, padded):
+        assert torch.equal(p, torch.cat([q[b, :n] for b, n in enumerate(lengths)]))
+
+
+def test_logprobs_carry_no_graph_and_refuse_bad_tokens():
+    logits = torch.randn(2, 3, 11, requires_grad=True)
+    tokens = torch.randint(0, 11, (2, 3))
+    logp, entropy = ftis_logprobs(logits, tokens)
+    assert not logp.requires_grad and not entropy.requires_grad
+    tokens[1, 2] = 11
+    with pytest.raises(ValueError, match=r"^tokens: .*\[0, 11\).*\(1, 2\): 11"):
+        ftis_logprobs(logits, tokens)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False
+    ftis_logprobs(logits, tokens, mask=mask)  # a masked position is never read
+    with pytest.raises(ValueError, match="^weight: "):
+        ftis_logprobs(torch.randn(2, 3, 4), tokens, torch.randn(11, 5))

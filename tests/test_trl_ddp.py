@@ -1,0 +1,120 @@
+"""FTISGRPOTrainer with ftis_linear_loss under accelerate's multi-process launch (DDP over gloo,
+2 CPU processes): the trainer's loss on each process's half of a fixed global batch, backward
+through the accelerator and one SGD step give the losses and updated weights of one process on the
+whole batch.
+
+Run by the test as `python tests/test_trl_ddp.py MODEL_DIR OUT` (one process) and under
+`torchrun --nproc_per_node 2`; TRL's generation is left out (its sampling differs with the
+process count): the batch is fixed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+B, PROMPT, COMPLETION = 4, 5, 6
+LR = 0.5
+
+
+def _batch(V: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([6, 3, 5, 1])
+    return {
+        "prompt_ids": torch.randint(2, V, (B, PROMPT), generator=g),
+        "prompt_mask": torch.ones(B, PROMPT, dtype=torch.long),
+        "completion_ids": torch.randint(2, V, (B, COMPLETION), generator=g),
+        "completion_mask": (torch.arange(COMPLETION)[None] < lengths[:, None]).long(),
+        "advantages": torch.randn(B, generator=g),
+        "old_per_token_logps": -torch.rand(B, COMPLETION, generator=g) * 4 - 1,
+        "num_items_in_batch": lengths.sum(),
+    }
+
+
+def _worker(model_dir: str, out: str) -> None:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from ftis_kernels.integrations.trl import FTISGRPOConfig, FTISGRPOTrainer
+    from tests.test_trl_integration import CHECKPOINTING, PROMPTS, _vowel_reward
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = FTISGRPOConfig(
+        output_dir=os.path.dirname(out),
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        per_device_train_batch_size=B // world,
+        num_generations=2,
+        max_completion_length=COMPLETION,
+        seed=0,
+        filter="negative_offpolicy",
+        kl_threshold=0.5,
+        **{CHECKPOINTING: False},
+    )
+    trainer = FTISGRPOTrainer(
+        model=model_dir,
+        reward_funcs=_vowel_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    accelerator = trainer.accelerator
+    assert accelerator.num_processes == world
+    model = accelerator.prepare_model(trainer.model)
+    assert (world > 1) == (model is not accelerator.unwrap_model(model))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    rank = accelerator.process_index
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    V = trainer.model.config.vocab_size
+    inputs = {k: (v[rows] if v.dim() else v) for k, v in _batch(V).items()}
+    loss = trainer.compute_loss(model, inputs)
+    accelerator.backward(loss)
+    losses = accelerator.gather(loss.detach()[None])
+    with torch.no_grad():
+        updated = {n: p - LR * p.grad for n, p in trainer.model.named_parameters()}
+    if accelerator.is_main_process:
+        torch.save({"loss": losses.mean(), "weights": updated}, out)
+    accelerator.wait_for_everyone()
+
+
+def _launch(P: int, model_dir: str, out: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    with socket.socket() as s:  # torchrun's --master_port=0 does not rendezvous here
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, __file__, model_dir, out]
+    if P > 1:  # the reference is one plain process: the trainer's unwrapped-model path
+        launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={P}", f"--master_port={port}"]
+        command[1:1] = launcher
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
+
+
+def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
+    pytest.importorskip("trl")
+    from tests.test_trl_integration import _tiny_qwen2, _tokenizer
+
+    model_dir = tmp_path / "model"
+    tok = _tokenizer()
+    _tiny_qwen2(len(tok), seed=0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    single = _launch(1, str(model_dir), str(tmp_path / "one.pt"))
+    ddp = _launch(2, str(model_dir), str(tmp_path / "two.pt"))
+    torch.testing.assert_close(ddp["loss"], single["loss"], rtol=1e-6, atol=1e-7)
+    for name, want in single["weights"].items():
+        torch.testing.assert_close(ddp["weights"][name], want, rtol=1e-6, atol=1e-7, msg=name)
+    base = _tiny_qwen2(len(tok), seed=0).state_dict()
+    moved = sum(not torch.equal(base[n], w) for n, w in single["weights"].items() if n in base)
+    assert moved > 0  # the step moved the weights: the comparison is not vacuous
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
