@@ -43,27 +43,37 @@ BASELINES = ("ref_eager", "trl_eager", "ref_compile", "ftis_loss")
 def _worktree(base: str) -> tuple[Path, str]:
     """A temporary detached worktree of `base` with this tree's bench/ copied in."""
     path = Path(tempfile.mkdtemp(prefix="ftis-bench-base-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), base], cwd=measure.REPO,
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(path), base],
+        cwd=measure.REPO,
+        check=True,
+        capture_output=True,
+    )
     shutil.copytree(measure.REPO / "bench", path / "bench", dirs_exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", base], cwd=measure.REPO, capture_output=True,
-                            text=True, check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", base], cwd=measure.REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     return path, commit[:12]
 
 
 def _table(records: list[dict]) -> str:
     """One row per (case, ours, mode): before, after, and after against each baseline."""
-    ok = {(r["case"]["label"], r["impl"], r["mode"], r["version"]): r
-          for r in records if r["status"] == "ok"}
+    ok = {
+        (r["case"]["label"], r["impl"], r["mode"], r["version"]): r
+        for r in records
+        if r["status"] == "ok"
+    }
 
     def ms(key, stat="median"):
         r = ok.get(key)
         return None if r is None else r["time_ms"][stat]
 
-    head = ("| shape | implementation | mode | before ms median (min) | after ms median (min) | "
-            "after / before (of mins) | "
-            + " | ".join(f"after / {b} (of mins)" for b in BASELINES)
-            + " | after of roofline (of min) | peak MiB before | peak MiB after | load after |")
+    head = (
+        "| shape | implementation | mode | before ms median (min) | after ms median (min) | "
+        "after / before (of mins) | "
+        + " | ".join(f"after / {b} (of mins)" for b in BASELINES)
+        + " | after of roofline (of min) | peak MiB before | peak MiB after | load after |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if r["version"] != "after" or r["impl"] not in OURS or r["status"] != "ok":
@@ -73,15 +83,23 @@ def _table(records: list[dict]) -> str:
         bmin = ms((label, impl, mode, "before"), "min")
         amin = ms((label, impl, mode, "after"), "min")
         rb = ok.get((label, impl, mode, "before"))
-        cells = [label, impl, mode, f"{before:.0f} ({bmin:.0f})" if before else "",
-                 f"{after:.0f} ({amin:.0f})",
-                 f"{after / before:.2f}x ({amin / bmin:.2f}x)" if before else ""]
+        cells = [
+            label,
+            impl,
+            mode,
+            f"{before:.0f} ({bmin:.0f})" if before else "",
+            f"{after:.0f} ({amin:.0f})",
+            f"{after / before:.2f}x ({amin / bmin:.2f}x)" if before else "",
+        ]
         for b in BASELINES:
             t, tmin = ms((label, b, mode, "after")), ms((label, b, mode, "after"), "min")
             cells.append(f"{after / t:.2f}x ({amin / tmin:.2f}x)" if t and b != impl else "")
-        cells += [f"{r['roofline_fraction']:.0%} ({r['roofline_ms'] / amin:.0%})",
-                  f"{rb['peak_extra_bytes'] / 2**20:.0f}" if rb else "",
-                  f"{r['peak_extra_bytes'] / 2**20:.0f}", f"{r['loadavg_1min_after']:.1f}"]
+        cells += [
+            f"{r['roofline_fraction']:.0%} ({r['roofline_ms'] / amin:.0%})",
+            f"{rb['peak_extra_bytes'] / 2**20:.0f}" if rb else "",
+            f"{r['peak_extra_bytes'] / 2**20:.0f}",
+            f"{r['loadavg_1min_after']:.1f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -108,8 +126,12 @@ def main(argv=None) -> None:
     meta = measure.metadata(device)
     ceilings = measure_ceilings(device)
     base_path, base_commit = _worktree(args.base)
-    reps = {"warmup": args.warmup, "min_reps": args.min_reps, "max_reps": args.max_reps,
-            "min_time_s": args.min_time_s}
+    reps = {
+        "warmup": args.warmup,
+        "min_reps": args.min_reps,
+        "max_reps": args.max_reps,
+        "min_time_s": args.min_time_s,
+    }
     start = time.monotonic()
     records: list[dict] = []
     flip = False
@@ -121,8 +143,13 @@ def main(argv=None) -> None:
                 for mode in args.modes:
                     if unavailable(impl, case.family, mode, device) is not None:
                         continue
-                    spec = {"device": "cpu", "case": case.as_dict(), "impl": impl, "mode": mode,
-                            "reps": reps}
+                    spec = {
+                        "device": "cpu",
+                        "case": case.as_dict(),
+                        "impl": impl,
+                        "mode": mode,
+                        "reps": reps,
+                    }
                     sides = [("after", measure.REPO, meta["commit"])]
                     if impl in OURS:
                         sides.append(("before", base_path, base_commit))
@@ -135,16 +162,30 @@ def main(argv=None) -> None:
                         rec.update(version=version, commit=commit)
                         records.append(rec)
                         t = raw.get("time_ms", {}).get("median")
-                        log.info("%-22s %-18s %-7s %-6s %s  load %.1f", case.label, impl, mode,
-                                 version, f"{t:9.1f} ms" if t else raw["status"],
-                                 os.getloadavg()[0])
-                    common = {"meta": meta, "ceilings": ceilings, "workload": TIS_OPTIONS,
-                              "elapsed_s": time.monotonic() - start}
-                    (out / "compare.json").write_text(json.dumps(dict(common, base=base_commit,
-                                                                      records=records), indent=1))
+                        log.info(
+                            "%-22s %-18s %-7s %-6s %s  load %.1f",
+                            case.label,
+                            impl,
+                            mode,
+                            version,
+                            f"{t:9.1f} ms" if t else raw["status"],
+                            os.getloadavg()[0],
+                        )
+                    common = {
+                        "meta": meta,
+                        "ceilings": ceilings,
+                        "workload": TIS_OPTIONS,
+                        "elapsed_s": time.monotonic() - start,
+                    }
+                    (out / "compare.json").write_text(
+                        json.dumps(dict(common, base=base_commit, records=records), indent=1)
+                    )
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base_path)], cwd=measure.REPO,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", str(base_path)],
+            cwd=measure.REPO,
+            capture_output=True,
+        )
     from bench import plot, report
 
     after = [r for r in records if r["version"] == "after"]

@@ -5,7 +5,7 @@ and on the Triton kernels under the interpreter (TRITON_INTERPRET=1; the interpr
 little about a GPU).
 
     python -m bench.entropy_cost [--rows 512] [--vocab 32000] [--rounds 7] [--interpreter-vocab 2048]
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def main() -> None:
         _report(title, _measure(fns, max(3, args.rounds // 2)), max(3, args.rounds // 2))
     else:
         print(
-            f"(Triton interpreter not active: TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})"
+            f"(Triton interpreter not active: TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})"  # noqa: E501
         )
 
 

@@ -27,15 +27,24 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from bench.workload import FTIS_OPTIONS, TIS_OPTIONS, Case
 
-LOGITS_IMPLS = ("ref_eager", "ref_compile", "ftis_loss", "ftis_loss_inplace", "ftis_loss_filter",
-                "trl_eager", "liger_triton", "liger_triton_inplace")  # fmt: skip
+LOGITS_IMPLS = (
+    "ref_eager",
+    "ref_compile",
+    "ftis_loss",
+    "ftis_loss_inplace",
+    "ftis_loss_filter",
+    "trl_eager",
+    "liger_triton",
+    "liger_triton_inplace",
+)
 LINEAR_IMPLS = ("ref_eager", "ref_compile", "ftis_loss", "ftis_linear_loss", "liger_chunked")
 IMPLS = {"logits": LOGITS_IMPLS, "linear": LINEAR_IMPLS}
 MODES = ("fwd", "fwd+bwd")
@@ -150,21 +159,31 @@ def _trl_grpo_loss(logits: torch.Tensor, inputs: dict) -> torch.Tensor:
 
 def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
     """Build implementation `name` on `inputs` (from `workload.make_inputs(case)`) for `mode`."""
+    from ftis_kernels import ftis_loss
     from ref import ref_ftis_loss
 
-    from ftis_kernels import ftis_loss
-
-    tok, gen, adv, mask = inputs["tokens"], inputs["gen_logprobs"], inputs["advantages"], inputs["mask"]
+    tok, gen, adv, mask = (
+        inputs["tokens"],
+        inputs["gen_logprobs"],
+        inputs["advantages"],
+        inputs["mask"],
+    )
     leaves = _grad_targets(case, inputs, mode)
     opts = FTIS_OPTIONS if name == "ftis_loss_filter" else TIS_OPTIONS
 
     if case.family == "logits":
         (x,) = leaves
         if name == "ref_eager":
-            return Prepared(lambda: _finish(ref_ftis_loss(x, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
+            return Prepared(
+                lambda: _finish(ref_ftis_loss(x, tok, gen, adv, mask, **opts)[0], leaves, mode),
+                None,
+                opts,
+            )
         if name == "ref_compile":
             fn = _compiled_ref(case)
-            return Prepared(lambda: _finish(fn(x, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
+            return Prepared(
+                lambda: _finish(fn(x, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts
+            )
         if name in ("ftis_loss", "ftis_loss_filter", "ftis_loss_inplace"):
             # "force": the in-place backward into a leaf is what is measured (restored each time).
             inplace = "force" if name == "ftis_loss_inplace" else False
@@ -175,13 +194,21 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
                 leaves = [x]
                 restore = lambda: x.data.copy_(inputs["logits"])  # noqa: E731
             return Prepared(
-                lambda: _finish(ftis_loss(x, tok, gen, adv, mask, inplace_backward=inplace, **opts)[0], leaves, mode),
+                lambda: _finish(
+                    ftis_loss(x, tok, gen, adv, mask, inplace_backward=inplace, **opts)[0],
+                    leaves,
+                    mode,
+                ),
                 restore,
                 opts,
             )
         if name == "trl_eager":
-            return Prepared(lambda: _finish(_trl_grpo_loss(x, inputs), leaves, mode), None, opts,
-                            note="TIS weight passed in as importance_sampling_ratio")
+            return Prepared(
+                lambda: _finish(_trl_grpo_loss(x, inputs), leaves, mode),
+                None,
+                opts,
+                note="TIS weight passed in as importance_sampling_ratio",
+            )
         if name in ("liger_triton", "liger_triton_inplace"):
             from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
@@ -199,9 +226,21 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
 
             def run():
                 loss = triton_grpo_loss(
-                    lx, None, None, tok, adv, mask, temperature=1.0, beta=0.0, eps_low=0.2, eps_high=0.2,
-                    inplace=inplace, loss_type="grpo", reduce=True, vllm_is_ratio=w,
-                )[0]  # fmt: skip
+                    lx,
+                    None,
+                    None,
+                    tok,
+                    adv,
+                    mask,
+                    temperature=1.0,
+                    beta=0.0,
+                    eps_low=0.2,
+                    eps_high=0.2,
+                    inplace=inplace,
+                    loss_type="grpo",
+                    reduce=True,
+                    vllm_is_ratio=w,
+                )[0]
                 return _finish(loss, [lx], mode)
 
             return Prepared(run, restore, opts, note="TIS weight passed in as vllm_is_ratio")
@@ -209,28 +248,48 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
         h, wt = leaves
         if name == "ref_eager":
             return Prepared(
-                lambda: _finish(ref_ftis_loss(h @ wt.t(), tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts
+                lambda: _finish(
+                    ref_ftis_loss(h @ wt.t(), tok, gen, adv, mask, **opts)[0], leaves, mode
+                ),
+                None,
+                opts,
             )
         if name == "ref_compile":
             fn = _compiled_ref(case)
-            return Prepared(lambda: _finish(fn(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
+            return Prepared(
+                lambda: _finish(fn(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts
+            )
         if name == "ftis_loss":
             return Prepared(
-                lambda: _finish(ftis_loss(h @ wt.t(), tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts
+                lambda: _finish(
+                    ftis_loss(h @ wt.t(), tok, gen, adv, mask, **opts)[0], leaves, mode
+                ),
+                None,
+                opts,
             )
         if name == "ftis_linear_loss":
             fll = _ftis_linear_loss()
-            return Prepared(lambda: _finish(fll(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts)
+            return Prepared(
+                lambda: _finish(fll(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode),
+                None,
+                opts,
+            )
         if name == "liger_chunked":
             from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss
 
-            module = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, epsilon_low=0.2, epsilon_high=0.2,
-                                              loss_type="grpo", temperature=1.0)  # fmt: skip
+            module = LigerFusedLinearGRPOLoss(
+                beta=0.0,
+                use_ref_model=False,
+                epsilon_low=0.2,
+                epsilon_high=0.2,
+                loss_type="grpo",
+                temperature=1.0,
+            )
             w, fmask = inputs["is_weight"], mask.float()
             return Prepared(
                 lambda: _finish(module(h, wt, tok, fmask, adv, vllm_is_ratio=w)[0], leaves, mode),
                 None,
                 opts,
-                note="TIS weight passed in as vllm_is_ratio; its forward also computes the gradients",
+                note="TIS weight passed in as vllm_is_ratio; its forward also computes the gradients",  # noqa: E501
             )
     raise ValueError(f"unknown implementation {name!r} for the {case.family} family")

@@ -22,13 +22,20 @@ from bench import measure
 from bench.impls import IMPLS, prepare, unavailable
 from bench.workload import CPU_CASES, make_inputs
 
-IMPLS_TIMED = ("ref_eager", "ref_compile", "trl_eager", "ftis_loss", "ftis_loss_inplace",
-               "ftis_linear_loss")
+IMPLS_TIMED = (
+    "ref_eager",
+    "ref_compile",
+    "trl_eager",
+    "ftis_loss",
+    "ftis_loss_inplace",
+    "ftis_linear_loss",
+)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.interleaved",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.interleaved", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -36,8 +43,11 @@ def main(argv=None) -> None:
     results = {"meta": measure.metadata(device), "cases": []}
     for case in CPU_CASES:
         inputs = make_inputs(case, device)
-        names = [n for n in IMPLS[case.family]
-                 if n in IMPLS_TIMED and unavailable(n, case.family, "fwd+bwd", device) is None]
+        names = [
+            n
+            for n in IMPLS[case.family]
+            if n in IMPLS_TIMED and unavailable(n, case.family, "fwd+bwd", device) is None
+        ]
         preps = {n: prepare(n, case, inputs, "fwd+bwd") for n in names}
         for prep in preps.values():  # warm-up: compiles
             if prep.restore is not None:
@@ -54,13 +64,21 @@ def main(argv=None) -> None:
                 times[n].append((time.perf_counter() - t0) * 1e3)
             loads.append(os.getloadavg()[0])
         base = min(times["ftis_loss"])
-        row = {"case": case.label, "loadavg_1min": loads,
-               "ms": {n: {"min": min(t), "median": statistics.median(t)} for n, t in times.items()}}
+        row = {
+            "case": case.label,
+            "loadavg_1min": loads,
+            "ms": {n: {"min": min(t), "median": statistics.median(t)} for n, t in times.items()},
+        }
         results["cases"].append(row)
-        cells = "  ".join(f"{n} {min(t):.0f}/{statistics.median(t):.0f} ({min(t) / base:.2f}x)"
-                          for n, t in times.items())
-        print(f"{case.label}: min/median ms (min vs ftis_loss): {cells}; load {min(loads):.1f}-"
-              f"{max(loads):.1f}", flush=True)
+        cells = "  ".join(
+            f"{n} {min(t):.0f}/{statistics.median(t):.0f} ({min(t) / base:.2f}x)"
+            for n, t in times.items()
+        )
+        print(
+            f"{case.label}: min/median ms (min vs ftis_loss): {cells}; load {min(loads):.1f}-"
+            f"{max(loads):.1f}",
+            flush=True,
+        )
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
 

@@ -29,7 +29,7 @@ B * T * V * 4 bytes.
     python -m bench.linear_memory --plot-only      # redraw the PNG from the JSON
 
 `measure_one` measures one configuration and is what a benchmark suite imports.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -54,8 +54,15 @@ IMPLS = ("ftis_linear_loss", "ftis_loss", "reference")
 VOCAB, HIDDEN, SEQ = 151_936, 1536, 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The code a measurement depends on: "dirty" in a record means one of these differed from commit.
-MEASURED_PATHS = ("ftis_kernels/ftis_linear_loss.py", "ftis_kernels/ftis_loss.py", "ftis_kernels/kernels",
-                  "ftis_kernels/per_sample.py", "ftis_kernels/validate.py", "ref", "bench/linear_memory.py")
+MEASURED_PATHS = (
+    "ftis_kernels/ftis_linear_loss.py",
+    "ftis_kernels/ftis_loss.py",
+    "ftis_kernels/kernels",
+    "ftis_kernels/per_sample.py",
+    "ftis_kernels/validate.py",
+    "ref",
+    "bench/linear_memory.py",
+)
 # A CPU worker may use at most this much address space (the machine is shared: a configuration
 # that needs more fails with an allocation error and is extrapolated).
 CPU_ADDRESS_LIMIT = 16 << 30
@@ -81,8 +88,9 @@ def _run(impl: str, inputs, chunk_size: Optional[int]) -> None:
 
     hidden, weight, tokens, gen_logprobs, advantages = inputs
     if impl == "ftis_linear_loss":
-        loss, _ = ftis_linear_loss(hidden, weight, tokens, gen_logprobs, advantages, filter=None,
-                                   chunk_size=chunk_size)  # fmt: skip
+        loss, _ = ftis_linear_loss(
+            hidden, weight, tokens, gen_logprobs, advantages, filter=None, chunk_size=chunk_size
+        )
     elif impl == "ftis_loss":
         loss, _ = ftis_loss(hidden @ weight.t(), tokens, gen_logprobs, advantages, filter=None)
     else:
@@ -98,8 +106,15 @@ def _proc_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _measure_here(impl: str, n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype,
-                  device: torch.device, chunk_size: Optional[int]) -> dict:  # fmt: skip
+def _measure_here(
+    impl: str,
+    n_tokens: int,
+    vocab: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    chunk_size: Optional[int],
+) -> dict:
     """Measures in this process: CUDA allocator peak, or the CPU resident-set high-water mark."""
     # Warm up first: imports, kernel libraries and autograd threads must not count as the op's.
     _run(impl, _inputs(8, 64, 16, dtype, device), chunk_size)
@@ -144,12 +159,20 @@ def measure_one(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    record = dict(impl=impl, n_tokens=n_tokens, vocab=vocab, hidden=hidden_size, dtype=dtype,
-                  device=device, chunk_size=chunk_size)  # fmt: skip
+    record = dict(
+        impl=impl,
+        n_tokens=n_tokens,
+        vocab=vocab,
+        hidden=hidden_size,
+        dtype=dtype,
+        device=device,
+        chunk_size=chunk_size,
+    )
     if device.startswith("cuda"):
         try:
-            result = _measure_here(impl, n_tokens, vocab, hidden_size, DTYPES[dtype],
-                                   torch.device(device), chunk_size)  # fmt: skip
+            result = _measure_here(
+                impl, n_tokens, vocab, hidden_size, DTYPES[dtype], torch.device(device), chunk_size
+            )
         except torch.OutOfMemoryError:
             result = None
         finally:
@@ -176,16 +199,28 @@ def measure_one(
     if result is None:
         return {**record, "status": "oom", "fp32_logits_bytes": logits_bytes}
     extra = result["peak_bytes"] - result["grad_bytes"]
-    return {**record, **result, "status": "measured", "extra_bytes": extra,
-            "fp32_logits_bytes": logits_bytes,
-            "extra_pct_of_fp32_logits": 100.0 * extra / logits_bytes}  # fmt: skip
+    return {
+        **record,
+        **result,
+        "status": "measured",
+        "extra_bytes": extra,
+        "fp32_logits_bytes": logits_bytes,
+        "extra_pct_of_fp32_logits": 100.0 * extra / logits_bytes,
+    }
 
 
 def _worker(record_json: str) -> None:
     record = json.loads(record_json)
     resource.setrlimit(resource.RLIMIT_AS, (record["address_limit"], record["address_limit"]))
-    result = _measure_here(record["impl"], record["n_tokens"], record["vocab"], record["hidden"],
-                           DTYPES[record["dtype"]], torch.device("cpu"), record["chunk_size"])  # fmt: skip
+    result = _measure_here(
+        record["impl"],
+        record["n_tokens"],
+        record["vocab"],
+        record["hidden"],
+        DTYPES[record["dtype"]],
+        torch.device("cpu"),
+        record["chunk_size"],
+    )
     print(json.dumps(result))
 
 
@@ -197,8 +232,11 @@ def _extrapolate(records: list[dict]) -> list[dict]:
         if rec["status"] != "oom":
             out.append(rec)
             continue
-        pts = [(r["n_tokens"], r["peak_bytes"], r["grad_bytes"]) for r in records
-               if r["impl"] == rec["impl"] and r["status"] == "measured"]  # fmt: skip
+        pts = [
+            (r["n_tokens"], r["peak_bytes"], r["grad_bytes"])
+            for r in records
+            if r["impl"] == rec["impl"] and r["status"] == "measured"
+        ]
         if len(pts) < 2:
             out.append(rec)
             continue
@@ -210,10 +248,17 @@ def _extrapolate(records: list[dict]) -> list[dict]:
         # grad_hidden + grad_weight, in the inputs' dtype
         grad = (rec["n_tokens"] + rec["vocab"]) * rec["hidden"] * DTYPES[rec["dtype"]].itemsize
         extra = peak - grad
-        out.append({**rec, "status": "extrapolated", "peak_bytes": int(peak), "grad_bytes": grad,
-                    "extra_bytes": int(extra),
-                    "extra_pct_of_fp32_logits": 100.0 * extra / rec["fp32_logits_bytes"],
-                    "fit": f"affine least squares over n_tokens={[p[0] for p in pts]}"})  # fmt: skip
+        out.append(
+            {
+                **rec,
+                "status": "extrapolated",
+                "peak_bytes": int(peak),
+                "grad_bytes": grad,
+                "extra_bytes": int(extra),
+                "extra_pct_of_fp32_logits": 100.0 * extra / rec["fp32_logits_bytes"],
+                "fit": f"affine least squares over n_tokens={[p[0] for p in pts]}",
+            }
+        )
     return out
 
 
@@ -222,7 +267,9 @@ def _metadata(device: str) -> dict:
 
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True
+            ).stdout.strip()
         except OSError:
             return "unknown"
 
@@ -239,10 +286,13 @@ def _metadata(device: str) -> dict:
         torch_threads=torch.get_num_threads(),
         memory_total_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         device=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-        method=("torch.cuda.max_memory_allocated above the inputs" if device.startswith("cuda")
-                else "subprocess per measurement (MALLOC_MMAP_THRESHOLD_=65536), VmHWM after "
-                     "/proc/self/clear_refs, above the inputs' RSS"),
-    )  # fmt: skip
+        method=(
+            "torch.cuda.max_memory_allocated above the inputs"
+            if device.startswith("cuda")
+            else "subprocess per measurement (MALLOC_MMAP_THRESHOLD_=65536), VmHWM after "
+            "/proc/self/clear_refs, above the inputs' RSS"
+        ),
+    )
     return meta
 
 
@@ -257,29 +307,44 @@ def plot(path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     gib = float(1 << 30)
     ns = sorted({r["n_tokens"] for r in data["records"]})
-    ax.plot(ns, [n * data["config"]["vocab"] * 4 / gib for n in ns], "k:", label="fp32 logits (B*T*V*4)")
+    ax.plot(
+        ns, [n * data["config"]["vocab"] * 4 / gib for n in ns], "k:", label="fp32 logits (B*T*V*4)"
+    )
     for impl in IMPLS:
-        recs = sorted((r for r in data["records"] if r["impl"] == impl and "extra_bytes" in r),
-                      key=lambda r: r["n_tokens"])  # fmt: skip
+        recs = sorted(
+            (r for r in data["records"] if r["impl"] == impl and "extra_bytes" in r),
+            key=lambda r: r["n_tokens"],
+        )
         if not recs:
             continue
         xs, ys = [r["n_tokens"] for r in recs], [r["extra_bytes"] / gib for r in recs]
         line = ax.plot(xs, ys, "-", label=impl)[0]
         ext = [r for r in recs if r["status"] == "extrapolated"]
-        ax.plot([r["n_tokens"] for r in ext], [r["extra_bytes"] / gib for r in ext], "o",
-                mfc="none", color=line.get_color())  # fmt: skip
+        ax.plot(
+            [r["n_tokens"] for r in ext],
+            [r["extra_bytes"] / gib for r in ext],
+            "o",
+            mfc="none",
+            color=line.get_color(),
+        )
         meas = [r for r in recs if r["status"] == "measured"]
-        ax.plot([r["n_tokens"] for r in meas], [r["extra_bytes"] / gib for r in meas], "o",
-                color=line.get_color())  # fmt: skip
+        ax.plot(
+            [r["n_tokens"] for r in meas],
+            [r["extra_bytes"] / gib for r in meas],
+            "o",
+            color=line.get_color(),
+        )
     cfg = data["config"]
     meta = max((r["run"] for r in data["records"]), key=lambda m: m["date_utc"])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("B * T tokens")
     ax.set_ylabel("extra memory, fwd + bwd (GiB)")
-    ax.set_title(f"V={cfg['vocab']}, H={cfg['hidden']}, {cfg['dtype']}, {meta['device']} "
-                 f"(hollow: extrapolated)\n{meta['date_utc']} {meta['commit'][:8]} torch {meta['torch']}",
-                 fontsize=9)  # fmt: skip
+    ax.set_title(
+        f"V={cfg['vocab']}, H={cfg['hidden']}, {cfg['dtype']}, {meta['device']} "
+        f"(hollow: extrapolated)\n{meta['date_utc']} {meta['commit'][:8]} torch {meta['torch']}",
+        fontsize=9,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -307,8 +372,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     out = args.out or RESULTS / f"linear_memory_{device_tag}.json"
     if not args.plot_only:
         run = _metadata(args.device)
-        config = dict(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, dtype=args.dtype, chunk_size=args.chunk_size,
-                      options="defaults with filter=None (every row carries a gradient)")  # fmt: skip
+        config = dict(
+            vocab=VOCAB,
+            hidden=HIDDEN,
+            seq=SEQ,
+            dtype=args.dtype,
+            chunk_size=args.chunk_size,
+            options="defaults with filter=None (every row carries a gradient)",
+        )
         # Earlier measurements of the same configuration are kept unless measured again.
         old = json.loads(out.read_text()) if out.exists() else {}
         measurements = old.get("measurements", []) if old.get("config") == config else []
@@ -316,16 +387,33 @@ def main(argv: Optional[list[str]] = None) -> None:
             failed = False
             for n in (int(x) for x in args.tokens.split(",")):
                 # Memory grows with n: once a size does not fit, larger ones are not attempted.
-                rec = (measure_one(impl, n, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size)
-                       if not failed else dict(impl=impl, n_tokens=n, vocab=VOCAB, hidden=HIDDEN, dtype=args.dtype,
-                                               device=args.device, chunk_size=args.chunk_size, status="oom",
-                                               note="not attempted: a smaller size did not fit",
-                                               fp32_logits_bytes=n * VOCAB * 4))  # fmt: skip
+                rec = (
+                    measure_one(
+                        impl, n, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size
+                    )
+                    if not failed
+                    else dict(
+                        impl=impl,
+                        n_tokens=n,
+                        vocab=VOCAB,
+                        hidden=HIDDEN,
+                        dtype=args.dtype,
+                        device=args.device,
+                        chunk_size=args.chunk_size,
+                        status="oom",
+                        note="not attempted: a smaller size did not fit",
+                        fp32_logits_bytes=n * VOCAB * 4,
+                    )
+                )
                 failed = rec["status"] == "oom"
                 rec["run"] = run
-                measurements = [m for m in measurements if (m["impl"], m["n_tokens"]) != (impl, n)] + [rec]
+                measurements = [
+                    m for m in measurements if (m["impl"], m["n_tokens"]) != (impl, n)
+                ] + [rec]
                 print(json.dumps(rec), flush=True)
-                data = dict(config=config, measurements=measurements, records=_extrapolate(measurements))
+                data = dict(
+                    config=config, measurements=measurements, records=_extrapolate(measurements)
+                )
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(data, indent=1) + "\n")
     print(plot(out))

@@ -26,8 +26,9 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -50,7 +51,14 @@ def quantiles(samples_ms: list[float]) -> dict:
         lo, hi = int(i), min(int(i) + 1, n - 1)
         return s[lo] + (s[hi] - s[lo]) * (i - lo)
 
-    return {"median": statistics.median(s), "p20": q(0.2), "p80": q(0.8), "min": s[0], "max": s[-1], "n": n}
+    return {
+        "median": statistics.median(s),
+        "p20": q(0.2),
+        "p80": q(0.8),
+        "min": s[0],
+        "max": s[-1],
+        "n": n,
+    }
 
 
 def time_fn(
@@ -65,7 +73,11 @@ def time_fn(
     """Quantiles of the time of fn() in ms: at least min_reps repetitions, more (up to max_reps)
     until min_time_s of measured time has passed. restore() runs before each, untimed."""
     samples: list[float] = []
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    flush = (
+        torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+        if device.type == "cuda"
+        else None
+    )
     total = 0.0
     while len(samples) < min_reps or (total < min_time_s and len(samples) < max_reps):
         if restore is not None:
@@ -188,7 +200,9 @@ def roofline_ms(work: dict, bw_GBps: float, tflops: Optional[float]) -> float:
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -216,8 +230,18 @@ def metadata(device: torch.device) -> dict:
 
     commit = _git("rev-parse", "HEAD")
     # Dirty = the code the benchmark runs differs from the commit (not the driver, docs or tests).
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ":(glob)ftis_kernels/*.py",
-                      "ftis_kernels/kernels", "ref", ":(glob)bench/*.py"))  # fmt: skip
+    dirty = bool(
+        _git(
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ":(glob)ftis_kernels/*.py",
+            "ftis_kernels/kernels",
+            "ref",
+            ":(glob)bench/*.py",
+        )
+    )
     return {
         "device": device.type,
         "device_name": device_name(device),
@@ -229,6 +253,6 @@ def metadata(device: torch.device) -> dict:
         "commit": commit[:12] + ("-dirty" if dirty else "") if commit else "unknown",
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
-        # Other work on the machine slows a CPU run down: its load at the start is part of the record.
+        # Other work on the machine slows a CPU run down: its load at the start is part of the record.  # noqa: E501
         "loadavg_1min": os.getloadavg()[0],
     }

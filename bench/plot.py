@@ -21,8 +21,10 @@ MiB = 2**20
 
 def _title(results: dict, family: str) -> str:
     m = results["meta"]
-    return (f"F-TIS loss, {family} family: {m['device_name']}\n"
-            f"torch {m['torch']}, triton {m['triton']}, commit {m['commit']}, {m['date']}")  # fmt: skip
+    return (
+        f"F-TIS loss, {family} family: {m['device_name']}\n"
+        f"torch {m['torch']}, triton {m['triton']}, commit {m['commit']}, {m['date']}"
+    )
 
 
 def plot_family(results: dict, family: str, path: Path) -> bool:
@@ -40,8 +42,16 @@ def plot_family(results: dict, family: str, path: Path) -> bool:
             for i, impl in enumerate(impls):
                 xs, ys, lo, hi = [], [], [], []
                 for j, label in enumerate(labels):
-                    r = next((r for r in recs if r["impl"] == impl and r["mode"] == mode
-                              and r["case"]["label"] == label), None)  # fmt: skip
+                    r = next(
+                        (
+                            r
+                            for r in recs
+                            if r["impl"] == impl
+                            and r["mode"] == mode
+                            and r["case"]["label"] == label
+                        ),
+                        None,
+                    )
                     if r is None:
                         continue
                     xs.append(j + (i - (len(impls) - 1) / 2) * width)
@@ -58,20 +68,32 @@ def plot_family(results: dict, family: str, path: Path) -> bool:
                     ax.bar(xs, ys, width, yerr=err, label=impl, capsize=2, color=f"C{i % 10}")
             if key == "time":
                 for j, label in enumerate(labels):
-                    r = next((r for r in recs if r["mode"] == mode and r["case"]["label"] == label), None)
+                    r = next(
+                        (r for r in recs if r["mode"] == mode and r["case"]["label"] == label), None
+                    )
                     if r is not None:
-                        ax.hlines(r["roofline_ms"], j - 0.45, j + 0.45, colors="black", linewidth=2,
-                                  label="roofline" if j == 0 else None)  # fmt: skip
+                        ax.hlines(
+                            r["roofline_ms"],
+                            j - 0.45,
+                            j + 0.45,
+                            colors="black",
+                            linewidth=2,
+                            label="roofline" if j == 0 else None,
+                        )
             ax.set_yscale("log")
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels(labels, rotation=15, fontsize=8)
             ax.set_ylabel(f"{'time' if key == 'time' else 'peak extra memory'} ({unit})")
-            ax.set_title(f"{mode}: {'median time, p20-p80' if key == 'time' else 'peak memory over inputs'}",
-                         fontsize=10)  # fmt: skip
+            ax.set_title(
+                f"{mode}: {'median time, p20-p80' if key == 'time' else 'peak memory over inputs'}",
+                fontsize=10,
+            )
             ax.grid(axis="y", alpha=0.3, which="both")
     handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i % 10}") for i in range(len(impls))]
     handles.append(plt.Line2D([0], [0], color="black", linewidth=2))
-    fig.legend(handles, [*impls, "roofline"], loc="lower center", ncol=min(len(impls) + 1, 8), fontsize=8)
+    fig.legend(
+        handles, [*impls, "roofline"], loc="lower center", ncol=min(len(impls) + 1, 8), fontsize=8
+    )
     fig.suptitle(_title(results, family), fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=90)

@@ -43,13 +43,23 @@ def reference_loss(case: Case, inputs: dict, options: dict) -> float:
     from ref import ref_ftis_loss
 
     with torch.no_grad():
-        logits = inputs["logits"] if case.family == "logits" else inputs["hidden"] @ inputs["weight"].t()
-        loss, _ = ref_ftis_loss(logits, inputs["tokens"], inputs["gen_logprobs"], inputs["advantages"],
-                                inputs["mask"], **options)  # fmt: skip
+        logits = (
+            inputs["logits"] if case.family == "logits" else inputs["hidden"] @ inputs["weight"].t()
+        )
+        loss, _ = ref_ftis_loss(
+            logits,
+            inputs["tokens"],
+            inputs["gen_logprobs"],
+            inputs["advantages"],
+            inputs["mask"],
+            **options,
+        )
     return float(loss)
 
 
-def measure_one(case: Case, impl: str, mode: str, device: torch.device, inputs: dict, reps: dict) -> dict:
+def measure_one(
+    case: Case, impl: str, mode: str, device: torch.device, inputs: dict, reps: dict
+) -> dict:
     """Raw measurements of one implementation on one case: time, peak memory, loss."""
     reason = unavailable(impl, case.family, mode, device)
     if reason is not None:
@@ -61,13 +71,21 @@ def measure_one(case: Case, impl: str, mode: str, device: torch.device, inputs: 
             prep.restore()
         loss = float(prep.run())
     measure.sync(device)
-    t = measure.time_fn(prep.run, device, prep.restore,
-                        **{k: v for k, v in reps.items() if k != "warmup"})  # fmt: skip
+    t = measure.time_fn(
+        prep.run, device, prep.restore, **{k: v for k, v in reps.items() if k != "warmup"}
+    )
     if device.type == "cpu":
         measure.mmap_large_blocks()
     peak = measure.peak_extra_bytes(prep.run, device, prep.restore)
-    return {"status": "ok", "time_ms": t, "peak_extra_bytes": peak, "loss": loss, "options": prep.options,
-            "note": prep.note, "loadavg_1min_after": os.getloadavg()[0]}  # fmt: skip
+    return {
+        "status": "ok",
+        "time_ms": t,
+        "peak_extra_bytes": peak,
+        "loss": loss,
+        "options": prep.options,
+        "note": prep.note,
+        "loadavg_1min_after": os.getloadavg()[0],
+    }
 
 
 def finish_record(raw: dict, case: Case, impl: str, mode: str, ceilings: dict, meta: dict) -> dict:
@@ -79,9 +97,15 @@ def finish_record(raw: dict, case: Case, impl: str, mode: str, ceilings: dict, m
     dtype = case.dtype if case.dtype in ceilings["matmul_TFLOPs"] else "float32"
     tflops = ceilings["matmul_TFLOPs"].get(dtype)
     roof = measure.roofline_ms(work, ceilings["copy_GBps"], tflops)
-    rec.update(work_bytes=work["bytes"], work_flops=work["flops"], logits_bytes=logits_bytes, roofline_ms=roof,
-               roofline_bound="matmul" if work["flops"] and work["flops"] / (tflops * 1e12) * 1e3 >= roof else
-               "memory")  # fmt: skip
+    rec.update(
+        work_bytes=work["bytes"],
+        work_flops=work["flops"],
+        logits_bytes=logits_bytes,
+        roofline_ms=roof,
+        roofline_bound="matmul"
+        if work["flops"] and work["flops"] / (tflops * 1e12) * 1e3 >= roof
+        else "memory",
+    )
     if raw.get("status") == "ok":
         med = raw["time_ms"]["median"]
         rec["roofline_fraction"] = roof / med
@@ -89,7 +113,9 @@ def finish_record(raw: dict, case: Case, impl: str, mode: str, ceilings: dict, m
         rec["achieved_TFLOPs"] = work["flops"] / (med * 1e-3) / 1e12 if work["flops"] else None
         rec["peak_over_logits"] = raw["peak_extra_bytes"] / logits_bytes
         if raw.get("loss_ref") is not None:
-            rec["loss_rel_err"] = abs(raw["loss"] - raw["loss_ref"]) / max(abs(raw["loss_ref"]), 1e-30)
+            rec["loss_rel_err"] = abs(raw["loss"] - raw["loss_ref"]) / max(
+                abs(raw["loss_ref"]), 1e-30
+            )
     return rec
 
 
@@ -119,18 +145,29 @@ def run_worker_subprocess(spec: dict, repo: Path = measure.REPO) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "bench.run", "--worker", json.dumps(spec)]
     try:
-        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
-                              timeout=WORKER_TIMEOUT_S)
+        proc = subprocess.run(
+            cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         return {"status": "error", "reason": f"worker timed out after {WORKER_TIMEOUT_S} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"status": "error", "reason": f"worker exit {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+        return {
+            "status": "error",
+            "reason": f"worker exit {proc.returncode}: {proc.stderr.strip()[-400:]}",
+        }
     return json.loads(lines[-1])
 
 
-def measure_in_process(case: Case, impl: str, mode: str, device: torch.device, inputs: dict, reps: dict,
-                       ref_cache: dict) -> dict:  # fmt: skip
+def measure_in_process(
+    case: Case,
+    impl: str,
+    mode: str,
+    device: torch.device,
+    inputs: dict,
+    reps: dict,
+    ref_cache: dict,
+) -> dict:
     try:
         raw = measure_one(case, impl, mode, device, inputs, reps)
     except torch.cuda.OutOfMemoryError as e:
@@ -159,11 +196,20 @@ def measure_ceilings(device: torch.device) -> dict:
     rates = {}
     for name, dt in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         rates[name] = measure.matmul_rate(device, dt)["TFLOPs"]
-    return {"copy_GBps": bw["GBps"], "copy_bytes": bw["bytes"], "matmul_TFLOPs": rates,
-            "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32}  # fmt: skip
+    return {
+        "copy_GBps": bw["GBps"],
+        "copy_bytes": bw["bytes"],
+        "matmul_TFLOPs": rates,
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+    }
 
 
-def select(cases: tuple[Case, ...], impls: Optional[list[str]], families: Optional[list[str]], limit: Optional[int]):
+def select(
+    cases: tuple[Case, ...],
+    impls: Optional[list[str]],
+    families: Optional[list[str]],
+    limit: Optional[int],
+):
     out = []
     for case in cases:
         if families and case.family not in families:
@@ -182,20 +228,39 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = measure.metadata(device)
-    log.info("device %s, torch %s, triton %s, commit %s", meta["device_name"], meta["torch"], meta["triton"],
-             meta["commit"])  # fmt: skip
+    log.info(
+        "device %s, torch %s, triton %s, commit %s",
+        meta["device_name"],
+        meta["torch"],
+        meta["triton"],
+        meta["commit"],
+    )
     ceilings = measure_ceilings(device)
-    log.info("copy %.1f GB/s, matmul bf16 %.1f / fp32 %.1f TFLOP/s", ceilings["copy_GBps"],
-             ceilings["matmul_TFLOPs"]["bfloat16"], ceilings["matmul_TFLOPs"]["float32"])  # fmt: skip
+    log.info(
+        "copy %.1f GB/s, matmul bf16 %.1f / fp32 %.1f TFLOP/s",
+        ceilings["copy_GBps"],
+        ceilings["matmul_TFLOPs"]["bfloat16"],
+        ceilings["matmul_TFLOPs"]["float32"],
+    )
     cases = CUDA_CASES if device.type == "cuda" else CPU_CASES
     plan = select(cases, args.impls, args.families, args.max_cases)
-    reps = {"warmup": args.warmup, "min_reps": args.min_reps, "max_reps": args.max_reps, "min_time_s": args.min_time_s}
+    reps = {
+        "warmup": args.warmup,
+        "min_reps": args.min_reps,
+        "max_reps": args.max_reps,
+        "min_time_s": args.min_time_s,
+    }
     start = time.monotonic()
     records = []
 
     def save() -> dict:
-        results = {"meta": meta, "ceilings": ceilings, "workload": TIS_OPTIONS,
-                   "elapsed_s": time.monotonic() - start, "records": records}  # fmt: skip
+        results = {
+            "meta": meta,
+            "ceilings": ceilings,
+            "workload": TIS_OPTIONS,
+            "elapsed_s": time.monotonic() - start,
+            "records": records,
+        }
         (out / "results.json").write_text(json.dumps(results, indent=1))
         return results
 
@@ -210,7 +275,13 @@ def run(args) -> dict:
                 elif args.budget_s and time.monotonic() - start > args.budget_s:
                     raw = {"status": "skipped", "reason": f"time budget of {args.budget_s} s spent"}
                 elif device.type == "cpu":
-                    spec = {"device": "cpu", "case": case.as_dict(), "impl": impl, "mode": mode, "reps": reps}
+                    spec = {
+                        "device": "cpu",
+                        "case": case.as_dict(),
+                        "impl": impl,
+                        "mode": mode,
+                        "reps": reps,
+                    }
                     raw = run_worker_subprocess(spec)
                 else:
                     if inputs is None:
@@ -219,9 +290,15 @@ def run(args) -> dict:
                 records.append(finish_record(raw, case, impl, mode, ceilings, meta))
                 save()  # after every record: a run killed by a time limit keeps what it measured
                 t = raw.get("time_ms", {}).get("median")
-                log.info("%-24s %-20s %-7s %s", case.label, impl, mode,
-                         f"{t:9.3f} ms  peak {raw['peak_extra_bytes'] / 2**20:9.1f} MiB"
-                         if raw["status"] == "ok" else f"{raw['status']}: {raw.get('reason', '')}")  # fmt: skip
+                log.info(
+                    "%-24s %-20s %-7s %s",
+                    case.label,
+                    impl,
+                    mode,
+                    f"{t:9.3f} ms  peak {raw['peak_extra_bytes'] / 2**20:9.1f} MiB"
+                    if raw["status"] == "ok"
+                    else f"{raw['status']}: {raw.get('reason', '')}",
+                )
         del inputs
         gc.collect()
         if device.type == "cuda":
@@ -236,12 +313,18 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     p.add_argument("--out", default="bench/results/latest")
-    p.add_argument("--impls", type=lambda s: s.split(","), default=None, help="comma-separated subset")
+    p.add_argument(
+        "--impls", type=lambda s: s.split(","), default=None, help="comma-separated subset"
+    )
     p.add_argument("--families", type=lambda s: s.split(","), default=None, help="logits,linear")
     p.add_argument("--max-cases", type=int, default=None, help="only the first N cases of the grid")
-    p.add_argument("--budget-s", type=float, default=None, help="record the rest as skipped after this")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="record the rest as skipped after this"
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first (the first compiles)")
     p.add_argument("--min-reps", type=int, default=5)
     p.add_argument("--max-reps", type=int, default=50)

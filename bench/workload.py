@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 
 # The work every implementation is configured to (keyword options of `ftis_loss`).
-TIS_OPTIONS = dict(is_mode="tis", is_cap=2.0, filter=None, epsilon=0.2, loss_type="grpo",
-                   temperature=1.0, beta=0.0)  # fmt: skip
+TIS_OPTIONS = dict(
+    is_mode="tis", is_cap=2.0, filter=None, epsilon=0.2, loss_type="grpo", temperature=1.0, beta=0.0
+)
 # The paper's F-TIS (the library defaults: filter "negative_offpolicy", g = 50, k3 summed).
 FTIS_OPTIONS = dict(TIS_OPTIONS, filter="negative_offpolicy", kl_threshold=50.0)
 
@@ -64,10 +65,17 @@ class Case:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Case":
+    def from_dict(cls, d: dict) -> Case:
         impls = d.get("impls")
-        return cls(family=d["family"], B=d["B"], T=d["T"], V=d["V"], dtype=d["dtype"],
-                   H=d.get("H", 0), impls=tuple(impls) if impls is not None else None)  # fmt: skip
+        return cls(
+            family=d["family"],
+            B=d["B"],
+            T=d["T"],
+            V=d["V"],
+            dtype=d["dtype"],
+            H=d.get("H", 0),
+            impls=tuple(impls) if impls is not None else None,
+        )
 
 
 def _logits_case(tokens: int, V: int, dtype: str, T: int = 1024, impls=None) -> Case:
@@ -75,13 +83,23 @@ def _logits_case(tokens: int, V: int, dtype: str, T: int = 1024, impls=None) -> 
     return Case("logits", tokens // T, T, V, dtype, impls=impls)
 
 
-def _linear_case(tokens: int, V: int, H: int, dtype: str = "bfloat16", T: int = 1024, impls=None) -> Case:
+def _linear_case(
+    tokens: int, V: int, H: int, dtype: str = "bfloat16", T: int = 1024, impls=None
+) -> Case:
     T = min(T, tokens)
     return Case("linear", tokens // T, T, V, dtype, H=H, impls=impls)
 
 
-_NO_COMPILE = ("ref_eager", "ftis_loss", "ftis_loss_inplace", "ftis_loss_filter", "liger_triton",
-               "liger_triton_inplace", "ftis_linear_loss", "liger_chunked")  # fmt: skip
+_NO_COMPILE = (
+    "ref_eager",
+    "ftis_loss",
+    "ftis_loss_inplace",
+    "ftis_loss_filter",
+    "liger_triton",
+    "liger_triton_inplace",
+    "ftis_linear_loss",
+    "liger_chunked",
+)
 
 # CUDA (the issue's grid), in priority order: a run with a time budget measures the first ones and
 # records the rest as skipped. torch.compile recompiles per shape (tens of seconds each), so the
@@ -128,7 +146,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return out.reshape(B, T)
 
 
-def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def linear_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
     """token_logprobs(hidden @ weight.T), a bounded chunk of rows at a time."""
     B, T, H = hidden.shape
     V = weight.shape[0]

@@ -38,11 +38,21 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
 
 def make_model(vocab_size: int, seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=1,
-    ))  # fmt: skip
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
+    )
 
 
 def digit_share(completions, **kwargs) -> list[float]:
@@ -59,7 +69,7 @@ def sample_group(model, prompt_ids, n, max_new_tokens, temperature, generator, e
         token = torch.multinomial(logp.exp(), 1, generator=generator)
         steps.append(logp.gather(1, token))
         ids = torch.cat([ids, token], dim=1)
-    completions, logprobs = ids[:, len(prompt_ids):].tolist(), torch.cat(steps, dim=1).tolist()
+    completions, logprobs = ids[:, len(prompt_ids) :].tolist(), torch.cat(steps, dim=1).tolist()
     ends = [c.index(eos_id) + 1 if eos_id in c else len(c) for c in completions]
     return [c[:e] for c, e in zip(completions, ends)], [lp[:e] for lp, e in zip(logprobs, ends)]
 
@@ -74,12 +84,20 @@ class HalfFromPeer:
 
     def __call__(self, prompts, trainer):
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for g in range(0, len(prompts), self.group_size):  # TRL lists a prompt's group consecutively
+        for g in range(
+            0, len(prompts), self.group_size
+        ):  # TRL lists a prompt's group consecutively
             model = trainer.model if (g // self.group_size) % 2 == 0 else self.peer
             prompt_ids = self.tokenizer(prompts[g])["input_ids"]
-            completions, logprobs = sample_group(model, prompt_ids, self.group_size, self.max_new_tokens,
-                                                 self.temperature, self.generator,
-                                                 self.tokenizer.eos_token_id)  # fmt: skip
+            completions, logprobs = sample_group(
+                model,
+                prompt_ids,
+                self.group_size,
+                self.max_new_tokens,
+                self.temperature,
+                self.generator,
+                self.tokenizer.eos_token_id,
+            )
             out["prompt_ids"] += [prompt_ids] * self.group_size
             out["completion_ids"] += completions
             out["logprobs"] += logprobs
@@ -95,26 +113,51 @@ def main() -> None:
     tokenizer = make_tokenizer()
     prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
     args = FTISGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="ftis-trl-"), max_steps=cli.steps, learning_rate=3e-3,
-        per_device_train_batch_size=16, num_generations=8, max_completion_length=8, temperature=1.0,
-        loss_type="grpo", beta=0.0, epsilon=0.2, **VARIANTS[cli.variant], is_cap=2.0, kl_threshold=50.0,
-        logging_steps=5, seed=0, use_cpu=True, bf16=False, report_to="none",
-        save_strategy="no", disable_tqdm=True,
-    )  # fmt: skip
-    rollout = HalfFromPeer(tokenizer, make_model(len(tokenizer), seed=1).eval(), args.num_generations,
-                           args.max_completion_length, args.temperature)  # fmt: skip
+        output_dir=tempfile.mkdtemp(prefix="ftis-trl-"),
+        max_steps=cli.steps,
+        learning_rate=3e-3,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=8,
+        temperature=1.0,
+        loss_type="grpo",
+        beta=0.0,
+        epsilon=0.2,
+        **VARIANTS[cli.variant],
+        is_cap=2.0,
+        kl_threshold=50.0,
+        logging_steps=5,
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    rollout = HalfFromPeer(
+        tokenizer,
+        make_model(len(tokenizer), seed=1).eval(),
+        args.num_generations,
+        args.max_completion_length,
+        args.temperature,
+    )
     trainer = FTISGRPOTrainer(
-        model=make_model(len(tokenizer), seed=0), reward_funcs=digit_share, args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+        model=make_model(len(tokenizer), seed=0),
+        reward_funcs=digit_share,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
         rollout_func=rollout,
-    )  # fmt: skip
+    )
     trainer.remove_callback(PrinterCallback)  # the summary below replaces TRL's raw log dicts
     trainer.train()
     for entry in trainer.state.log_history:
         if "reward" in entry:
-            print(f"step {entry['step']:3d}  reward {entry['reward']:.3f}  loss {entry['loss']:+.4f}  "
-                  f"kl {entry['ftis/kl_mean']:.2f}  filtered {entry['ftis/filtered_frac']:.2f}  "
-                  f"w {entry['ftis/is_weight_mean']:.3f}  truncated {entry['ftis/is_truncated_frac']:.3f}")
+            print(
+                f"step {entry['step']:3d}  reward {entry['reward']:.3f}  loss {entry['loss']:+.4f}  "  # noqa: E501
+                f"kl {entry['ftis/kl_mean']:.2f}  filtered {entry['ftis/filtered_frac']:.2f}  "
+                f"w {entry['ftis/is_weight_mean']:.3f}  truncated {entry['ftis/is_truncated_frac']:.3f}"  # noqa: E501
+            )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,15 @@ from collections.abc import Sequence
 # Import names (not distribution names) that each extra provides, as pyproject.toml lists them.
 EXTRAS: dict[str, tuple[str, ...]] = {
     "grpo": (
-        "transformers", "peft", "tokenizers", "safetensors", "yaml", "tqdm", "matplotlib",
-        "pydantic", "psutil",
+        "transformers",
+        "peft",
+        "tokenizers",
+        "safetensors",
+        "yaml",
+        "tqdm",
+        "matplotlib",
+        "pydantic",
+        "psutil",
     ),
     "hf": ("transformers", "peft"),
     "plot": ("matplotlib",),

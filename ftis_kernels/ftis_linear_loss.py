@@ -27,7 +27,8 @@ the chunked PyTorch row passes.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 
@@ -48,8 +49,8 @@ from ftis_kernels.options import (
     resolve_options,
     with_option_keywords,
 )
-from ftis_kernels.sharded import all_reduce_sum, check_shards, combine_row_stats, group_name
 from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
+from ftis_kernels.sharded import all_reduce_sum, check_shards, combine_row_stats, group_name
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor, check_values
 
 # With chunk_size=None, a chunk holds at most this many logits (2^25: 64 MiB in bf16, 128 MiB in
@@ -59,7 +60,6 @@ AUTO_CHUNK_ELEMENTS = 1 << 25
 # Vocabulary rows per fp32 partial product of grad_weight when the weight is bf16/fp16
 # (8192 x H x 4 bytes: 48 MiB at H = 1536).
 GRAD_WEIGHT_BLOCK_V = 8192
-
 
 
 def auto_chunk_size(V: int) -> int:
@@ -74,7 +74,9 @@ def _chunks(rows: tuple[torch.Tensor, torch.Tensor], chunk_size: int) -> Iterato
         yield b[i : i + chunk_size], t[i : i + chunk_size]
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     """(c, V) logits of (c, H) hidden states, in their dtype: the same matmul as the model's."""
     return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
 
@@ -89,7 +91,7 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.T
     for v0 in range(0, acc.shape[0], GRAD_WEIGHT_BLOCK_V):
         block = slice(v0, v0 + GRAD_WEIGHT_BLOCK_V)
         if dlogits.is_cuda:
-            # cuBLAS half-precision GEMM with an fp32 result: the chunk's partial sum is not rounded.
+            # cuBLAS half-precision GEMM with an fp32 result: the chunk's partial sum is not rounded.  # noqa: E501
             acc[block].add_(torch.mm(dlogits[:, block].t(), h, out_dtype=torch.float32))
         else:
             # CPU half-precision GEMMs return their dtype: upcast the block instead.
@@ -167,8 +169,19 @@ def linear_grads(
         for b, t in _chunks(live.nonzero(as_tuple=True), chunk_size):
             per_row = (row_max, log_sum, coef, entropy, entropy_coef)
             stats = tuple(None if x is None else x[b, t] for x in per_row)
-            _chunk_backward(hidden[b, t], weight, bias, tokens[b, t], stats, temperature,
-                            backend, grad_hidden, (b, t), grad_weight, grad_bias)  # fmt: skip
+            _chunk_backward(
+                hidden[b, t],
+                weight,
+                bias,
+                tokens[b, t],
+                stats,
+                temperature,
+                backend,
+                grad_hidden,
+                (b, t),
+                grad_weight,
+                grad_bias,
+            )
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -176,13 +189,15 @@ def linear_grads(
     return grad_hidden, grad_weight, grad_bias
 
 
-def _chunk_backward(h, weight, bias, tokens, stats, temperature, backend, grad_hidden, rows,
-                    grad_weight, grad_bias) -> None:  # fmt: skip
+def _chunk_backward(
+    h, weight, bias, tokens, stats, temperature, backend, grad_hidden, rows, grad_weight, grad_bias
+) -> None:
     logits = _chunk_logits(h, weight, bias)[None]
     # In place: the chunk's logits become their gradient.
     row_max, log_sum, coef, entropy, entropy_coef = (None if x is None else x[None] for x in stats)
-    dlogits = BACKWARD[backend](logits, tokens[None], row_max, log_sum, coef, temperature, logits,
-                                entropy, entropy_coef)[0]
+    dlogits = BACKWARD[backend](
+        logits, tokens[None], row_max, log_sum, coef, temperature, logits, entropy, entropy_coef
+    )[0]
     if grad_hidden is not None:
         grad_hidden[rows] = dlogits @ weight
     if grad_weight is not None:
@@ -191,7 +206,9 @@ def _chunk_backward(h, weight, bias, tokens, stats, temperature, backend, grad_h
         grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
 
 
-def _completion_rows(mask: Optional[torch.Tensor], B: int, T: int, device) -> tuple[torch.Tensor, ...]:
+def _completion_rows(
+    mask: Optional[torch.Tensor], B: int, T: int, device
+) -> tuple[torch.Tensor, ...]:
     """(b, t) int64 index tensors of the completion positions, in row-major order."""
     if mask is None:
         pos = torch.arange(B * T, device=device)
@@ -281,8 +298,9 @@ def _ftis_linear_loss_bwd(
     ranks; grad_weight and grad_bias stay this shard's."""
     needs = (need_hidden, need_weight, need_bias)
     stats = (row_max, log_sum, coef, entropy, entropy_coef)
-    grads = linear_grads(hidden, weight, bias, tokens, *stats, temperature, chunk_size, backend,
-                         needs)
+    grads = linear_grads(
+        hidden, weight, bias, tokens, *stats, temperature, chunk_size, backend, needs
+    )
     if group_name is not None and grads[0] is not None:
         all_reduce_sum(grads[0], group_name)
     return tuple(hidden.new_empty(0) if g is None else g for g in grads)
@@ -314,8 +332,18 @@ def _backward(ctx, grad_loss, *_):
     needs = ctx.needs_input_grad
     need_bias = bias is not None and needs[2]
     grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
-        hidden, weight, bias, tokens, *stats, ctx.temperature, ctx.chunk_size, ctx.backend,
-        needs[0], needs[1], need_bias, ctx.group_name,
+        hidden,
+        weight,
+        bias,
+        tokens,
+        *stats,
+        ctx.temperature,
+        ctx.chunk_size,
+        ctx.backend,
+        needs[0],
+        needs[1],
+        need_bias,
+        ctx.group_name,
     )
     grads = (
         grad_hidden if needs[0] else None,
@@ -328,18 +356,24 @@ def _backward(ctx, grad_loss, *_):
 _ftis_linear_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_linear_inputs(hidden: object, weight: object, bias: object, chunk_size: object) -> tuple[int, ...]:
+def _check_linear_inputs(
+    hidden: object, weight: object, bias: object, chunk_size: object
+) -> tuple[int, ...]:
     """Shapes, dtypes and devices of hidden, weight, bias and chunk_size; returns (B, T, H, V)."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or min(hidden.shape) < 1:
-        raise ValueError(f"hidden: expected a (B, T, H) tensor with B, T, H >= 1, got "
-                         f"{hidden.shape if isinstance(hidden, torch.Tensor) else hidden!r}")  # fmt: skip
+        raise ValueError(
+            f"hidden: expected a (B, T, H) tensor with B, T, H >= 1, got "
+            f"{hidden.shape if isinstance(hidden, torch.Tensor) else hidden!r}"
+        )
     B, T, H = hidden.shape
     check_tensor("hidden", hidden, (B, T, H), LOGIT_DTYPES, hidden.device)
     if hidden.device.type not in ("cuda", "cpu"):
         raise ValueError(f"hidden: expected a CUDA or CPU tensor, got a tensor on {hidden.device}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < 1:
-        raise ValueError(f"weight: expected a (V, {H}) tensor with V >= 1, got "
-                         f"{weight.shape if isinstance(weight, torch.Tensor) else weight!r}")  # fmt: skip
+        raise ValueError(
+            f"weight: expected a (V, {H}) tensor with V >= 1, got "
+            f"{weight.shape if isinstance(weight, torch.Tensor) else weight!r}"
+        )
     V = weight.shape[0]
     check_tensor("weight", weight, (V, H), (hidden.dtype,), hidden.device)
     if bias is not None:

@@ -27,9 +27,9 @@ from ftis_kernels.options import (
     resolve_options,
     with_option_keywords,
 )
-from ftis_kernels.sharded import check_shards, combine_row_stats, group_name
-from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
 from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
+from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
+from ftis_kernels.sharded import check_shards, combine_row_stats, group_name
 from ftis_kernels.validate import (
     LOGIT_DTYPES,
     check_inplace_backward,

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 IS_MODES = ("none", "vis", "tis", "mask")
 IS_LEVELS = ("token", "sequence", "sequence_product")
@@ -258,19 +259,19 @@ class FTISOptions:
         return asdict(self)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "FTISOptions":
+    def from_kwargs(cls, **kwargs: Any) -> FTISOptions:
         """FTISOptions(**kwargs), with an unknown name refused as a ValueError naming it."""
         for name in kwargs:
             if name not in OPTION_FIELDS:
                 _fail(name, f"a keyword option, one of {tuple(OPTION_FIELDS)}", "an unknown option")
         return cls(**kwargs)
 
-    def replace(self, **overrides: Any) -> "FTISOptions":
+    def replace(self, **overrides: Any) -> FTISOptions:
         FTISOptions.from_kwargs(**overrides)  # unknown names refused by name
         return replace(self, **overrides)
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "FTISOptions":
+    def preset(cls, name: str, **overrides: Any) -> FTISOptions:
         """The options of a named method (`PRESETS`; README lists each with its source), then
         `overrides`. Presets start from the defaults (F-TIS)."""
         key = name.lower()
@@ -278,8 +279,8 @@ class FTISOptions:
         return cls.from_kwargs(**{**preset.options, **overrides})
 
     @classmethod
-    def for_variant(cls, variant: str, **overrides: Any) -> "FTISOptions":
-        """Options of a paper ablation variant ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis")."""
+    def for_variant(cls, variant: str, **overrides: Any) -> FTISOptions:
+        """Options of a paper ablation variant ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis")."""  # noqa: E501
         key = variant.lower()
         if key not in VARIANTS:
             _fail("variant", f"one of {tuple(VARIANTS)}", variant)

@@ -14,8 +14,9 @@ the largest source of bugs, and the row kernels still receive one scalar per tok
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

@@ -74,7 +74,7 @@ class Case:
             self.ref_logprobs,
         )
 
-    def to(self, device) -> "Case":
+    def to(self, device) -> Case:
         move = {
             k: (v.to(device) if isinstance(v, torch.Tensor) else v)
             for k, v in self.__dict__.items()
@@ -157,6 +157,7 @@ def make_case(
 
 
 # --- hypothesis strategies ---------------------------------------------------------------------
+
 
 def _valid(opts: dict) -> bool:
     try:

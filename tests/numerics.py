@@ -31,19 +31,27 @@ GRAD_MARGIN = {
 }
 
 
-def _worst(name: str, got: torch.Tensor, want: torch.Tensor, excess: torch.Tensor, k: int = 5) -> str:
+def _worst(
+    name: str, got: torch.Tensor, want: torch.Tensor, excess: torch.Tensor, k: int = 5
+) -> str:
     flat = excess.flatten().nan_to_num(nan=float("inf"))
     idx = flat.topk(min(k, flat.numel())).indices
     rows = [f"{name}: worst mismatches (index, got, want, excess over the bound):"]
     for i in idx.tolist():
-        pos = tuple(int(p) for p in torch.unravel_index(torch.tensor(i), got.shape)) if got.dim() else ()
-        rows.append(f"  {pos}: {got.flatten()[i].item():.9g} vs {want.flatten()[i].item():.9g}"
-                    f" (+{flat[i].item():.3g})")  # fmt: skip
+        pos = (
+            tuple(int(p) for p in torch.unravel_index(torch.tensor(i), got.shape))
+            if got.dim()
+            else ()
+        )
+        rows.append(
+            f"  {pos}: {got.flatten()[i].item():.9g} vs {want.flatten()[i].item():.9g}"
+            f" (+{flat[i].item():.3g})"
+        )
     return "\n".join(rows)
 
 
 def _check_nonfinite(name: str, got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Non-finite values must agree exactly; returns the mask of positions to compare numerically."""
+    """Non-finite values must agree exactly; returns the mask of positions to compare numerically."""  # noqa: E501
     same = (got == want) | (got.isnan() & want.isnan())
     finite = torch.isfinite(got) & torch.isfinite(want)
     bad = ~finite & ~same

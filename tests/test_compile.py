@@ -23,8 +23,17 @@ import ftis_kernels
 from tests.cases import backend as force_backend
 from tests.cases import implementations
 
-OPTIONS = dict(is_mode="tis", is_cap=2.0, filter="negative_offpolicy", kl_threshold=0.5, epsilon=0.2,
-               epsilon_high=0.28, beta=0.04, temperature=0.9, loss_type="grpo")  # fmt: skip
+OPTIONS = dict(
+    is_mode="tis",
+    is_cap=2.0,
+    filter="negative_offpolicy",
+    kl_threshold=0.5,
+    epsilon=0.2,
+    epsilon_high=0.28,
+    beta=0.04,
+    temperature=0.9,
+    loss_type="grpo",
+)
 STEPS = 3
 CUDA = torch.cuda.is_available()
 B, T, V, H = 4, 6, 37, 16
@@ -48,17 +57,26 @@ def _batch(device, seed: int = 0) -> dict[str, torch.Tensor]:
     mask = torch.rand(B, T, generator=g) < 0.8
     mask[:, 0] = True
     batch = dict(
-        inputs=torch.randint(0, V, (B, T), generator=g), tokens=tokens,
-        gen_logprobs=logp - torch.rand(B, T, generator=g), advantages=torch.randn(B, generator=g),
-        mask=mask, old_logprobs=logp + 0.1 * torch.randn(B, T, generator=g),
+        inputs=torch.randint(0, V, (B, T), generator=g),
+        tokens=tokens,
+        gen_logprobs=logp - torch.rand(B, T, generator=g),
+        advantages=torch.randn(B, generator=g),
+        mask=mask,
+        old_logprobs=logp + 0.1 * torch.randn(B, T, generator=g),
         ref_logprobs=logp + 0.1 * torch.randn(B, T, generator=g),
-    )  # fmt: skip
+    )
     return {k: v.to(device) for k, v in batch.items()}
 
 
 def _rows(batch):
-    return (batch["tokens"], batch["gen_logprobs"], batch["advantages"], batch["mask"], batch["old_logprobs"],
-            batch["ref_logprobs"])  # fmt: skip
+    return (
+        batch["tokens"],
+        batch["gen_logprobs"],
+        batch["advantages"],
+        batch["mask"],
+        batch["old_logprobs"],
+        batch["ref_logprobs"],
+    )
 
 
 def step_ftis_loss(model: TinyLM, batch):
@@ -69,8 +87,9 @@ def step_ftis_loss(model: TinyLM, batch):
 
 def step_ftis_linear_loss(model: TinyLM, batch):
     linear = getattr(ftis_kernels, "ftis_linear_loss", None)
-    loss, metrics = linear(model.hidden(batch["inputs"]), model.lm_head.weight, *_rows(batch), chunk_size=7,
-                           **OPTIONS)  # fmt: skip
+    loss, metrics = linear(
+        model.hidden(batch["inputs"]), model.lm_head.weight, *_rows(batch), chunk_size=7, **OPTIONS
+    )
     return loss, metrics["kl"], metrics["filtered_frac"], metrics["is_weight_mean"]
 
 
@@ -100,13 +119,21 @@ def test_compiled_training_step_has_one_graph_and_no_graph_break(op, device):
     torch._dynamo.reset()
     torch.manual_seed(0)
     explanation = torch._dynamo.explain(STEP_FNS[op])(TinyLM().to(device), _batch(device))
-    custom_ops = [str(node.target) for graph in explanation.graphs for node in graph.graph.nodes
-                  if "ftis_kernels" in str(node.target)]  # fmt: skip
-    print(f"\n{op}: graph_count={explanation.graph_count} "
-          f"graph_break_count={explanation.graph_break_count} op_count={explanation.op_count} "
-          f"break_reasons={explanation.break_reasons} custom_ops={custom_ops}")
+    custom_ops = [
+        str(node.target)
+        for graph in explanation.graphs
+        for node in graph.graph.nodes
+        if "ftis_kernels" in str(node.target)
+    ]
+    print(
+        f"\n{op}: graph_count={explanation.graph_count} "
+        f"graph_break_count={explanation.graph_break_count} op_count={explanation.op_count} "
+        f"break_reasons={explanation.break_reasons} custom_ops={custom_ops}"
+    )
     # A break after the last op leaves one graph and a count of 0, but still a reason.
-    assert explanation.graph_break_count == 0 and not explanation.break_reasons, explanation.break_reasons
+    assert explanation.graph_break_count == 0 and not explanation.break_reasons, (
+        explanation.break_reasons
+    )
     assert explanation.graph_count == 1
     assert len(custom_ops) == 1, f"expected the op as one opaque node, got {custom_ops}"
 
@@ -133,7 +160,14 @@ def test_compiled_training_steps_match_eager_and_compile_once(op, backend, impl,
     names = ("loss", "kl", "filtered_frac", "is_weight_mean")
     for k, (w, g) in enumerate(zip(want, got)):
         for name, a, b in zip(names, w, g):
-            torch.testing.assert_close(b, a, **tol, msg=lambda m: f"step {k} {name}: {m}")
-    assert any(float(w[2]) > 0 for w in want) and any(float(w[2]) < 1 for w in want), "filter never decided"
+            torch.testing.assert_close(b, a, **tol, msg=lambda m: f"step {k} {name}: {m}")  # noqa: B023
+    assert any(float(w[2]) > 0 for w in want) and any(float(w[2]) < 1 for w in want), (
+        "filter never decided"
+    )
     for (name, a), b in zip(eager_model.named_parameters(), compiled_model.parameters()):
-        torch.testing.assert_close(b, a, **tol, msg=lambda m: f"weight {name} after {STEPS} steps: {m}")
+        torch.testing.assert_close(
+            b,
+            a,
+            **tol,
+            msg=lambda m: f"weight {name} after {STEPS} steps: {m}",  # noqa: B023
+        )

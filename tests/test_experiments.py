@@ -26,17 +26,35 @@ def test_every_cell_has_a_unique_id_and_a_runnable_command():
 def test_smallest_configuration_runs_end_to_end_and_writes_a_table_row(tmp_path):
     # About 25 s on 2 cores; its time is reported, not asserted (the timeout only catches a hang).
     env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)  # the driver takes ftis_loss's PyTorch path, as users' runs do
+    env.pop(
+        "TRITON_INTERPRET", None
+    )  # the driver takes ftis_loss's PyTorch path, as users' runs do
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.study", "run", "--scale", "smoke",
-         "--work", str(tmp_path / "runs"), "--results", str(tmp_path / "results")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "experiments.study",
+            "run",
+            "--scale",
+            "smoke",
+            "--work",
+            str(tmp_path / "runs"),
+            "--results",
+            str(tmp_path / "results"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
     rows = [json.loads(x) for x in (tmp_path / "results" / "cells.jsonl").read_text().splitlines()]
     assert [(r["id"], r["node"], r["name"]) for r in rows] == [
-        ("pairs/size/f-tis/s0", 0, "tiny"), ("pairs/size/f-tis/s0", 1, "small")]
+        ("pairs/size/f-tis/s0", 0, "tiny"),
+        ("pairs/size/f-tis/s0", 1, "small"),
+    ]
     for r in rows:
         assert r["rounds"] == 3 and r["samples_received"] > 0 and r["dropped"] == 0
         for key in ("acc_id", "acc_ood", "acc_id_early", "reward_late", "kl_mean"):

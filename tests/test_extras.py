@@ -50,7 +50,10 @@ def test_each_extra_lists_the_distributions_of_its_import_names():
             provided = {d.lower() for d in dists.get(module, [])}
             assert provided & listed, (extra, module, provided)
     # verl pins a torch that would replace the CPU build: it installs apart (pyproject's note).
-    assert set(extras["all"][0][len("ftis-kernels[") : -1].split(",")) == set(extras) - {"all", "verl"}
+    assert set(extras["all"][0][len("ftis-kernels[") : -1].split(",")) == set(extras) - {
+        "all",
+        "verl",
+    }
 
 
 def test_import_ftis_kernels_loads_no_optional_package():

@@ -104,29 +104,45 @@ def test_each_of_several_problems_gets_its_own_line(tmp_path):
         "ftis-grpo: data.train: expected a JSONL file (task jsonl), got null",
         "ftis-grpo: data.test: expected a JSONL file (task jsonl), got null",
         "ftis-grpo: data.ood: expected a JSONL file (task jsonl), got null",
-    ] + [f"ftis-grpo: nodes.{i}.model: expected a model folder: preset models know only the "
-         "built-in task's vocabulary (task jsonl), got null" for i in range(2)]
+    ] + [
+        f"ftis-grpo: nodes.{i}.model: expected a model folder: preset models know only the "
+        "built-in task's vocabulary (task jsonl), got null"
+        for i in range(2)
+    ]
 
 
 def test_yaml_file_that_is_not_a_mapping_is_a_config_error(tmp_path):
     listed = tmp_path / "list.yaml"
     listed.write_text("[1, 2]\n")
     rc, err = ftis_grpo("--config", str(listed), out=tmp_path / "run")
-    assert rc == 2 and err == [f"ftis-grpo: --config {listed}: expected a mapping of config keys "
-                               "(key: value lines), got [1, 2]"]
+    assert rc == 2 and err == [
+        f"ftis-grpo: --config {listed}: expected a mapping of config keys "
+        "(key: value lines), got [1, 2]"
+    ]
 
 
 def test_out_that_is_a_file_is_a_config_error(tmp_path):
     (tmp_path / "afile").write_text("")
     rc, err = ftis_grpo("--preset", "smoke", out=tmp_path / "afile")
-    assert rc == 2 and err == [f"ftis-grpo: --out: expected a folder, got "
-                               f"{str(tmp_path / 'afile')!r}, which is a file"]
+    assert rc == 2 and err == [
+        f"ftis-grpo: --out: expected a folder, got {str(tmp_path / 'afile')!r}, which is a file"
+    ]
 
 
 def test_resume_names_each_changed_key_with_its_old_and_new_value(tmp_path):
     _fake_run(tmp_path, build_config("smoke", overrides={"out": str(tmp_path)}), rounds_done=2)
-    rc, err = ftis_grpo("--preset", "smoke", "--resume", "--loss", "nois",
-                        "--set", "nodes.1.lr=0.5", "--rounds", "9", out=tmp_path)
+    rc, err = ftis_grpo(
+        "--preset",
+        "smoke",
+        "--resume",
+        "--loss",
+        "nois",
+        "--set",
+        "nodes.1.lr=0.5",
+        "--rounds",
+        "9",
+        out=tmp_path,
+    )
     assert rc == 2 and len(err) == 2, err
     assert err[0].startswith("ftis-grpo: loss: expected 'f-tis' as in the run being resumed")
     assert err[0].endswith(", got 'nois'")
@@ -140,8 +156,10 @@ def test_resume_without_a_checkpoint_or_rounds_left_is_a_config_error(tmp_path):
     assert not (tmp_path / "new").exists()  # the folder it made for the run is gone again
     _fake_run(tmp_path / "done", build_config("smoke", overrides={"out": str(tmp_path)}), 4)
     rc, err = ftis_grpo("--preset", "smoke", "--resume", out=tmp_path / "done")
-    assert rc == 2 and err == [f"ftis-grpo: rounds: expected more than the 4 rounds the run in "
-                               f"{tmp_path / 'done'} has done (--rounds N extends it), got 4"]
+    assert rc == 2 and err == [
+        f"ftis-grpo: rounds: expected more than the 4 rounds the run in "
+        f"{tmp_path / 'done'} has done (--rounds N extends it), got 4"
+    ]
 
 
 def test_resume_hint_only_when_a_checkpoint_exists(tmp_path):
@@ -177,8 +195,13 @@ def test_help_gives_every_flag_a_text_and_lists_the_presets(capsys):
         assert f"{name} {line}" in text
     for action in parser._actions:
         assert action.help and all(flag in text for flag in action.option_strings), action
-    for flag, default in (("--out", "runs/grpo"), ("--rounds", "20"), ("--loss", "f-tis"),
-                          ("--timeout", "120.0"), ("--threads", "cores / nodes")):
+    for flag, default in (
+        ("--out", "runs/grpo"),
+        ("--rounds", "20"),
+        ("--loss", "f-tis"),
+        ("--timeout", "120.0"),
+        ("--threads", "cores / nodes"),
+    ):
         assert f"(default {default})" in text or f"(default: {default})" in text, flag
 
 
@@ -187,7 +210,8 @@ def test_list_keys_names_every_key_with_allowed_values_and_default(capsys):
     text = capsys.readouterr().out
     keys = [row[0] for row in describe_keys()]
     names = list(RunConfig.__pydantic_fields__) + [
-        f"nodes.<i>.{n}" for n in NodeSpec.__pydantic_fields__]
+        f"nodes.<i>.{n}" for n in NodeSpec.__pydantic_fields__
+    ]
     assert keys == names and all(k in text for k in keys)
     assert "'vertical' | 'horizontal'" in text and "integer >= 1" in text
 
@@ -199,8 +223,9 @@ def test_print_config_is_the_effective_config_as_a_valid_config_file(tmp_path, c
     assert "# 'on-policy' | 'nois'" in printed and not (tmp_path / "run").exists()
     (tmp_path / "printed.yaml").write_text(printed)
     again = build_config(config_file=str(tmp_path / "printed.yaml"))
-    expected = build_config("smoke", overrides={"loss": "nois", "out": str(tmp_path / "run")},
-                            sets=("nodes.1.lr=0.01",))
+    expected = build_config(
+        "smoke", overrides={"loss": "nois", "out": str(tmp_path / "run")}, sets=("nodes.1.lr=0.01",)
+    )
     assert to_dict(again) == to_dict(expected)
     assert yaml.safe_load(printed)["nodes"][1]["lr"] == 0.01
 
@@ -222,8 +247,12 @@ def test_fresh_run_into_a_folder_holding_a_run_is_refused(tmp_path):
     _fake_run(tmp_path, build_config("smoke"), rounds_done=50)
     rc, err = ftis_grpo("--preset", "smoke", out=tmp_path)
     assert rc == 2 and len(err) == 1, err
-    assert "expected an empty or new folder (--resume continues the run there, --overwrite " \
-           "replaces it)" in err[0] and "holds a run: ckpt, metrics.jsonl, config.json" in err[0]
+    assert (
+        "expected an empty or new folder (--resume continues the run there, --overwrite "
+        "replaces it)"
+        in err[0]
+        and "holds a run: ckpt, metrics.jsonl, config.json" in err[0]
+    )
     assert checkpoint.latest_round(tmp_path / "ckpt") == 50
 
 
@@ -266,9 +295,23 @@ def test_signal_to_the_launcher_alone_stops_every_process(tmp_path):
     log_file = tmp_path / "log.txt"
     with open(log_file, "w") as log_out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ftis_kernels.grpo", "--preset", "smoke", "--no-progress",
-             "--rounds", "50", "--out", str(tmp_path / "run")],
-            cwd=ROOT, env=_env(), stdout=log_out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "ftis_kernels.grpo",
+                "--preset",
+                "smoke",
+                "--no-progress",
+                "--rounds",
+                "50",
+                "--out",
+                str(tmp_path / "run"),
+            ],
+            cwd=ROOT,
+            env=_env(),
+            stdout=log_out,
+            stderr=subprocess.STDOUT,
+        )
     launcher = psutil.Process(proc.pid)
     tree: list[psutil.Process] = []
     try:
@@ -297,15 +340,38 @@ def test_a_long_warm_up_does_not_trip_a_peers_timeout(tmp_path):
     # Node 0 warms up for 200 steps (several seconds), node 1 not at all: node 1 waits for it
     # far longer than the 5 s a silent peer is given once the rounds run.
     proc = subprocess.run(
-        [sys.executable, "-m", "ftis_kernels.grpo", "--preset", "smoke", "--no-progress",
-         "--rounds", "1", "--timeout", "5", "--out", str(tmp_path),
-         "--set", "nodes.0.warmup_steps=200", "--set", "nodes.1.warmup_steps=0",
-         "--set", "nodes.1.lora=false"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "ftis_kernels.grpo",
+            "--preset",
+            "smoke",
+            "--no-progress",
+            "--rounds",
+            "1",
+            "--timeout",
+            "5",
+            "--out",
+            str(tmp_path),
+            "--set",
+            "nodes.0.warmup_steps=200",
+            "--set",
+            "nodes.1.warmup_steps=0",
+            "--set",
+            "nodes.1.lora=false",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
-    assert "warm-up of 200 steps" in log and len((tmp_path / "metrics.jsonl").read_text()
-                                                  .splitlines()) == 2
+    assert (
+        "warm-up of 200 steps" in log
+        and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    )
 
 
 # == Non-finite updates, damaged checkpoints, torn metrics (issue 13 items 5 and 9) ================
@@ -325,17 +391,28 @@ def _batch(poisoned: bool) -> list[Sample]:
     out = []
     for i in range(3):
         tokens = torch.randint(3, len(TOKENIZER), (5,), generator=g, dtype=torch.int32)
-        out.append(Sample(make_prompt_id("train", i), 1, tokens, -torch.rand(5, generator=g) * 3,
-                          1.0, 1.0 + i))
+        out.append(
+            Sample(
+                make_prompt_id("train", i), 1, tokens, -torch.rand(5, generator=g) * 3, 1.0, 1.0 + i
+            )
+        )
     if poisoned:
         out[0].logprobs[2] = -100.0
     return out
 
 
 def _update(model, optimizer, samples, loss: str) -> dict[str, float]:
-    return grpo_update(model, optimizer, samples, _prompt, FTISOptions.for_variant(loss),
-                       micro_batch=2, pad_id=TOKENIZER.pad_token_id, grad_clip=1.0,
-                       device=torch.device("cpu"))
+    return grpo_update(
+        model,
+        optimizer,
+        samples,
+        _prompt,
+        FTISOptions.for_variant(loss),
+        micro_batch=2,
+        pad_id=TOKENIZER.pad_token_id,
+        grad_clip=1.0,
+        device=torch.device("cpu"),
+    )
 
 
 @pytest.mark.parametrize("loss", ["vis", "f-vis"])
@@ -344,8 +421,10 @@ def test_poisoned_peer_sample_skips_the_step_and_changes_no_parameter_or_optimiz
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     assert _update(model, optimizer, _batch(poisoned=False), loss)["skipped"] == 0.0
     params = {k: v.clone() for k, v in model.state_dict().items()}
-    state = {i: {k: v.clone() for k, v in s.items()} for i, s in
-             enumerate(optimizer.state_dict()["state"].values())}
+    state = {
+        i: {k: v.clone() for k, v in s.items()}
+        for i, s in enumerate(optimizer.state_dict()["state"].values())
+    }
     stats = _update(model, optimizer, _batch(poisoned=True), loss)
     assert stats["skipped"] == 1.0
     assert skip_cause(stats) == "non-finite loss (-inf)"
@@ -368,7 +447,6 @@ def test_non_finite_gradient_with_a_finite_loss_skips_the_step():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-
 def test_max_skipped_steps_defaults_to_three_and_must_be_positive():
     from ftis_kernels.grpo.config import RESUMABLE
 
@@ -376,12 +454,14 @@ def test_max_skipped_steps_defaults_to_three_and_must_be_positive():
     with pytest.raises(ValueError, match="max_skipped_steps: expected a value >= 1, got 0"):
         build_config("smoke", sets=("max_skipped_steps=0",))
 
+
 def test_skipped_in_a_row_counts_each_nodes_trailing_skipped_rounds():
     from ftis_kernels.grpo.report import skipped_in_a_row
 
     flags = {0: [1, 0, 1, 1], 1: [1, 1, 1, 0], 2: [1, 1]}
-    rows = [{"round": r, "node": n, "skipped": f} for n, fs in flags.items()
-            for r, f in enumerate(fs)]
+    rows = [
+        {"round": r, "node": n, "skipped": f} for n, fs in flags.items() for r, f in enumerate(fs)
+    ]
     assert skipped_in_a_row(rows[::-1]) == {0: 2, 1: 0, 2: 2}
 
 
@@ -399,23 +479,33 @@ def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(t
     and counted, the swarm stops after the third, and node 0's weights never changed."""
     from safetensors.torch import load_file
 
-    rc, log, _ = run_swarm("--preset", "smoke", "--out", str(tmp_path), "--loss", "vis",
-                           "--set", "nodes.1.hostile=improbable_logprobs")
+    rc, log, _ = run_swarm(
+        "--preset",
+        "smoke",
+        "--out",
+        str(tmp_path),
+        "--loss",
+        "vis",
+        "--set",
+        "nodes.1.hostile=improbable_logprobs",
+    )
     assert rc != 0
     for round_ in range(3):
-        assert (f"node 0 (tiny-full) round {round_}: optimizer step skipped, non-finite loss"
-                in log)
+        assert f"node 0 (tiny-full) round {round_}: optimizer step skipped, non-finite loss" in log
     assert "node 0 (tiny-full) skipped its optimizer step 3 rounds in a row" in log
     assert "max_skipped_steps=3" in log
     assert "a --resume would repeat it" in log and "Continue from the checkpoint" not in log
     rows = rows_of(tmp_path)
     assert [(r["round"], r["node"], r["skipped"]) for r in rows] == [
-        (r, n, int(n == 0)) for r in range(3) for n in range(2)]
+        (r, n, int(n == 0)) for r in range(3) for n in range(2)
+    ]
     assert "skipped" in (tmp_path / "summary.txt").read_text()
     ckpt = tmp_path / "ckpt" / "node0"
     start, after = (load_file(ckpt / f"round_0000{r}" / "model.safetensors") for r in (0, 2))
-    assert all(torch.equal(start[k], after[k]) and bool(torch.isfinite(after[k]).all())
-               for k in start)
+    assert all(
+        torch.equal(start[k], after[k]) and bool(torch.isfinite(after[k]).all()) for k in start
+    )
+
 
 # -- checkpoints that prove themselves, metrics that survive a torn write (issue 13.9) -----------
 def _spoil(path) -> None:
@@ -456,15 +546,17 @@ def test_resume_round_is_the_newest_that_every_node_has_good():
 
 
 def _metrics_file(tmp_path, tail: str = "", middle: str = ""):
-    rows = [json.dumps({"round": r, "node": n, "reward_mean": 0.5}) for r in range(3)
-            for n in range(2)]
+    rows = [
+        json.dumps({"round": r, "node": n, "reward_mean": 0.5}) for r in range(3) for n in range(2)
+    ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(rows[:3] + ([middle] if middle else []) + rows[3:]) + "\n" + tail)
     return path
 
 
-@pytest.mark.parametrize("tail", ['{"round": 3, "node": 0, "rew', "\x00\x00\x00\x00",
-                                  '["not", "a", "row"]\n'])
+@pytest.mark.parametrize(
+    "tail", ['{"round": 3, "node": 0, "rew', "\x00\x00\x00\x00", '["not", "a", "row"]\n']
+)
 def test_torn_or_garbage_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog, tail):
     from ftis_kernels.grpo.report import read_metrics
 
@@ -479,7 +571,6 @@ def test_bad_metrics_line_before_the_last_is_an_error_naming_the_line(tmp_path, 
 
     with pytest.raises(ValueError, match=r"metrics.jsonl, line 4: .*fix or delete that line"):
         read_metrics(_metrics_file(tmp_path, middle=middle))
-
 
 
 @pytest.fixture(scope="module")

@@ -61,15 +61,20 @@ def check_against_reference(case, dtype, impl, *, exact, chunk_size=None, record
         f32_loss, f32_metrics, _ = run_linear_ref(case, torch.float64, torch.float32, **opts)
         errors["loss"] = check("loss", loss, o_loss, f32_loss, numerics.FP32)
         for name in ("logp", "entropy", "kl", *SCALAR_METRICS):
-            errors[name] = check(name, metrics[name], o_metrics[name], f32_metrics[name], numerics.FP32)
+            errors[name] = check(
+                name, metrics[name], o_metrics[name], f32_metrics[name], numerics.FP32
+            )
         assert torch.equal(metrics["filtered"].cpu(), o_metrics["filtered"].cpu())
     else:
         errors["loss"] = check("loss", loss, o_loss, p_loss, numerics.FP32)
-        errors["logp"] = check("logp", metrics["logp"], o_metrics["logp"], p_metrics["logp"], numerics.FP32)
+        errors["logp"] = check(
+            "logp", metrics["logp"], o_metrics["logp"], p_metrics["logp"], numerics.FP32
+        )
     for name, grad in grads.items():
         assert grad.dtype == dtype and grad.shape == o_grads[name].shape
-        errors[f"grad_{name}"] = check(f"grad_{name}", grad, o_grads[name], p_grads[name],
-                                       numerics.GRAD_MARGIN[dtype])  # fmt: skip
+        errors[f"grad_{name}"] = check(
+            f"grad_{name}", grad, o_grads[name], p_grads[name], numerics.GRAD_MARGIN[dtype]
+        )
     if record:
         numerics.record(dtype, f"linear-{impl}" + ("" if exact else "/random"), errors)
 
@@ -95,20 +100,43 @@ def test_exact_logits_match_reference_on_loss_metrics_and_grads(
     B, T, H, V, dtype, chunk_size, with_bias, mask, gen_spread, with_old, seed, opts
 ):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    case = make_case(B, T, V, H=H, seed=seed, with_bias=with_bias, mask=mask, gen_spread=gen_spread,
-                     with_old=with_old, with_ref=opts["beta"] > 0, device=device)  # fmt: skip
+    case = make_case(
+        B,
+        T,
+        V,
+        H=H,
+        seed=seed,
+        with_bias=with_bias,
+        mask=mask,
+        gen_spread=gen_spread,
+        with_old=with_old,
+        with_ref=opts["beta"] > 0,
+        device=device,
+    )
     numerics.count_example()
     for impl in implementations(device):
-        check_against_reference(case, dtype, impl, exact=True, chunk_size=chunk_size, record=True, **opts)
+        check_against_reference(
+            case, dtype, impl, exact=True, chunk_size=chunk_size, record=True, **opts
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunk_size", [5, 8, None])  # 5 does not divide B * T = 16, 8 does
 def test_random_hidden_matches_reference_for_each_dtype_and_path(dtype, chunk_size, device):
-    case = make_case(2, 8, 150, H=32, seed=1, exact=False, mask="none", gen_spread=2.0, device=device)
+    case = make_case(
+        2, 8, 150, H=32, seed=1, exact=False, mask="none", gen_spread=2.0, device=device
+    )
     for impl in implementations(device):
-        check_against_reference(case, dtype, impl, exact=False, chunk_size=chunk_size, record=True,
-                                temperature=0.9, loss_type="bnpo")  # fmt: skip
+        check_against_reference(
+            case,
+            dtype,
+            impl,
+            exact=False,
+            chunk_size=chunk_size,
+            record=True,
+            temperature=0.9,
+            loss_type="bnpo",
+        )
 
 
 # --- the op's own contract ----------------------------------------------------------------------
@@ -129,8 +157,11 @@ def test_equals_ftis_loss_on_the_materialised_logits(dtype, device):
             assert torch.equal(metrics[name], want_metrics[name])
         else:
             numerics.assert_close(name, metrics[name], want_metrics[name])
-    tol = {torch.float32: numerics.Tol(1e-5, 1e-7), torch.bfloat16: numerics.Tol(2**-6, 1e-5),
-           torch.float16: numerics.Tol(2**-8, 1e-6)}[dtype]  # fmt: skip
+    tol = {
+        torch.float32: numerics.Tol(1e-5, 1e-7),
+        torch.bfloat16: numerics.Tol(2**-6, 1e-5),
+        torch.float16: numerics.Tol(2**-8, 1e-6),
+    }[dtype]
     for (name, grad), want_grad in zip(grads.items(), want_grads):
         numerics.assert_close(f"grad_{name}", grad, want_grad, tol)
 
@@ -150,8 +181,17 @@ def _large_logits_case(magnitude, device):
     gen = (logp - torch.rand(2, 4, generator=g, dtype=torch.float64)).float()
     old = (logp + 0.25 * torch.randn(2, 4, generator=g, dtype=torch.float64)).float()
     ref = (logp - 0.5 * torch.rand(2, 4, generator=g, dtype=torch.float64)).float()
-    large = dataclasses.replace(case, logits=logits, tokens=tokens, gen_logprobs=gen, mask=None,
-                                old_logprobs=old, ref_logprobs=ref, weight=weight, bias=bias)  # fmt: skip
+    large = dataclasses.replace(
+        case,
+        logits=logits,
+        tokens=tokens,
+        gen_logprobs=gen,
+        mask=None,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        weight=weight,
+        bias=bias,
+    )
     return large.to(device)
 
 
@@ -170,7 +210,9 @@ def test_chunk_size_changes_nothing_but_memory(device):
         loss, metrics, grads = run_linear(case, torch.float32, chunk_size=chunk_size)
         numerics.assert_close("loss", loss, base_loss, numerics.Tol(1e-6, 1e-7))
         assert torch.equal(metrics["filtered"], base_metrics["filtered"])
-        numerics.assert_close("logp", metrics["logp"], base_metrics["logp"], numerics.Tol(1e-6, 1e-6))
+        numerics.assert_close(
+            "logp", metrics["logp"], base_metrics["logp"], numerics.Tol(1e-6, 1e-6)
+        )
         for name in grads:
             numerics.assert_close(name, grads[name], base_grads[name], numerics.Tol(1e-5, 1e-7))
 
@@ -197,7 +239,10 @@ def test_filtered_samples_get_no_hidden_gradient(device):
     case = dataclasses.replace(case, advantages=torch.tensor([-1.0, 0.5, -0.3], device=device))
     _, metrics, grads = run_linear(case, torch.float32, chunk_size=3, kl_threshold=1.0)
     assert metrics["filtered"].tolist() == [True, False, True]
-    assert torch.count_nonzero(grads["hidden"][0]) == 0 and torch.count_nonzero(grads["hidden"][2]) == 0
+    assert (
+        torch.count_nonzero(grads["hidden"][0]) == 0
+        and torch.count_nonzero(grads["hidden"][2]) == 0
+    )
     assert torch.count_nonzero(grads["hidden"][1]) > 0
 
 
@@ -233,13 +278,17 @@ def test_gradients_only_where_requested(device):
     (grad_weight,) = torch.autograd.grad(loss * 3.0, [weight])
     case_nb = dataclasses.replace(case, bias=None)
     _, _, want = run_linear(case_nb, torch.float32, chunk_size=3)
-    numerics.assert_close("grad_weight", grad_weight, 3.0 * want["weight"], numerics.Tol(1e-6, 1e-8))
+    numerics.assert_close(
+        "grad_weight", grad_weight, 3.0 * want["weight"], numerics.Tol(1e-6, 1e-8)
+    )
 
 
 def test_strided_hidden_is_read_without_a_copy_of_the_batch(device):
     case = make_case(2, 6, 30, H=8, seed=9, device=device)
     padded = torch.cat([case.hidden, torch.full_like(case.hidden[:, :1], float("nan"))], dim=1)
-    strided = padded[:, :-1]  # (B, T, H) view of a (B, T + 1, H) buffer, as hidden[:, :-1] in a model
+    strided = padded[
+        :, :-1
+    ]  # (B, T, H) view of a (B, T + 1, H) buffer, as hidden[:, :-1] in a model
     assert not strided.is_contiguous()
     got = run_linear(case, torch.float32, hidden=strided, chunk_size=5)
     want = run_linear(case, torch.float32, chunk_size=5)
@@ -253,7 +302,9 @@ def test_strided_hidden_is_read_without_a_copy_of_the_batch(device):
 
 def test_torch_compile_fullgraph_matches_eager(device):
     case = make_case(2, 5, 33, H=8, seed=10, device=device)
-    hidden, weight, bias = (x.float().requires_grad_() for x in (case.hidden, case.weight, case.bias))
+    hidden, weight, bias = (
+        x.float().requires_grad_() for x in (case.hidden, case.weight, case.bias)
+    )
 
     def step(h, w, b):
         loss, metrics = ftis_linear_loss(h, w, *case.inputs, bias=b, chunk_size=3)
@@ -274,8 +325,21 @@ def test_custom_ops_pass_opcheck(device):
     hidden, weight, bias = (x.float() for x in (case.hidden, case.weight, case.bias))
     options = option_args(FTISOptions(entropy_coef=0.01))
     unpacked_unsharded = (None, 0, 0, None)  # cu_seqlens, max_seqlen, vocab_start, group_name
-    fwd_args = (hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options,
-                *unpacked_unsharded, 2, "torch")  # fmt: skip
+    fwd_args = (
+        hidden,
+        weight,
+        bias,
+        tokens,
+        gen,
+        adv,
+        mask,
+        old,
+        ref,
+        *options,
+        *unpacked_unsharded,
+        2,
+        "torch",
+    )
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_fwd.default, fwd_args)
     outputs = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
     *_, row_max, log_sum, coef, entropy_coef = outputs

@@ -23,8 +23,15 @@ def small_vocab_blocks(monkeypatch):
 def oracle(logits64, tokens, mask, temperature):
     B, T, _ = logits64.shape
     gen = torch.zeros(B, T)
-    _, metrics = ref_ftis_loss(logits64, tokens, gen, torch.zeros(B), mask,
-                               compute_dtype=torch.float64, temperature=temperature)  # fmt: skip
+    _, metrics = ref_ftis_loss(
+        logits64,
+        tokens,
+        gen,
+        torch.zeros(B),
+        mask,
+        compute_dtype=torch.float64,
+        temperature=temperature,
+    )
     return metrics["logp"], metrics["entropy"]
 
 
@@ -46,7 +53,7 @@ def test_logprobs_and_entropy_match_the_reference(dtype, from_hidden, monkeypatc
     if from_hidden:
         kwargs.update(bias=bias.to(dtype), chunk_size=4)
     for interpreted in (True, False):  # the Triton kernels, then the PyTorch CPU path
-        monkeypatch.setattr(logp_lse, "triton_is_interpreted", lambda: interpreted)
+        monkeypatch.setattr(logp_lse, "triton_is_interpreted", lambda: interpreted)  # noqa: B023
         logp, entropy = ftis_logprobs(*args, **kwargs)
         numerics.assert_close("logp", logp, want_logp)
         numerics.assert_close("entropy", entropy, want_ent)

@@ -58,6 +58,7 @@ def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
 
 # --- properties against the reference --------------------------------------------------------
 
+
 @given(
     B=st.integers(1, 4),
     T=st.integers(1, 6),
@@ -75,9 +76,20 @@ def test_matches_reference_on_loss_metrics_and_grad(
     B, T, V, dtype, mask, scale, gen_spread, with_old, zero_advantage, seed, opts
 ):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    case = make_case(B, T, V, dtype, seed=seed, mask=mask, scale=scale, gen_spread=gen_spread,
-                     with_old=with_old, with_ref=opts["beta"] > 0, zero_advantage=zero_advantage,
-                     device=device)  # fmt: skip
+    case = make_case(
+        B,
+        T,
+        V,
+        dtype,
+        seed=seed,
+        mask=mask,
+        scale=scale,
+        gen_spread=gen_spread,
+        with_old=with_old,
+        with_ref=opts["beta"] > 0,
+        zero_advantage=zero_advantage,
+        device=device,
+    )
     numerics.count_example()
     for impl in implementations(device):
         check_against_reference(case, dtype, impl, record=True, **opts)
@@ -98,8 +110,9 @@ def test_defaults_match_reference_for_each_dtype_and_path(dtype, device):
 def test_on_policy_gen_logprobs_reduce_every_is_mode_to_plain_grpo(is_mode, is_level, device):
     case = make_case(3, 6, 90, seed=2, device=device)
     _, metrics, _ = run_op(case)
-    on_policy = Case(case.logits, case.tokens, metrics["logp"], case.advantages, case.mask,
-                     case.old_logprobs)
+    on_policy = Case(
+        case.logits, case.tokens, metrics["logp"], case.advantages, case.mask, case.old_logprobs
+    )
     plain = run_op(on_policy, is_mode="none", filter=None)
     got = run_op(on_policy, is_mode=is_mode, is_level=is_level)
     assert torch.equal(got[0], plain[0])
@@ -124,8 +137,14 @@ def test_filtered_sample_contributes_no_gradient(device):
     assert torch.count_nonzero(grad[0]) == 0 and torch.count_nonzero(grad[2]) == 0
     assert torch.count_nonzero(grad[1]) > 0
     # The filtered samples' advantage is 0, yet they still count in the grpo mean over B.
-    single = Case(case.logits[1:2], case.tokens[1:2], case.gen_logprobs[1:2], adv[1:2],
-                            None, case.old_logprobs[1:2])  # fmt: skip
+    single = Case(
+        case.logits[1:2],
+        case.tokens[1:2],
+        case.gen_logprobs[1:2],
+        adv[1:2],
+        None,
+        case.old_logprobs[1:2],
+    )
     alone, _, _ = run_op(single, kl_threshold=1.0)
     numerics.assert_close("loss", loss * 3, alone)
 
@@ -136,8 +155,7 @@ def test_sample_loss_and_gradient_do_not_depend_on_other_samples(opts, device):
     loss, _, grad = run_op(case, **opts)
     per_sample = []
     for b in range(4):
-        one = Case(*(t[b : b + 1] if t is not None else None for t in
-                               (case.logits, *case.inputs)))  # fmt: skip
+        one = Case(*(t[b : b + 1] if t is not None else None for t in (case.logits, *case.inputs)))
         l_b, _, g_b = run_op(one, **opts)
         per_sample.append(l_b)
         numerics.assert_close(f"grad[{b}]", grad[b] * 4, g_b[0])
@@ -173,8 +191,14 @@ def test_all_tokens_masked_gives_zero_loss_and_grad(device):
 @pytest.mark.parametrize("filter", ["negative", "negative_offpolicy", "negative_or_offpolicy"])
 def test_every_sample_filtered_gives_finite_zero_loss_and_grad(filter, device):
     case = make_case(3, 5, 60, seed=8, gen_spread=8.0, device=device)
-    case = Case(case.logits, case.tokens, case.gen_logprobs,
-                          -case.advantages.abs() - 0.1, case.mask, case.old_logprobs)  # fmt: skip
+    case = Case(
+        case.logits,
+        case.tokens,
+        case.gen_logprobs,
+        -case.advantages.abs() - 0.1,
+        case.mask,
+        case.old_logprobs,
+    )
     for impl in implementations(device):
         loss, metrics, grad = run_op(case, impl, filter=filter, kl_threshold=0.5, is_mode="vis")
         assert bool(metrics["filtered"].all())
@@ -229,7 +253,11 @@ def test_large_logits_do_not_overflow(device):
     case = make_case(2, 4, 150, seed=13, scale=1e4, gen_spread=0.0, device=device)
     for impl in implementations(device):
         loss, metrics, grad = run_op(case, impl)
-        assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(metrics["logp"]).all()
+        assert (
+            torch.isfinite(loss)
+            and torch.isfinite(grad).all()
+            and torch.isfinite(metrics["logp"]).all()
+        )
         check_against_reference(case, torch.float32, impl)
 
 
@@ -274,8 +302,16 @@ def test_no_gradient_flows_to_logprob_inputs(device):
     case = make_case(2, 3, 40, seed=16, with_ref=True, device=device)
     gen = case.gen_logprobs.clone().requires_grad_()
     x = case.logits.clone().requires_grad_()
-    loss, metrics = ftis_loss(x, case.tokens, gen, case.advantages, case.mask,
-                              case.old_logprobs, case.ref_logprobs, beta=0.1)  # fmt: skip
+    loss, metrics = ftis_loss(
+        x,
+        case.tokens,
+        gen,
+        case.advantages,
+        case.mask,
+        case.old_logprobs,
+        case.ref_logprobs,
+        beta=0.1,
+    )
     loss.backward()
     assert gen.grad is None and x.grad is not None
     assert all(not m.requires_grad for m in metrics.values())

@@ -21,18 +21,28 @@ def _samples(n: int, source: int, seed: int) -> list:
     out = []
     for i in range(n):
         L = int(torch.randint(1, 9, (1,), generator=g))
-        out.append(Sample(i + 100 * seed, source, torch.randint(0, V, (L,), generator=g,
-                                                               dtype=torch.int32),
-                          -torch.rand(L, generator=g) * 5, float(i % 2),
-                          float(torch.randn(1, generator=g))))
+        out.append(
+            Sample(
+                i + 100 * seed,
+                source,
+                torch.randint(0, V, (L,), generator=g, dtype=torch.int32),
+                -torch.rand(L, generator=g) * 5,
+                float(i % 2),
+                float(torch.randn(1, generator=g)),
+            )
+        )
     return out
 
 
 def _same(a, b) -> bool:
-    return (a.prompt_id == b.prompt_id and a.source == b.source
-            and torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
-            and struct.pack("<ff", a.reward, a.advantage) == struct.pack("<ff", b.reward,
-                                                                          b.advantage))
+    return (
+        a.prompt_id == b.prompt_id
+        and a.source == b.source
+        and torch.equal(a.tokens, b.tokens)
+        and torch.equal(a.logprobs, b.logprobs)
+        and struct.pack("<ff", a.reward, a.advantage) == struct.pack("<ff", b.reward, b.advantage)
+    )
+
 
 TIMEOUT_S = 60
 
@@ -48,12 +58,17 @@ def _init(rank: int, port: int, timeout_s: float) -> None:
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def _exchange_worker(rank: int, port: int, out: str) -> None:
-    from ftis_kernels.grpo.exchange import Sample, exchange
+    from ftis_kernels.grpo.exchange import exchange
 
     _init(rank, port, TIMEOUT_S)
     mine = _samples(5 + rank, source=rank, seed=rank)
@@ -66,8 +81,15 @@ def _exchange_worker(rank: int, port: int, out: str) -> None:
     received, drops, sent = exchange(mine, vocab_size=V, max_tokens=8, max_samples=8)
     # And a second round, to show a peer's bad samples did not break the group.
     again, _, _ = exchange(mine[:1], vocab_size=V, max_tokens=8, max_samples=8)
-    torch.save({"received": [vars(s) for s in received], "drops": drops, "sent": sent,
-                "again": [vars(s) for s in again]}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "received": [vars(s) for s in received],
+            "drops": drops,
+            "sent": sent,
+            "again": [vars(s) for s in again],
+        },
+        os.path.join(out, f"rank{rank}.pt"),
+    )
     torch.distributed.destroy_process_group()
 
 
@@ -79,8 +101,14 @@ def _dead_peer_worker(rank: int, port: int, out: str) -> None:
         os._exit(1)  # dies without a word
     t0 = time.time()
     try:
-        collective("the sample exchange", exchange, _samples(3, source=0, seed=0), vocab_size=V,
-                    max_tokens=8, max_samples=3)
+        collective(
+            "the sample exchange",
+            exchange,
+            _samples(3, source=0, seed=0),
+            vocab_size=V,
+            max_tokens=8,
+            max_samples=3,
+        )
         result = "no error"
     except SwarmError as exc:
         result = f"SwarmError {exc}"

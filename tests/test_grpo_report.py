@@ -15,12 +15,24 @@ def _rows(n_rounds: int, ood=lambda r, n: 0.0, skipped=()) -> list[dict]:
     for r in range(n_rounds):
         for n in range(2):
             evaluated = r % 2 == 0
-            rows.append(dict(
-                round=r, node=n, name=f"node-{n}", mode="f-tis", collab="vertical",
-                reward_mean=r / 100 + n / 10, acc_id=0.5 if evaluated else None,
-                acc_ood=ood(r, n) if evaluated else None, kl_mean=1.0, filtered_frac=0.0,
-                tokens_sent=10, bytes_sent=100, seconds=1.0, skipped=int((r, n) in skipped),
-            ))
+            rows.append(
+                dict(
+                    round=r,
+                    node=n,
+                    name=f"node-{n}",
+                    mode="f-tis",
+                    collab="vertical",
+                    reward_mean=r / 100 + n / 10,
+                    acc_id=0.5 if evaluated else None,
+                    acc_ood=ood(r, n) if evaluated else None,
+                    kl_mean=1.0,
+                    filtered_frac=0.0,
+                    tokens_sent=10,
+                    bytes_sent=100,
+                    seconds=1.0,
+                    skipped=int((r, n) in skipped),
+                )
+            )
     return rows
 
 

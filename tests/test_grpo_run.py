@@ -12,8 +12,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUIRED = ("round", "node", "mode", "reward_mean", "acc_id", "acc_ood", "kl_mean",
-            "filtered_frac", "clip_frac", "is_weight_mean", "tokens_sent", "bytes_sent", "seconds")
+REQUIRED = (
+    "round",
+    "node",
+    "mode",
+    "reward_mean",
+    "acc_id",
+    "acc_ood",
+    "kl_mean",
+    "filtered_frac",
+    "clip_frac",
+    "is_weight_mean",
+    "tokens_sent",
+    "bytes_sent",
+    "seconds",
+)
 SMOKE = dict(rounds=4, nodes=2, prompts=2, group=4)  # the smoke preset's shape
 
 
@@ -25,8 +38,14 @@ def ftis_grpo(*args: str, timeout: float = 240) -> tuple[int, str, float]:
     env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "ftis_kernels.grpo", "--no-progress", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftis_kernels.grpo", "--no-progress", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
 
 
@@ -35,8 +54,10 @@ def rows_of(out: Path) -> list[dict]:
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    return sorted(({k: v for k, v in r.items() if k != "seconds"} for r in rows),
-                  key=lambda r: (r["round"], r["node"]))
+    return sorted(
+        ({k: v for k, v in r.items() if k != "seconds"} for r in rows),
+        key=lambda r: (r["round"], r["node"]),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +88,13 @@ def test_smoke_preset_runs_two_gloo_nodes_through_torchrun(smoke):
     assert json.loads((out / "ckpt" / "latest.json").read_text()) == {"round": 4}
     for node in range(2):
         ckpt = out / "ckpt" / f"node{node}" / "round_00004"
-        assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "optimizer.pt",
-                                                    "rng.pt", "state.json", "manifest.json"}
+        assert {p.name for p in ckpt.iterdir()} == {
+            "model.safetensors",
+            "optimizer.pt",
+            "rng.pt",
+            "state.json",
+            "manifest.json",
+        }
     assert (out / "tokenizer" / "tokenizer.json").exists()
     assert "reward" in (out / "summary.txt").read_text() and "tiny-lora" in log
     assert "vocabulary of" in log and "LoRA" in log
@@ -85,16 +111,24 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(smoke, tmp_path):
     rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--rounds", "2")
     assert rc == 0, log[-4000:]
     assert len(rows_of(tmp_path)) == 4
-    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--rounds", "4",
-                           "--resume")
+    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--rounds", "4", "--resume")
     assert rc == 0, log[-4000:]
     assert "resumed after round 2" in log and "warm-up of" not in log
     assert comparable(rows_of(tmp_path)) == comparable(rows_of(full))
 
 
 def test_dead_node_stops_the_swarm_with_a_clear_error_and_resume_continues(smoke, tmp_path):
-    rc, log, seconds = ftis_grpo("--preset", "smoke", "--out", str(tmp_path), "--timeout", "20",
-                                 "--set", "nodes.1.fail_at_round=3", timeout=180)
+    rc, log, seconds = ftis_grpo(
+        "--preset",
+        "smoke",
+        "--out",
+        str(tmp_path),
+        "--timeout",
+        "20",
+        "--set",
+        "nodes.1.fail_at_round=3",
+        timeout=180,
+    )
     assert rc != 0
     assert "fault injection" in log and "the swarm stopped" in log and "--resume" in log
     assert json.loads((tmp_path / "ckpt" / "latest.json").read_text()) == {"round": 2}
@@ -110,7 +144,14 @@ def test_nodes_with_different_vocabularies_refuse_to_start(tmp_path):
     tok = build_tokenizer(["alien", "words"])
     build_model("tiny", tok, seed=0).save_pretrained(tmp_path / "alien")
     tok.save_pretrained(tmp_path / "alien")
-    rc, log, _ = ftis_grpo("--preset", "smoke", "--out", str(tmp_path / "run"),
-                           "--set", f"nodes.1.model={tmp_path / 'alien'}", timeout=120)
+    rc, log, _ = ftis_grpo(
+        "--preset",
+        "smoke",
+        "--out",
+        str(tmp_path / "run"),
+        "--set",
+        f"nodes.1.model={tmp_path / 'alien'}",
+        timeout=120,
+    )
     assert rc != 0
     assert "vocabulary mismatch, refusing to start" in log

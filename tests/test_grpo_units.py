@@ -1,4 +1,4 @@
-"""Unit tests of the GRPO driver's pieces: task, tokenizer, advantages, wire format, batch layout."""
+"""Unit tests of the GRPO driver's pieces: task, tokenizer, advantages, wire format, batch layout."""  # noqa: E501
 
 from __future__ import annotations
 
@@ -13,14 +13,30 @@ from hypothesis import strategies as st
 
 from ftis_kernels.grpo.config import build_config
 from ftis_kernels.grpo.exchange import (
-    BYTES_PER_TOKEN, HEADER_BYTES, RANDOM_TOKENS_ADVANTAGE, Sample, make_hostile, pack, record_bytes, unpack,
+    BYTES_PER_TOKEN,
+    HEADER_BYTES,
+    RANDOM_TOKENS_ADVANTAGE,
+    Sample,
+    make_hostile,
+    pack,
+    record_bytes,
+    unpack,
 )
 from ftis_kernels.grpo.models import build_model
 from ftis_kernels.grpo.rollout import (
-    ADVANTAGE_EPS, horizontal_advantages, left_pad, sample, vertical_advantages,
+    ADVANTAGE_EPS,
+    horizontal_advantages,
+    left_pad,
+    sample,
+    vertical_advantages,
 )
 from ftis_kernels.grpo.task import (
-    ArithmeticTask, extract_answer, format_prompt, load_jsonl, make_prompt_id, reward,
+    ArithmeticTask,
+    extract_answer,
+    format_prompt,
+    load_jsonl,
+    make_prompt_id,
+    reward,
     split_prompt_id,
 )
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
@@ -37,21 +53,28 @@ def _samples(n: int, source: int = 1, seed: int = 0) -> list[Sample]:
     out = []
     for i in range(n):
         L = int(torch.randint(1, 9, (1,), generator=g))
-        out.append(Sample(
-            prompt_id=make_prompt_id("train", 1000 * seed + i), source=source,
-            tokens=torch.randint(0, V, (L,), generator=g, dtype=torch.int32),
-            logprobs=-torch.rand(L, generator=g) * 5,
-            reward=float(i % 2), advantage=float(torch.randn(1, generator=g).float()),
-        ))
+        out.append(
+            Sample(
+                prompt_id=make_prompt_id("train", 1000 * seed + i),
+                source=source,
+                tokens=torch.randint(0, V, (L,), generator=g, dtype=torch.int32),
+                logprobs=-torch.rand(L, generator=g) * 5,
+                reward=float(i % 2),
+                advantage=float(torch.randn(1, generator=g).float()),
+            )
+        )
     return out
 
 
 def _same(a: Sample, b: Sample) -> bool:
-    return (a.prompt_id == b.prompt_id and a.source == b.source
-            and torch.equal(a.tokens.to(torch.int32), b.tokens)
-            and torch.equal(a.logprobs.float(), b.logprobs)
-            and struct.pack("<f", a.reward) == struct.pack("<f", b.reward)
-            and struct.pack("<f", a.advantage) == struct.pack("<f", b.advantage))
+    return (
+        a.prompt_id == b.prompt_id
+        and a.source == b.source
+        and torch.equal(a.tokens.to(torch.int32), b.tokens)
+        and torch.equal(a.logprobs.float(), b.logprobs)
+        and struct.pack("<f", a.reward) == struct.pack("<f", b.reward)
+        and struct.pack("<f", a.advantage) == struct.pack("<f", b.advantage)
+    )
 
 
 # -- task and tokenizer ---------------------------------------------------------------------------
@@ -87,7 +110,9 @@ def test_tokenizer_round_trips_task_text_and_fingerprints_vocabulary():
         ids = TOKENIZER(text)["input_ids"]
         assert TOKENIZER.unk_token_id not in ids
         assert TOKENIZER.decode(ids) == text
-    assert vocab_fingerprint(TOKENIZER) == vocab_fingerprint(build_tokenizer(TASK.vocabulary_text()))
+    assert vocab_fingerprint(TOKENIZER) == vocab_fingerprint(
+        build_tokenizer(TASK.vocabulary_text())
+    )
     assert vocab_fingerprint(TOKENIZER) != vocab_fingerprint(build_tokenizer(["other"]))
 
 
@@ -110,21 +135,33 @@ def test_vertical_advantages_match_hand_computed_values():
     # group 0: mean 0.5, unbiased std sqrt(1/3); group 1: mean 0.75, std 0.5; group 2: all equal.
     s0 = math.sqrt(1 / 3) + ADVANTAGE_EPS
     s1 = 0.5 + ADVANTAGE_EPS
-    expected = torch.tensor([[0.5 / s0, -0.5 / s0, -0.5 / s0, 0.5 / s0],
-                             [0.25 / s1, 0.25 / s1, 0.25 / s1, -0.75 / s1],
-                             [0.0, 0.0, 0.0, 0.0]])
+    expected = torch.tensor(
+        [
+            [0.5 / s0, -0.5 / s0, -0.5 / s0, 0.5 / s0],
+            [0.25 / s1, 0.25 / s1, 0.25 / s1, -0.75 / s1],
+            [0.0, 0.0, 0.0, 0.0],
+        ]
+    )
     torch.testing.assert_close(vertical_advantages(rewards), expected)
 
 
 def test_horizontal_advantages_normalise_over_the_swarm_group():
     # 2 nodes, 2 shared prompts, 2 completions each per node.
-    swarm = torch.tensor([[[1.0, 0.0], [1.0, 1.0]],   # node 0
-                          [[0.0, 0.0], [0.0, 1.0]]])  # node 1
+    swarm = torch.tensor(
+        [
+            [[1.0, 0.0], [1.0, 1.0]],  # node 0
+            [[0.0, 0.0], [0.0, 1.0]],
+        ]
+    )  # node 1
     # prompt 0's group [1, 0, 0, 0]: mean 0.25, unbiased std 0.5;
     # prompt 1's group [1, 1, 0, 1]: mean 0.75, unbiased std 0.5.
     s = 0.5 + ADVANTAGE_EPS
-    expected = torch.tensor([[[0.75 / s, -0.25 / s], [0.25 / s, 0.25 / s]],
-                             [[-0.25 / s, -0.25 / s], [-0.75 / s, 0.25 / s]]])
+    expected = torch.tensor(
+        [
+            [[0.75 / s, -0.25 / s], [0.25 / s, 0.25 / s]],
+            [[-0.25 / s, -0.25 / s], [-0.75 / s, 0.25 / s]],
+        ]
+    )
     got = horizontal_advantages(swarm)
     torch.testing.assert_close(got, expected)
     # Not the same as normalising each node's share on its own (the horizontal bias).
@@ -149,17 +186,20 @@ def test_pack_unpack_round_trips_exactly_and_counts_8_bytes_per_token_plus_heade
     assert len(back) == len(samples) and all(_same(a, b) for a, b in zip(samples, back))
 
 
-@pytest.mark.parametrize("corrupt, reason", [
-    (lambda s: s.tokens.__setitem__(-1, V), "token id"),
-    (lambda s: s.tokens.__setitem__(0, -1), "token id"),
-    (lambda s: s.logprobs.__setitem__(-1, 0.5), "logprob > 0"),
-    (lambda s: s.logprobs.__setitem__(0, float("nan")), "non-finite logprob"),
-    (lambda s: s.logprobs.__setitem__(-1, -float("inf")), "non-finite logprob"),
-    (lambda s: setattr(s, "reward", float("inf")), "non-finite reward"),
-    (lambda s: setattr(s, "advantage", float("nan")), "non-finite reward"),
-    (lambda s: setattr(s, "source", 0), "source field"),
-    (lambda s: setattr(s, "prompt_id", 7 << 48), "unknown prompt"),
-])
+@pytest.mark.parametrize(
+    "corrupt, reason",
+    [
+        (lambda s: s.tokens.__setitem__(-1, V), "token id"),
+        (lambda s: s.tokens.__setitem__(0, -1), "token id"),
+        (lambda s: s.logprobs.__setitem__(-1, 0.5), "logprob > 0"),
+        (lambda s: s.logprobs.__setitem__(0, float("nan")), "non-finite logprob"),
+        (lambda s: s.logprobs.__setitem__(-1, -float("inf")), "non-finite logprob"),
+        (lambda s: setattr(s, "reward", float("inf")), "non-finite reward"),
+        (lambda s: setattr(s, "advantage", float("nan")), "non-finite reward"),
+        (lambda s: setattr(s, "source", 0), "source field"),
+        (lambda s: setattr(s, "prompt_id", 7 << 48), "unknown prompt"),
+    ],
+)
 def test_malformed_peer_sample_is_dropped_with_a_reason(corrupt, reason):
     samples = _samples(3)
     corrupt(samples[1])
@@ -211,11 +251,18 @@ def test_hostile_hook_forges_what_it_says():
     assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(rand, honest))
     assert all((s.reward, s.advantage) == (1.0, RANDOM_TOKENS_ADVANTAGE) for s in rand)
     broken = make_hostile(honest * 2, "malformed", V, g)  # 8 records: every check, some twice
-    got, drops = unpack(pack(broken), sender=1, vocab_size=V, max_tokens=64,
-                        prompt_ok=lambda pid: (pid >> 48) < 4)
+    got, drops = unpack(
+        pack(broken), sender=1, vocab_size=V, max_tokens=64, prompt_ok=lambda pid: (pid >> 48) < 4
+    )
     assert got == [] and len(drops) == 8
-    for reason in ("source field", "token id outside", "non-finite logprob", "logprob > 0",
-                   "non-finite reward", "unknown prompt id"):
+    for reason in (
+        "source field",
+        "token id outside",
+        "non-finite logprob",
+        "logprob > 0",
+        "non-finite reward",
+        "unknown prompt id",
+    ):
         assert any(reason in d for d in drops), reason
     for kind in ("forged_logprobs", "flipped_rewards", "random_tokens"):  # all well formed
         hostile = make_hostile(honest, kind, V, g)
@@ -241,12 +288,20 @@ def test_sampled_logprobs_are_the_training_forward_logprobs(tiny_model):
     sampling logprobs, so w = 1 and KL = 0 on a node's own data."""
     pids = [make_prompt_id("train", i) for i in range(6)]  # prompts of different lengths
     g = torch.Generator().manual_seed(0)
-    tokens, logprobs, lengths = sample(tiny_model, [_prompt(p) for p in pids], max_new_tokens=10,
-                                       temperature=0.7, eos_id=TOKENIZER.eos_token_id,
-                                       pad_id=TOKENIZER.pad_token_id, generator=g)
+    tokens, logprobs, lengths = sample(
+        tiny_model,
+        [_prompt(p) for p in pids],
+        max_new_tokens=10,
+        temperature=0.7,
+        eos_id=TOKENIZER.eos_token_id,
+        pad_id=TOKENIZER.pad_token_id,
+        generator=g,
+    )
     assert len({len(_prompt(p)) for p in pids}) > 1
-    samples = [Sample(p, 0, tokens[i, : lengths[i]].to(torch.int32), logprobs[i, : lengths[i]],
-                      0.0, 0.0) for i, p in enumerate(pids)]
+    samples = [
+        Sample(p, 0, tokens[i, : lengths[i]].to(torch.int32), logprobs[i, : lengths[i]], 0.0, 0.0)
+        for i, p in enumerate(pids)
+    ]
     batch = build_batch(samples, _prompt, TOKENIZER.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
         logits = completion_logits(tiny_model, batch)
@@ -263,17 +318,35 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient():
     samples = []
     for i, p in enumerate(pids):
         L = 3 + i
-        samples.append(Sample(p, 0, torch.randint(3, V, (L,), generator=g, dtype=torch.int32),
-                              -torch.rand(L, generator=g) * 3, float(i % 2), float(i) - 2.0))
+        samples.append(
+            Sample(
+                p,
+                0,
+                torch.randint(3, V, (L,), generator=g, dtype=torch.int32),
+                -torch.rand(L, generator=g) * 3,
+                float(i % 2),
+                float(i) - 2.0,
+            )
+        )
     grads = []
     for micro in (5, 2):
         model = build_model("tiny", TOKENIZER, seed=0)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
-        grpo_update(model, opt, samples, _prompt, opts, micro_batch=micro,
-                    pad_id=TOKENIZER.pad_token_id, grad_clip=1e9, device=torch.device("cpu"))
-        grads.append(torch.cat([(b - p.detach()).flatten()
-                                for b, p in zip(before, model.parameters())]))
+        grpo_update(
+            model,
+            opt,
+            samples,
+            _prompt,
+            opts,
+            micro_batch=micro,
+            pad_id=TOKENIZER.pad_token_id,
+            grad_clip=1e9,
+            device=torch.device("cpu"),
+        )
+        grads.append(
+            torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+        )
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
@@ -303,8 +376,9 @@ def test_config_layers_preset_file_and_flags(tmp_path):
     with pytest.raises(ValueError, match="lossy: expected a known key"):
         build_config(sets=("lossy=1",))
     a = build_config("smoke")
-    b = build_config("smoke", overrides={"rounds": 99, "timeout_s": 5},
-                     sets=("nodes.1.fail_at_round=2",))
+    b = build_config(
+        "smoke", overrides={"rounds": 99, "timeout_s": 5}, sets=("nodes.1.fail_at_round=2",)
+    )
     assert a.fingerprint() == b.fingerprint()
     assert a.fingerprint() != build_config("smoke", overrides={"loss": "nois"}).fingerprint()
 
@@ -325,10 +399,14 @@ def test_verify_rewards_drops_false_claims_and_keeps_true_ones(tmp_path):
     pid = make_prompt_id("train", 3)
     problem = task.problem(pid)
     right = torch.tensor(tok(task.target(problem))["input_ids"], dtype=torch.int32)
-    wrong = torch.tensor(tok(task.target(problem, gsm8k_format=False))["input_ids"],
-                         dtype=torch.int32)
+    wrong = torch.tensor(
+        tok(task.target(problem, gsm8k_format=False))["input_ids"], dtype=torch.int32
+    )
     lp = lambda t: torch.full((t.numel(),), -0.5)  # noqa: E731
-    honest = [Sample(pid, 1, right, lp(right), 1.0, 0.7), Sample(pid, 1, wrong, lp(wrong), 0.0, -0.7)]
+    honest = [
+        Sample(pid, 1, right, lp(right), 1.0, 0.7),
+        Sample(pid, 1, wrong, lp(wrong), 0.0, -0.7),
+    ]
     kept, drops = node.verify(honest)
     assert kept == honest and drops == []
     g = torch.Generator().manual_seed(0)

@@ -25,9 +25,16 @@ TOL = numerics.Tol(rtol=1e-4, atol=1e-7)
 
 def tiny_qwen2(tied: bool = True, seed: int = 0, **config) -> nn.Module:
     cfg = transformers.Qwen2Config(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, **config,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        **config,
+    )
     torch.manual_seed(seed)
     return transformers.Qwen2ForCausalLM(cfg).float()
 
@@ -66,7 +73,9 @@ def via_model_logits(model, ids, attention, completion, gen, adv, seed=3, **opts
     torch.manual_seed(seed)
     logits = model(input_ids=ids, attention_mask=attention).logits
     mask = completion[:, START:] & (attention[:, START:] != 0)
-    loss, metrics = ftis_loss(logits[:, START - 1 : L - 1], ids[:, START:], gen[:, START:], adv, mask, **opts)
+    loss, metrics = ftis_loss(
+        logits[:, START - 1 : L - 1], ids[:, START:], gen[:, START:], adv, mask, **opts
+    )
     return loss, metrics, torch.autograd.grad(loss, trainable(model))
 
 
@@ -74,8 +83,17 @@ def via_helper(model, ids, attention, completion, gen, adv, seed=3, chunk_size=4
     torch.manual_seed(seed)
     x = lm_head_inputs(model, ids, attention, completion)
     assert x.start == START and x.tokens.shape == (B, L - START) and x.mask.dtype == torch.bool
-    loss, metrics = ftis_linear_loss(x.hidden, x.weight, x.tokens, gen[:, x.start :], adv, x.mask,
-                                     bias=x.bias, chunk_size=chunk_size, **opts)  # fmt: skip
+    loss, metrics = ftis_linear_loss(
+        x.hidden,
+        x.weight,
+        x.tokens,
+        gen[:, x.start :],
+        adv,
+        x.mask,
+        bias=x.bias,
+        chunk_size=chunk_size,
+        **opts,
+    )
     return loss, metrics, torch.autograd.grad(loss, trainable(model))
 
 
@@ -104,7 +122,9 @@ def test_lm_head_bias_is_returned_and_trained():
     data = batch()
     x = lm_head_inputs(model, *data[:3])
     assert x.bias is model.lm_head.bias
-    assert_same(via_helper(model, *data, temperature=0.8), via_model_logits(model, *data, temperature=0.8))
+    assert_same(
+        via_helper(model, *data, temperature=0.8), via_model_logits(model, *data, temperature=0.8)
+    )
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "v_proj", "lm_head")])

@@ -32,7 +32,6 @@ from ref import ref_ftis_loss
 from tests import numerics
 from tests.cases import (
     backend,
-    ftis_loss_module,
     implementations,
     make_case,
     masks,

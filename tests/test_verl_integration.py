@@ -1,5 +1,5 @@
 """F-TIS as a verl policy loss, called through verl's own entry point (core_algos.get_policy_loss_fn)
-with verl's own config objects (FSDPActorConfig, PolicyLossConfig)."""
+with verl's own config objects (FSDPActorConfig, PolicyLossConfig)."""  # noqa: E501
 
 from __future__ import annotations
 

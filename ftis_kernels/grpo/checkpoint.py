@@ -51,8 +51,15 @@ def node_dir(root: Path, node: int, round_: int) -> Path:
     return root / f"node{node}" / f"round_{round_:05d}"
 
 
-def save_node(root: Path, node: int, round_: int, model, optimizer, sampler: torch.Generator,
-              state: dict[str, Any]) -> Path:
+def save_node(
+    root: Path,
+    node: int,
+    round_: int,
+    model,
+    optimizer,
+    sampler: torch.Generator,
+    state: dict[str, Any],
+) -> Path:
     """Write node `node`'s checkpoint after `round_` completed rounds; returns its folder."""
     final = node_dir(root, node, round_)
     tmp = final.with_name(final.name + ".tmp")
@@ -60,8 +67,14 @@ def save_node(root: Path, node: int, round_: int, model, optimizer, sampler: tor
     tmp.mkdir(parents=True)
     save_model(model, str(tmp / "model.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save({"torch": torch.get_rng_state(), "sampler": sampler.get_state(),
-                "python": random.getstate()}, tmp / "rng.pt")
+    torch.save(
+        {
+            "torch": torch.get_rng_state(),
+            "sampler": sampler.get_state(),
+            "python": random.getstate(),
+        },
+        tmp / "rng.pt",
+    )
     (tmp / "state.json").write_text(json.dumps({"round": round_, "node": node, **state}, indent=1))
     digests = {name: _sha256(tmp / name) for name in FILES}
     (tmp / MANIFEST).write_text(json.dumps({"sha256": digests}, indent=1))
@@ -73,8 +86,11 @@ def save_node(root: Path, node: int, round_: int, model, optimizer, sampler: tor
     os.replace(tmp, final)
     _fsync_dir(final.parent)
     # Only rounds up to this one: a later round's folder is not this run's to delete.
-    done = sorted(p for p in final.parent.glob("round_*")
-                  if not p.name.endswith(".tmp") and p.name <= final.name)
+    done = sorted(
+        p
+        for p in final.parent.glob("round_*")
+        if not p.name.endswith(".tmp") and p.name <= final.name
+    )
     for old in done[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -91,8 +107,9 @@ def _sha256(path: Path) -> str:
 def node_rounds(root: Path, node: int) -> list[int]:
     """The rounds of node `node`'s complete (renamed into place) checkpoints, newest first."""
     folders = (root / f"node{node}").glob("round_*")
-    return sorted((int(p.name[len("round_"):]) for p in folders if not p.name.endswith(".tmp")),
-                  reverse=True)
+    return sorted(
+        (int(p.name[len("round_") :]) for p in folders if not p.name.endswith(".tmp")), reverse=True
+    )
 
 
 def verify_node(root: Path, node: int, round_: int) -> Optional[str]:
@@ -131,13 +148,15 @@ def latest_round(root: Path) -> Optional[int]:
     return int(json.loads(path.read_text())["round"])
 
 
-def load_node(root: Path, node: int, round_: int, model, optimizer,
-              sampler: torch.Generator) -> dict[str, Any]:
+def load_node(
+    root: Path, node: int, round_: int, model, optimizer, sampler: torch.Generator
+) -> dict[str, Any]:
     """Restore weights, optimizer and RNG states written by `save_node`; returns its state.json."""
     folder = node_dir(root, node, round_)
     if not folder.is_dir():
-        raise FileNotFoundError(f"--resume: no checkpoint of node {node} at round {round_} "
-                                f"({folder})")
+        raise FileNotFoundError(
+            f"--resume: no checkpoint of node {node} at round {round_} ({folder})"
+        )
     load_model(model, str(folder / "model.safetensors"), strict=True)
     optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
     rng = torch.load(folder / "rng.pt", weights_only=True)

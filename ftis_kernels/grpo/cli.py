@@ -18,7 +18,8 @@ import logging
 import os
 import re
 import sys
-from typing import Any, NoReturn, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn, Optional
 
 from ftis_kernels.grpo.config import (
     COLLABS,
@@ -37,8 +38,21 @@ from ftis_kernels.options import KL_ESTIMATORS, option_default
 EXIT_USAGE = 2  # a configuration or usage error: nothing was started
 _DEFAULTS = RunConfig()
 # The flags that set a config key of the same name (`dest`), after the preset and --config.
-_KEY_FLAGS = ("out", "rounds", "collab", "loss", "is_cap", "kl_threshold", "kl_estimator",
-              "epsilon", "seed", "resume", "timeout_s", "threads", "progress")
+_KEY_FLAGS = (
+    "out",
+    "rounds",
+    "collab",
+    "loss",
+    "is_cap",
+    "kl_threshold",
+    "kl_estimator",
+    "epsilon",
+    "seed",
+    "resume",
+    "timeout_s",
+    "threads",
+    "progress",
+)
 
 EPILOG = """presets:
 {presets}
@@ -66,8 +80,7 @@ def _usage_line(message: str) -> str:
     if m is None:
         m2 = re.fullmatch(r"unrecognized arguments: (.*)", message)
         if m2:
-            return (f"{m2.group(1)}: expected a flag of ftis-grpo --help, got an unknown "
-                    f"argument")
+            return f"{m2.group(1)}: expected a flag of ftis-grpo --help, got an unknown argument"
         return f"{message} (see ftis-grpo --help)"
     flag, what = m.groups()
     kinds = {"int": "an integer", "float": "a number"}
@@ -94,66 +107,143 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="ftis-grpo",
         description="Collaborative GRPO with F-TIS across heterogeneous nodes "
-                    "(torch.distributed).\nStarts one process per node on this machine through "
-                    "torchrun.",
-        epilog=EPILOG.format(presets="\n".join(f"  {name:<7} {PRESET_HELP[name]}"
-                                               for name in PRESETS)),
+        "(torch.distributed).\nStarts one process per node on this machine through "
+        "torchrun.",
+        epilog=EPILOG.format(
+            presets="\n".join(f"  {name:<7} {PRESET_HELP[name]}" for name in PRESETS)
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run = p.add_argument_group("the run")
-    run.add_argument("--preset", choices=sorted(PRESETS),
-                     help="a built-in configuration (listed below; default: none, the defaults)")
-    run.add_argument("--config", metavar="FILE",
-                     help="a YAML or TOML file of config keys, applied over the preset")
-    run.add_argument("--nodes", type=int, metavar="N",
-                     help="number of nodes; more than the config lists repeats its node specs "
-                          "with new init seeds (default: the config's node list)")
-    run.add_argument("--out", metavar="DIR",
-                     help="output folder: metrics.jsonl, curves.png, summary.txt, config.yaml, "
-                          f"ckpt/, tokenizer/ (default {_default('out')})")
-    run.add_argument("--rounds", type=int, metavar="N",
-                     help=f"GRPO rounds to run in all (default {_default('rounds')})")
-    run.add_argument("--seed", type=int, help=f"moves the problems and every node's initial "
-                                              f"weights (default {_default('seed')})")
-    run.add_argument("--model", action="append", metavar="PATH",
-                     help="a local Hugging Face checkpoint for every node, or once per node "
-                          "(default: the preset's small Qwen2 models)")
-    run.add_argument("--resume", action="store_true", default=None,
-                     help="continue the run in --out from its last complete checkpoint")
-    run.add_argument("--overwrite", action="store_true",
-                     help="replace the run already in --out (without it, a fresh run refuses "
-                          "a folder that holds one)")
+    run.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a built-in configuration (listed below; default: none, the defaults)",
+    )
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a YAML or TOML file of config keys, applied over the preset",
+    )
+    run.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="number of nodes; more than the config lists repeats its node specs "
+        "with new init seeds (default: the config's node list)",
+    )
+    run.add_argument(
+        "--out",
+        metavar="DIR",
+        help="output folder: metrics.jsonl, curves.png, summary.txt, config.yaml, "
+        f"ckpt/, tokenizer/ (default {_default('out')})",
+    )
+    run.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help=f"GRPO rounds to run in all (default {_default('rounds')})",
+    )
+    run.add_argument(
+        "--seed",
+        type=int,
+        help=f"moves the problems and every node's initial weights (default {_default('seed')})",
+    )
+    run.add_argument(
+        "--model",
+        action="append",
+        metavar="PATH",
+        help="a local Hugging Face checkpoint for every node, or once per node "
+        "(default: the preset's small Qwen2 models)",
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="continue the run in --out from its last complete checkpoint",
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (without it, a fresh run refuses "
+        "a folder that holds one)",
+    )
     loss = p.add_argument_group("the loss")
-    loss.add_argument("--loss", choices=LOSSES,
-                      help=f"loss mode; on-policy = isolated nodes, no exchange "
-                           f"(default {_default('loss')})")
-    loss.add_argument("--collab", choices=COLLABS,
-                      help=f"vertical: each node its own prompts; horizontal: every prompt's "
-                           f"group split over the nodes (default {_default('collab')})")
-    loss.add_argument("--is-cap", type=float, dest="is_cap", metavar="C",
-                      help=f"truncation of the IS weight (default {_default('is_cap')})")
-    loss.add_argument("--kl-threshold", type=float, dest="kl_threshold", metavar="G",
-                      help=f"the filter's KL threshold g (default {_default('kl_threshold')})")
-    loss.add_argument("--kl-estimator", choices=KL_ESTIMATORS, dest="kl_estimator",
-                      help=f"the filter's KL estimator (default {_default('kl_estimator')})")
-    loss.add_argument("--epsilon", type=float,
-                      help=f"PPO clip range, in (0, 1) (default {_default('epsilon')})")
+    loss.add_argument(
+        "--loss",
+        choices=LOSSES,
+        help=f"loss mode; on-policy = isolated nodes, no exchange (default {_default('loss')})",
+    )
+    loss.add_argument(
+        "--collab",
+        choices=COLLABS,
+        help=f"vertical: each node its own prompts; horizontal: every prompt's "
+        f"group split over the nodes (default {_default('collab')})",
+    )
+    loss.add_argument(
+        "--is-cap",
+        type=float,
+        dest="is_cap",
+        metavar="C",
+        help=f"truncation of the IS weight (default {_default('is_cap')})",
+    )
+    loss.add_argument(
+        "--kl-threshold",
+        type=float,
+        dest="kl_threshold",
+        metavar="G",
+        help=f"the filter's KL threshold g (default {_default('kl_threshold')})",
+    )
+    loss.add_argument(
+        "--kl-estimator",
+        choices=KL_ESTIMATORS,
+        dest="kl_estimator",
+        help=f"the filter's KL estimator (default {_default('kl_estimator')})",
+    )
+    loss.add_argument(
+        "--epsilon", type=float, help=f"PPO clip range, in (0, 1) (default {_default('epsilon')})"
+    )
     proc = p.add_argument_group("processes and output")
-    proc.add_argument("--timeout", type=float, dest="timeout_s", metavar="SECONDS",
-                      help=f"how long to wait for a silent peer before stopping "
-                           f"(default {_default('timeout_s')})")
-    proc.add_argument("--threads", type=int, metavar="N",
-                      help="torch and OpenMP threads per node (default: cores / nodes)")
-    proc.add_argument("--no-progress", action="store_false", dest="progress", default=None,
-                      help="no progress bar (default: a bar over the rounds)")
+    proc.add_argument(
+        "--timeout",
+        type=float,
+        dest="timeout_s",
+        metavar="SECONDS",
+        help=f"how long to wait for a silent peer before stopping "
+        f"(default {_default('timeout_s')})",
+    )
+    proc.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch and OpenMP threads per node (default: cores / nodes)",
+    )
+    proc.add_argument(
+        "--no-progress",
+        action="store_false",
+        dest="progress",
+        default=None,
+        help="no progress bar (default: a bar over the rounds)",
+    )
     keys = p.add_argument_group("any config key")
-    keys.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config key, value in YAML, e.g. nodes.0.lr=1e-3 or "
-                           "verify_rewards=true (repeatable; applied last)")
-    keys.add_argument("--list-keys", action="store_true",
-                      help="list every config key with its allowed values and default, and exit")
-    keys.add_argument("--print-config", action="store_true",
-                      help="print the effective configuration (a valid --config file) and exit")
+    keys.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, value in YAML, e.g. nodes.0.lr=1e-3 or "
+        "verify_rewards=true (repeatable; applied last)",
+    )
+    keys.add_argument(
+        "--list-keys",
+        action="store_true",
+        help="list every config key with its allowed values and default, and exit",
+    )
+    keys.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration (a valid --config file) and exit",
+    )
     return p
 
 
@@ -166,8 +256,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     cfg = build_config(args.preset, args.config, overrides, tuple(args.set), args.nodes)
     if args.model:
         if len(args.model) not in (1, len(cfg.nodes)):
-            raise ConfigError(("--model", f"one path, or one per node ({len(cfg.nodes)})",
-                               f"{len(args.model)} paths"))
+            raise ConfigError(
+                (
+                    "--model",
+                    f"one path, or one per node ({len(cfg.nodes)})",
+                    f"{len(args.model)} paths",
+                )
+            )
         for i, spec in enumerate(cfg.nodes):
             spec.model = args.model[i % len(args.model)]
     return cfg
@@ -199,8 +294,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.print_config:
             print(render_config(cfg, _layers(args)))
             return 0
-        logging.basicConfig(level=logging.INFO, datefmt="%H:%M:%S",
-                            format="%(asctime)s launcher %(levelname)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO,
+            datefmt="%H:%M:%S",
+            format="%(asctime)s launcher %(levelname)s: %(message)s",
+        )
         from ftis_kernels.grpo.launch import launch
 
         return launch(argv, cfg, overwrite=args.overwrite)

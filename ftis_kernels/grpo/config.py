@@ -35,16 +35,42 @@ TASKS = ("arith", "jsonl")
 SPLITS = ("train", "test", "ood")  # the JSONL files a `task: jsonl` run reads
 # Preset architectures (Qwen2 sizes) a node without `model` is built from.
 ARCHS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2),
-    "base": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        hidden_size=96,
+        intermediate_size=288,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "base": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
 }
 # Fields that may change between a run and its --resume.
-RESUMABLE = ("rounds", "out", "resume", "timeout_s", "progress", "threads", "eval_every",
-             "ckpt_every", "warmup_cache", "setup_timeout_s", "max_skipped_steps")
+RESUMABLE = (
+    "rounds",
+    "out",
+    "resume",
+    "timeout_s",
+    "progress",
+    "threads",
+    "eval_every",
+    "ckpt_every",
+    "warmup_cache",
+    "setup_timeout_s",
+    "max_skipped_steps",
+)
 # Seed strides: `--seed s` moves every node's init seed by s * RUN_SEED_STRIDE; `--nodes n` beyond
 # the config's list repeats its specs, the k-th repetition with init seeds k * REPEAT_SEED_STRIDE
 # further, so no two nodes share initial weights.
@@ -71,8 +97,10 @@ class ConfigError(ValueError):
     def __init__(self, *problems: tuple[str, str, Any] | str):
         """Each problem is (key, what was expected, the value got), or a line already written
         in that form (the loss options' own errors)."""
-        self.lines = [p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {show(p[2])}"
-                      for p in problems]
+        self.lines = [
+            p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {show(p[2])}"
+            for p in problems
+        ]
         super().__init__("\n".join(self.lines))
 
 
@@ -93,27 +121,36 @@ class NodeSpec:
 
     name: str = Field("node", min_length=1, description="the node's name in logs and metrics")
     arch: Literal[tuple(ARCHS)] = Field(
-        "tiny", description="preset architecture, used when `model` is null")
+        "tiny", description="preset architecture, used when `model` is null"
+    )
     model: Optional[str] = Field(
-        None, description="local Hugging Face checkpoint folder instead of a preset")
+        None, description="local Hugging Face checkpoint folder instead of a preset"
+    )
     init_seed: Index = Field(
-        0, description="initial weights and warm-up draw from init_seed + 1000 * seed")
+        0, description="initial weights and warm-up draw from init_seed + 1000 * seed"
+    )
     warmup_steps: Index = Field(
-        200, description="supervised warm-up steps of a preset model: its expertise")
+        200, description="supervised warm-up steps of a preset model: its expertise"
+    )
     warmup_ops: list[Literal[OPERATIONS]] = Field(
-        default_factory=lambda: ["add", "sub"], min_length=1,
-        description="operations the warm-up problems use")
+        default_factory=lambda: ["add", "sub"],
+        min_length=1,
+        description="operations the warm-up problems use",
+    )
     warmup_lr: Positive = Field(3e-3, description="learning rate of the warm-up")
     warmup_format: Share = Field(
-        1.0, description="share of warm-up answers in GSM8K's '#### x' format")
+        1.0, description="share of warm-up answers in GSM8K's '#### x' format"
+    )
     lora: bool = Field(False, description="train a peft LoRA adapter instead of every weight")
     lora_r: Count = Field(8, description="LoRA rank")
     lora_alpha: Positive = Field(16.0, description="LoRA scale numerator")
     lr: Positive = Field(1e-4, description="GRPO learning rate (AdamW)")
     hostile: Optional[Literal[HOSTILE_KINDS]] = Field(
-        None, description="what a hostile node sends its peers instead of its samples")
+        None, description="what a hostile node sends its peers instead of its samples"
+    )
     fail_at_round: Optional[Index] = Field(
-        None, description="fault injection: the node exits at this round's start")
+        None, description="fault injection: the node exits at this round's start"
+    )
 
 
 @dataclass(config=_SCHEMA)
@@ -124,21 +161,28 @@ class RunConfig:
     seed: Index = Field(0, description="moves the task's problems and every node's init seed")
     rounds: Count = Field(20, description="GRPO rounds (generate, exchange, train)")
     collab: Literal[COLLABS] = Field(
-        "vertical", description="vertical: own prompts per node; horizontal: shared groups")
+        "vertical", description="vertical: own prompts per node; horizontal: shared groups"
+    )
     loss: Literal[LOSSES] = Field(
-        "f-tis", description="loss mode: a preset of FTISOptions (README's presets); on-policy = "
-        "isolated nodes, no exchange")
+        "f-tis",
+        description="loss mode: a preset of FTISOptions (README's presets); on-policy = "
+        "isolated nodes, no exchange",
+    )
     is_cap: Optional[Annotated[float, Field(gt=0, allow_inf_nan=True)]] = _loss_option("is_cap")
     kl_threshold: Optional[Annotated[float, Field(ge=0, allow_inf_nan=True)]] = _loss_option(
-        "kl_threshold")
+        "kl_threshold"
+    )
     kl_estimator: Optional[Literal[option_choices("kl_estimator")]] = _loss_option("kl_estimator")
     epsilon: Optional[Annotated[float, Field(gt=0, lt=1)]] = _loss_option("epsilon")
     loss_type: Optional[Literal[option_choices("loss_type")]] = _loss_option("loss_type")
     loss_options: dict[Literal[OPTION_NAMES], Any] = Field(
-        default_factory=dict, description="any other option of FTISOptions by name, e.g. "
-        "{ratio_level: sequence, entropy_coef: 0.01} (README's options table)")
+        default_factory=dict,
+        description="any other option of FTISOptions by name, e.g. "
+        "{ratio_level: sequence, entropy_coef: 0.01} (README's options table)",
+    )
     prompts_per_node: Count = Field(
-        4, description="vertical: own prompts per round; horizontal: shared prompts")
+        4, description="vertical: own prompts per round; horizontal: shared prompts"
+    )
     group_size: Annotated[int, Field(ge=2)] = Field(8, description="G, completions per prompt")
     temperature: Positive = Field(1.0, description="sampling temperature")
     max_new_tokens: Count = Field(32, description="completion length limit in training")
@@ -149,27 +193,37 @@ class RunConfig:
     eval_max_new_tokens: Count = Field(48, description="completion length limit in evaluation")
     ckpt_every: Count = Field(5, description="rounds between checkpoints")
     max_skipped_steps: Count = Field(
-        3, description="a node's non-finite optimizer steps are skipped; this many in a row (since "
-        "the start or --resume) stop the swarm")
+        3,
+        description="a node's non-finite optimizer steps are skipped; this many in a row (since "
+        "the start or --resume) stop the swarm",
+    )
     warmup_batch: Count = Field(32, description="sequences per warm-up step")
     task: Literal[TASKS] = Field(
-        "arith", description="arith: the built-in generator; jsonl: the files in `data`")
+        "arith", description="arith: the built-in generator; jsonl: the files in `data`"
+    )
     data: dict[Literal[SPLITS], str] = Field(
-        default_factory=dict, description="task jsonl: {train: PATH, test: PATH, ood: PATH}")
+        default_factory=dict, description="task jsonl: {train: PATH, test: PATH, ood: PATH}"
+    )
     verify_rewards: bool = Field(
-        False, description="rescore each received completion; drop it if its reward lies")
+        False, description="rescore each received completion; drop it if its reward lies"
+    )
     warmup_cache: Optional[str] = Field(
-        None, description="folder of warmed-up weights, reused by identical warm-ups")
+        None, description="folder of warmed-up weights, reused by identical warm-ups"
+    )
     timeout_s: Positive = Field(
-        120.0, description="seconds to wait for a silent peer before stopping")
+        120.0, description="seconds to wait for a silent peer before stopping"
+    )
     setup_timeout_s: Positive = Field(
-        3600.0, description="seconds nodes wait for each other's warm-up or model load")
+        3600.0, description="seconds nodes wait for each other's warm-up or model load"
+    )
     threads: Index = Field(0, description="torch threads per node; 0 = cores / nodes")
     progress: bool = Field(True, description="a progress bar over the rounds")
     resume: bool = Field(False, description="continue from the last checkpoint in `out`")
     nodes: list[NodeSpec] = Field(
-        default_factory=lambda: [NodeSpec()], min_length=1,
-        description="the node specs; node i runs nodes[i % len(nodes)]")
+        default_factory=lambda: [NodeSpec()],
+        min_length=1,
+        description="the node specs; node i runs nodes[i % len(nodes)]",
+    )
 
     def node(self, rank: int) -> NodeSpec:
         return self.nodes[rank % len(self.nodes)]
@@ -191,8 +245,14 @@ class RunConfig:
         own type and range is checked when the config is built)."""
         problems = []
         if self.collab == "horizontal" and self.loss != "on-policy" and self.group_size % world:
-            problems.append(("group_size", f"a multiple of the {world} nodes (horizontal mode "
-                             "splits each group over the nodes)", self.group_size))
+            problems.append(
+                (
+                    "group_size",
+                    f"a multiple of the {world} nodes (horizontal mode "
+                    "splits each group over the nodes)",
+                    self.group_size,
+                )
+            )
         if self.task == "jsonl":
             for split in SPLITS:
                 path = self.data.get(split)
@@ -200,12 +260,19 @@ class RunConfig:
                     problems.append((f"data.{split}", "a JSONL file (task jsonl)", path))
             for i, spec in enumerate(self.nodes):
                 if spec.model is None:
-                    problems.append((f"nodes.{i}.model", "a model folder: preset models know "
-                                     "only the built-in task's vocabulary (task jsonl)", None))
+                    problems.append(
+                        (
+                            f"nodes.{i}.model",
+                            "a model folder: preset models know "
+                            "only the built-in task's vocabulary (task jsonl)",
+                            None,
+                        )
+                    )
         for i, spec in enumerate(self.nodes):
             if spec.model is not None and not Path(spec.model).is_dir():
-                problems.append((f"nodes.{i}.model", "a local Hugging Face checkpoint folder",
-                                 spec.model))
+                problems.append(
+                    (f"nodes.{i}.model", "a local Hugging Face checkpoint folder", spec.model)
+                )
         if problems:
             raise ConfigError(*problems)
         try:
@@ -213,13 +280,15 @@ class RunConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if options.beta > 0:
-            raise ConfigError(("loss_options.beta", "0 (the driver has no reference model)",
-                               options.beta))
+            raise ConfigError(
+                ("loss_options.beta", "0 (the driver has no reference model)", options.beta)
+            )
 
     def fingerprint(self) -> str:
         """Hash of everything a resumed run must share with the run it continues."""
-        return hashlib.sha256(json.dumps(_shared(to_dict(self)), sort_keys=True).encode()
-                              ).hexdigest()[:16]
+        return hashlib.sha256(
+            json.dumps(_shared(to_dict(self)), sort_keys=True).encode()
+        ).hexdigest()[:16]
 
 
 def _shared(d: dict[str, Any]) -> dict[str, Any]:
@@ -232,8 +301,11 @@ def _shared(d: dict[str, Any]) -> dict[str, Any]:
 def resume_changes(before: dict[str, Any], now: RunConfig) -> list[tuple[str, Any, Any]]:
     """(key, old value, new value) of each setting `now` changes that a --resume must keep."""
     old, new = _flatten(_shared(before)), _flatten(_shared(to_dict(now)))
-    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new), key=_key_order)
-            if old.get(k) != new.get(k)]
+    return [
+        (k, old.get(k), new.get(k))
+        for k in sorted(set(old) | set(new), key=_key_order)
+        if old.get(k) != new.get(k)
+    ]
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -260,11 +332,14 @@ class _YamlLoader(yaml.SafeLoader):
 
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
                  |[-+]?\.(?:inf|Inf|INF)
-                 |\.(?:nan|NaN|NAN))$""", re.X),
+                 |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
     list("-+0123456789."),
 )
 
@@ -281,27 +356,73 @@ PRESET_HELP = {
 PRESETS: dict[str, dict[str, Any]] = {
     # End to end in well under 2 minutes on 2 CPU cores.
     "smoke": dict(
-        rounds=4, prompts_per_node=2, group_size=4, max_new_tokens=24, eval_size=16,
-        eval_max_new_tokens=24, ckpt_every=2, micro_batch=16,
+        rounds=4,
+        prompts_per_node=2,
+        group_size=4,
+        max_new_tokens=24,
+        eval_size=16,
+        eval_max_new_tokens=24,
+        ckpt_every=2,
+        micro_batch=16,
         nodes=[
-            dict(name="tiny-full", arch="tiny", init_seed=0, warmup_steps=100, warmup_format=0.5,
-                 lr=3e-4),
-            dict(name="tiny-lora", arch="tiny", init_seed=1, warmup_steps=80, warmup_format=0.5,
-                 lora=True, lr=1e-3),
+            dict(
+                name="tiny-full",
+                arch="tiny",
+                init_seed=0,
+                warmup_steps=100,
+                warmup_format=0.5,
+                lr=3e-4,
+            ),
+            dict(
+                name="tiny-lora",
+                arch="tiny",
+                init_seed=1,
+                warmup_steps=80,
+                warmup_format=0.5,
+                lora=True,
+                lr=1e-3,
+            ),
         ],
     ),
     # The README's main job: three heterogeneous nodes, a few minutes on CPU. Their warm-ups
     # differ in length, operations and how often they use GSM8K's '#### x' answer format.
     "demo": dict(
-        rounds=80, prompts_per_node=8, group_size=8, max_new_tokens=28, eval_size=64,
-        eval_every=5, ckpt_every=10, micro_batch=64, temperature=0.8,
+        rounds=80,
+        prompts_per_node=8,
+        group_size=8,
+        max_new_tokens=28,
+        eval_size=64,
+        eval_every=5,
+        ckpt_every=10,
+        micro_batch=64,
+        temperature=0.8,
         nodes=[
-            dict(name="tiny-add", arch="tiny", init_seed=0, warmup_steps=500,
-                 warmup_ops=["add"], warmup_format=0.4, lr=3e-4),
-            dict(name="small", arch="small", init_seed=1, warmup_steps=300, warmup_format=0.3,
-                 lr=2e-4),
-            dict(name="tiny-lora", arch="tiny", init_seed=2, warmup_steps=500,
-                 warmup_format=0.5, lora=True, lr=1e-3),
+            dict(
+                name="tiny-add",
+                arch="tiny",
+                init_seed=0,
+                warmup_steps=500,
+                warmup_ops=["add"],
+                warmup_format=0.4,
+                lr=3e-4,
+            ),
+            dict(
+                name="small",
+                arch="small",
+                init_seed=1,
+                warmup_steps=300,
+                warmup_format=0.3,
+                lr=2e-4,
+            ),
+            dict(
+                name="tiny-lora",
+                arch="tiny",
+                init_seed=2,
+                warmup_steps=500,
+                warmup_format=0.5,
+                lora=True,
+                lr=1e-3,
+            ),
         ],
     ),
 }
@@ -318,10 +439,18 @@ _ADAPTER = TypeAdapter(RunConfig)
 _KNOWN = {f.name for f in fields(RunConfig)} | {f.name for f in fields(NodeSpec)}
 # What the schema expected, by pydantic error type, where its own message is not the clearest.
 _EXPECTED = {
-    "int_parsing": "an integer", "int_type": "an integer", "int_from_float": "an integer",
-    "float_parsing": "a number", "float_type": "a number", "finite_number": "a finite number",
-    "bool_parsing": "true or false", "bool_type": "true or false", "string_type": "a string",
-    "dict_type": "a mapping", "list_type": "a list", "dataclass_type": "a mapping of node keys",
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "finite_number": "a finite number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "list_type": "a list",
+    "dataclass_type": "a mapping of node keys",
 }
 
 
@@ -336,12 +465,19 @@ def _problem(err: dict[str, Any]) -> tuple[str, str, Any]:
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
         close = difflib.get_close_matches(loc[-1], sorted(_KNOWN), n=1)
         hint = f"did you mean {close[0]}? " if close else ""
-        return key, f"a known key ({hint}ftis-grpo --list-keys lists them)", Verbatim(
-            f"{key}={show(err['input'])}")
+        return (
+            key,
+            f"a known key ({hint}ftis-grpo --list-keys lists them)",
+            Verbatim(f"{key}={show(err['input'])}"),
+        )
     if kind in _EXPECTED:
         return key, _EXPECTED[kind], err["input"]
-    bounds = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
-              "less_than_equal": "<= {le}"}
+    bounds = {
+        "greater_than": "> {gt}",
+        "greater_than_equal": ">= {ge}",
+        "less_than": "< {lt}",
+        "less_than_equal": "<= {le}",
+    }
     if kind in bounds:
         return key, "a value " + bounds[kind].format(**ctx), err["input"]
     if kind == "literal_error":
@@ -358,9 +494,13 @@ def load_file(path: str) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(("--config", "a readable YAML or TOML file",
-                           Verbatim(f"{path!r} ({getattr(exc, 'strerror', None) or exc})"))
-                          ) from None
+        raise ConfigError(
+            (
+                "--config",
+                "a readable YAML or TOML file",
+                Verbatim(f"{path!r} ({getattr(exc, 'strerror', None) or exc})"),
+            )
+        ) from None
     try:
         if path.endswith(".toml"):
             try:
@@ -373,13 +513,15 @@ def load_file(path: str) -> dict[str, Any]:
             content = _yaml(text)
     except Exception as exc:  # yaml.YAMLError, tomllib.TOMLDecodeError
         where = " ".join(str(exc).split())
-        raise ConfigError(("--config", "valid YAML or TOML", Verbatim(f"{path}: {where}"))
-                          ) from None
+        raise ConfigError(
+            ("--config", "valid YAML or TOML", Verbatim(f"{path}: {where}"))
+        ) from None
     if content is None:
         return {}
     if not isinstance(content, dict):
-        raise ConfigError((f"--config {path}", "a mapping of config keys (key: value lines)",
-                           content))
+        raise ConfigError(
+            (f"--config {path}", "a mapping of config keys (key: value lines)", content)
+        )
     return content
 
 
@@ -413,8 +555,13 @@ def apply_set(d: dict[str, Any], assignment: str) -> None:
         if isinstance(target, list):
             if not (part.isdigit() and int(part) < len(target)):
                 within = f"{len(target)} items of {'.'.join(parts[:depth])}"
-                raise ConfigError((here, f"an index from 0 to {len(target) - 1} into the {within}",
-                                   Verbatim(part)))
+                raise ConfigError(
+                    (
+                        here,
+                        f"an index from 0 to {len(target) - 1} into the {within}",
+                        Verbatim(part),
+                    )
+                )
             if last:
                 target[int(part)] = value
             else:
@@ -425,8 +572,13 @@ def apply_set(d: dict[str, Any], assignment: str) -> None:
             else:
                 target = target.setdefault(part, {})
         else:
-            raise ConfigError((here, f"a key inside a mapping, but {'.'.join(parts[:depth])} "
-                               "is a single value", Verbatim(assignment)))
+            raise ConfigError(
+                (
+                    here,
+                    f"a key inside a mapping, but {'.'.join(parts[:depth])} is a single value",
+                    Verbatim(assignment),
+                )
+            )
 
 
 def build_config(
@@ -480,8 +632,13 @@ def _allowed(annotation: Any, metadata: list[Any] = ()) -> str:
     elif origin is dict:
         text = f"mapping ({_allowed(args[0])}) -> ({_allowed(args[1])})"
     else:
-        text = {bool: "true | false", int: "integer", float: "number", str: "string",
-                type(None): "null"}.get(annotation, getattr(annotation, "__name__", "mapping"))
+        text = {
+            bool: "true | false",
+            int: "integer",
+            float: "number",
+            str: "string",
+            type(None): "null",
+        }.get(annotation, getattr(annotation, "__name__", "mapping"))
     bounds = []
     for m in metadata:
         for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
@@ -504,8 +661,11 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
                 allowed, default = "list of node mappings (the nodes.<i>.* keys)", "[one node]"
             else:
                 allowed = _allowed(info.annotation, info.metadata)
-                default = yaml.safe_dump(defaults[name], default_flow_style=True,
-                                         width=1 << 30).strip().removesuffix("\n...")
+                default = (
+                    yaml.safe_dump(defaults[name], default_flow_style=True, width=1 << 30)
+                    .strip()
+                    .removesuffix("\n...")
+                )
             rows.append((prefix + name, allowed, default, info.description or ""))
     return rows
 
@@ -521,12 +681,12 @@ def render_config(cfg: RunConfig, layers: str) -> str:
     """`--print-config`: the effective configuration as YAML (a valid `--config` file), each key
     commented with its allowed values and meaning."""
     described = {key: (allowed, meaning) for key, allowed, _, meaning in describe_keys()}
-    lines = [f"# the effective configuration: {layers}",
-             "# key: value  # allowed values: meaning"]
+    lines = [f"# the effective configuration: {layers}", "# key: value  # allowed values: meaning"]
 
     def line(indent: str, key: str, value: Any, described_as: Optional[str]) -> str:
-        text = f"{indent}{key}: " + yaml.safe_dump(value, default_flow_style=True,
-                                                    width=1 << 30).strip().removesuffix("\n...")
+        text = f"{indent}{key}: " + yaml.safe_dump(
+            value, default_flow_style=True, width=1 << 30
+        ).strip().removesuffix("\n...")
         if described_as is None:
             return text
         allowed, meaning = described[described_as]
@@ -539,6 +699,7 @@ def render_config(cfg: RunConfig, layers: str) -> str:
     lines.append(f"nodes:{'':<33}  # {described['nodes'][1]}")
     for i, node in enumerate(d["nodes"]):
         for j, (key, value) in enumerate(node.items()):
-            lines.append(line("- " if j == 0 else "  ", key, value,
-                              f"nodes.<i>.{key}" if i == 0 else None))
+            lines.append(
+                line("- " if j == 0 else "  ", key, value, f"nodes.<i>.{key}" if i == 0 else None)
+            )
     return "\n".join(lines)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -29,8 +30,13 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<qiiff")
 HEADER_BYTES = _HEADER.size  # 24
 BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob
-HOSTILE_KINDS = ("forged_logprobs", "flipped_rewards", "random_tokens", "malformed",
-                 "improbable_logprobs")
+HOSTILE_KINDS = (
+    "forged_logprobs",
+    "flipped_rewards",
+    "random_tokens",
+    "malformed",
+    "improbable_logprobs",
+)
 # What an "improbable_logprobs" peer claims for log pi_gen of one token: exp(-log pi_gen) > 1e43
 # overflows float32, and so does an untruncated IS weight pi_theta / pi_gen of any likely token.
 IMPROBABLE_LOGPROB = -100.0
@@ -98,7 +104,7 @@ def unpack(
     token id is outside [0, vocab_size), a logprob is non-finite or > 0, the reward or advantage is
     non-finite, or `prompt_ok(prompt_id)` is false. A record whose length field cannot be trusted
     (out of range, or past the payload's end) ends the parse: the rest of the payload is dropped.
-    """
+    """  # noqa: E501
     samples, drops = [], []
     offset, index = 0, 0
     while offset < len(payload):
@@ -134,8 +140,16 @@ def unpack(
         if reason is not None:
             drops.append(f"{where}: {reason}")
             continue
-        samples.append(Sample(prompt_id, source, torch.from_numpy(tokens.astype(np.int32)),
-                              torch.from_numpy(logprobs.astype(np.float32)), rew, adv))
+        samples.append(
+            Sample(
+                prompt_id,
+                source,
+                torch.from_numpy(tokens.astype(np.int32)),
+                torch.from_numpy(logprobs.astype(np.float32)),
+                rew,
+                adv,
+            )
+        )
     return samples, drops
 
 
@@ -174,8 +188,13 @@ def exchange(
         if peer == rank:
             continue
         size = min(max(claimed[peer], 0), width)
-        got, dropped = unpack(buffers[peer][:size].numpy().tobytes(), sender=peer,
-                              vocab_size=vocab_size, max_tokens=max_tokens, prompt_ok=prompt_ok)
+        got, dropped = unpack(
+            buffers[peer][:size].numpy().tobytes(),
+            sender=peer,
+            vocab_size=vocab_size,
+            max_tokens=max_tokens,
+            prompt_ok=prompt_ok,
+        )
         if claimed[peer] > width:
             dropped.append(f"node {peer}: payload of {claimed[peer]} bytes cut at the cap {cap}")
         received.extend(got)
@@ -185,8 +204,9 @@ def exchange(
     return received, drops, len(payload)
 
 
-def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
-                 generator: torch.Generator) -> list[Sample]:
+def make_hostile(
+    samples: list[Sample], kind: Optional[str], vocab_size: int, generator: torch.Generator
+) -> list[Sample]:
     """What a hostile node sends instead of `samples` (hook for robustness experiments).
 
     kind: None (honest) | "forged_logprobs" (claims certainty: log pi_gen = 0 at every token) |
@@ -218,8 +238,9 @@ def make_hostile(samples: list[Sample], kind: Optional[str], vocab_size: int,
                 logprobs = logprobs.clone()
                 logprobs[0], adv = IMPROBABLE_LOGPROB, RANDOM_TOKENS_ADVANTAGE
         else:
-            tokens = torch.randint(0, vocab_size, tokens.shape, generator=generator,
-                                   dtype=torch.int32)
+            tokens = torch.randint(
+                0, vocab_size, tokens.shape, generator=generator, dtype=torch.int32
+            )
             rew, adv = 1.0, RANDOM_TOKENS_ADVANTAGE
         out.append(Sample(s.prompt_id, s.source, tokens, logprobs, rew, adv))
     return out

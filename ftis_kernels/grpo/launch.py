@@ -20,8 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Optional, Sequence
+from typing import IO, Optional
 
 import psutil
 
@@ -33,8 +34,15 @@ log = logging.getLogger("ftis_kernels.grpo")
 
 LOCK_FILE = ".ftis-grpo.lock"
 # What a run writes into --out: a folder holding any of these holds a run.
-RUN_OUTPUTS = ("ckpt", "metrics.jsonl", "config.json", "config.yaml", "curves.png", "summary.txt",
-               "tokenizer")
+RUN_OUTPUTS = (
+    "ckpt",
+    "metrics.jsonl",
+    "config.json",
+    "config.yaml",
+    "curves.png",
+    "summary.txt",
+    "tokenizer",
+)
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 20.0  # how long the nodes get to stop after a forwarded signal before SIGKILL
 _POLL_S = 0.2
@@ -67,8 +75,13 @@ class OutLock:
             f.seek(0)
             holder = f.read().strip() or "a process that has not written its name yet"
             f.close()
-            raise ConfigError(("--out", "a folder no other run is writing to", Verbatim(
-                f"{str(self.path.parent)!r}, locked by {holder}"))) from None
+            raise ConfigError(
+                (
+                    "--out",
+                    "a folder no other run is writing to",
+                    Verbatim(f"{str(self.path.parent)!r}, locked by {holder}"),
+                )
+            ) from None
         f.seek(0)
         f.truncate()
         since = datetime.datetime.now().isoformat(timespec="seconds")
@@ -81,7 +94,7 @@ class OutLock:
             self._file.close()  # closing the descriptor drops the lock
             self._file = None
 
-    def __enter__(self) -> "OutLock":
+    def __enter__(self) -> OutLock:
         self.acquire()
         return self
 
@@ -96,8 +109,9 @@ def make_out(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(("--out", "a folder this user can create",
-                           Verbatim(f"{str(out)!r} ({exc.strerror})"))) from None
+        raise ConfigError(
+            ("--out", "a folder this user can create", Verbatim(f"{str(out)!r} ({exc.strerror})"))
+        ) from None
 
 
 def check_out(cfg: RunConfig, overwrite: bool) -> None:
@@ -109,19 +123,32 @@ def check_out(cfg: RunConfig, overwrite: bool) -> None:
     previous = [name for name in RUN_OUTPUTS if (out / name).exists()]
     if cfg.resume:
         if overwrite:
-            raise ConfigError(("--overwrite", "no --resume (--resume continues the run in --out, "
-                               "--overwrite replaces it)", True))
+            raise ConfigError(
+                (
+                    "--overwrite",
+                    "no --resume (--resume continues the run in --out, --overwrite replaces it)",
+                    True,
+                )
+            )
         check_resume(cfg)
         stale = sorted((out / "ckpt").glob("node*/round_*.tmp"))
         for folder in stale:
             shutil.rmtree(folder)
         if stale:
-            log.warning("removed %d unfinished checkpoint write(s): %s", len(stale),
-                        ", ".join(str(p.relative_to(out)) for p in stale))
+            log.warning(
+                "removed %d unfinished checkpoint write(s): %s",
+                len(stale),
+                ", ".join(str(p.relative_to(out)) for p in stale),
+            )
     elif previous and not overwrite:
-        raise ConfigError(("--out", "an empty or new folder (--resume continues the run there, "
-                           "--overwrite replaces it)",
-                           Verbatim(f"{str(out)!r}, which holds a run: {', '.join(previous)}")))
+        raise ConfigError(
+            (
+                "--out",
+                "an empty or new folder (--resume continues the run there, "
+                "--overwrite replaces it)",
+                Verbatim(f"{str(out)!r}, which holds a run: {', '.join(previous)}"),
+            )
+        )
     elif previous:
         for name in previous:
             path = out / name
@@ -135,26 +162,44 @@ def check_resume(cfg: RunConfig) -> None:
     out = Path(cfg.out)
     done = checkpoint.latest_round(out / "ckpt")
     if done is None:
-        raise ConfigError(("--resume", f"a complete checkpoint in {out / 'ckpt'}",
-                           Verbatim("none (start the run without --resume)")))
+        raise ConfigError(
+            (
+                "--resume",
+                f"a complete checkpoint in {out / 'ckpt'}",
+                Verbatim("none (start the run without --resume)"),
+            )
+        )
     config_file = out / "config.json"
     try:
         before = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:  # the nodes still compare the checkpoint's fingerprint
-        log.warning("--resume: cannot compare with the previous configuration (%s): %s",
-                    config_file, exc)
+        log.warning(
+            "--resume: cannot compare with the previous configuration (%s): %s", config_file, exc
+        )
         before = None
     if before is not None:
         changes = resume_changes(before, cfg)
         if changes:
-            raise ConfigError(*(
-                (key, f"{show(old)} as in the run being resumed (--resume may change only "
-                 "rounds, timeouts, threads, progress, eval_every, ckpt_every, warmup_cache, "
-                 "max_skipped_steps)",
-                 new) for key, old, new in changes))
+            raise ConfigError(
+                *(
+                    (
+                        key,
+                        f"{show(old)} as in the run being resumed (--resume may change only "
+                        "rounds, timeouts, threads, progress, eval_every, ckpt_every, warmup_cache, "  # noqa: E501
+                        "max_skipped_steps)",
+                        new,
+                    )
+                    for key, old, new in changes
+                )
+            )
     if cfg.rounds <= done:
-        raise ConfigError(("rounds", f"more than the {done} rounds the run in {out} has done "
-                           "(--rounds N extends it)", cfg.rounds))
+        raise ConfigError(
+            (
+                "rounds",
+                f"more than the {done} rounds the run in {out} has done (--rounds N extends it)",
+                cfg.rounds,
+            )
+        )
     if (out / "metrics.jsonl").exists():
         try:  # rank 0 reads it again, and warns of a torn last line then
             read_metrics(out / "metrics.jsonl", warn=False)
@@ -186,10 +231,17 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
             raise
         n = len(cfg.nodes)
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes=1", f"--nproc-per-node={n}", "--max-restarts=0",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-            "-m", "ftis_kernels.grpo", *(a for a in argv if a != "--overwrite"),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc-per-node={n}",
+            "--max-restarts=0",
+            "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}",
+            "-m",
+            "ftis_kernels.grpo",
+            *(a for a in argv if a != "--overwrite"),
         ]
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a local swarm talks over loopback only
@@ -201,8 +253,12 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
         log.info("starting a local swarm of %d nodes: %s", n, " ".join(cmd[1:]))
         rc = supervise(subprocess.Popen(cmd, env=env, start_new_session=True))
     if rc != 0:
-        log.error("the swarm stopped with exit code %d: a node failed or was stopped (see the "
-                  "log lines above); the others were stopped.%s", rc, _resume_hint(argv, cfg))
+        log.error(
+            "the swarm stopped with exit code %d: a node failed or was stopped (see the "
+            "log lines above); the others were stopped.%s",
+            rc,
+            _resume_hint(argv, cfg),
+        )
     return rc
 
 
@@ -219,8 +275,10 @@ def _resume_hint(argv: Sequence[str], cfg: RunConfig) -> str:
     if rows and max(skipped_in_a_row(rows).values()) >= cfg.max_skipped_steps:
         return " The training diverged (see the error above): a --resume would repeat it."
     args = [a for a in argv if a not in ("--resume", "--overwrite")]
-    return (f" Continue from the checkpoint of round {done} with: "
-            f"ftis-grpo {shlex.join(args + ['--resume'])}")
+    return (
+        f" Continue from the checkpoint of round {done} with: "
+        f"ftis-grpo {shlex.join(args + ['--resume'])}"
+    )
 
 
 def supervise(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
@@ -235,8 +293,11 @@ def supervise(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
     def forward(signum: int, _frame) -> None:
         received.append(signum)
         if len(received) == 1:
-            log.warning("%s received: stopping the swarm (nodes still running in %.0f s are "
-                        "killed)", signal.Signals(signum).name, grace_s)
+            log.warning(
+                "%s received: stopping the swarm (nodes still running in %.0f s are killed)",
+                signal.Signals(signum).name,
+                grace_s,
+            )
         tree[:] = _process_tree(proc.pid, tree)
         for p in tree:
             if p.pid != proc.pid:

@@ -16,8 +16,9 @@ import logging
 import math
 import os
 import random
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -65,8 +66,9 @@ def apply_lora(model, r: int, alpha: float, seed: int = 0):
     The adapter's random init (its A matrices) draws from `seed`."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear",
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return get_peft_model(model, config)
@@ -137,8 +139,9 @@ def warm_up(
     return loss_value
 
 
-def warm_up_cached(model, tokenizer, task: ArithmeticTask, cache_file: Optional[Path],
-                   **recipe: Any) -> Optional[float]:
+def warm_up_cached(
+    model, tokenizer, task: ArithmeticTask, cache_file: Optional[Path], **recipe: Any
+) -> Optional[float]:
     """`warm_up(model, tokenizer, task, **recipe)`, or with `cache_file` (from `warmup_cache_file`)
     the weights an identical warm-up saved there. Returns the final warm-up loss, or None when the
     weights were loaded.

@@ -77,8 +77,14 @@ class Node:
     (the agreement checks and the barrier after the warm-ups), whose timeout covers a warm-up or
     a model load; None uses the default group."""
 
-    def __init__(self, cfg: RunConfig, rank: int, world: int, device: torch.device,
-                 setup_group: Optional[dist.ProcessGroup] = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        rank: int,
+        world: int,
+        device: torch.device,
+        setup_group: Optional[dist.ProcessGroup] = None,
+    ):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.setup_group = setup_group
         self.spec = cfg.node(rank)
@@ -108,21 +114,31 @@ class Node:
         collective(f"the {what} check", dist.all_gather, everyone, mine, group=self.setup_group)
         prints = [bytes(t.tolist()).decode(errors="replace").strip() for t in everyone]
         if len(set(prints)) > 1:
-            detail = ", ".join(f"node {i} ({self.cfg.node(i).name}): {p[:12]}"
-                               for i, p in enumerate(prints))
-            raise SystemExit(f"{what} mismatch, refusing to start: every node must use the "
-                             f"same {what} (fingerprints {detail})")
+            detail = ", ".join(
+                f"node {i} ({self.cfg.node(i).name}): {p[:12]}" for i, p in enumerate(prints)
+            )
+            raise SystemExit(
+                f"{what} mismatch, refusing to start: every node must use the "
+                f"same {what} (fingerprints {detail})"
+            )
 
     def check_vocabulary(self) -> None:
         """All nodes must share one token -> id map, or exchanged token ids mean nothing; and one
         run configuration, which fixes the exchange's buffer sizes."""
         if len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
-            raise ValueError(f"node {self.rank}: tokenizer has {len(self.tokenizer)} tokens but "
-                             f"the model only {self.model.get_input_embeddings().num_embeddings}")
+            raise ValueError(
+                f"node {self.rank}: tokenizer has {len(self.tokenizer)} tokens but "
+                f"the model only {self.model.get_input_embeddings().num_embeddings}"
+            )
         self._agree("configuration", self.cfg.fingerprint())
         self._agree("vocabulary", vocab_fingerprint(self.tokenizer))
-        log.info("node %d (%s): vocabulary of %d tokens shared by all %d nodes", self.rank,
-                 self.spec.name, len(self.tokenizer), self.world)
+        log.info(
+            "node %d (%s): vocabulary of %d tokens shared by all %d nodes",
+            self.rank,
+            self.spec.name,
+            len(self.tokenizer),
+            self.world,
+        )
 
     def prepare(self) -> int:
         """Warm up (fresh run) or restore (--resume); returns the first round to run."""
@@ -135,27 +151,40 @@ class Node:
                 bar = progress_bar(spec.warmup_steps, f"warm-up of node 0 ({spec.name})", "step")
             self.warm_up(bar)
         if spec.lora:
-            self.model = apply_lora(self.model, spec.lora_r, spec.lora_alpha,
-                                    seed=self.cfg.init_seed(self.rank))
+            self.model = apply_lora(
+                self.model, spec.lora_r, spec.lora_alpha, seed=self.cfg.init_seed(self.rank)
+            )
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
         n_train = sum(p.numel() for p in params)
         n_all = sum(p.numel() for p in self.model.parameters())
-        log.info("node %d (%s): %s, %d of %d parameters trainable", self.rank, spec.name,
-                 "LoRA" if spec.lora else "full fine-tune", n_train, n_all)
+        log.info(
+            "node %d (%s): %s, %d of %d parameters trainable",
+            self.rank,
+            spec.name,
+            "LoRA" if spec.lora else "full fine-tune",
+            n_train,
+            n_all,
+        )
         if cfg.resume:
-            state = checkpoint.load_node(self.ckpt, self.rank, start, self.model, self.optimizer,
-                                         self.sampler)
+            state = checkpoint.load_node(
+                self.ckpt, self.rank, start, self.model, self.optimizer, self.sampler
+            )
             if state.get("config") != cfg.fingerprint():
-                raise SystemExit(f"--resume: the configuration differs from the checkpointed "
-                                 f"run's (only {', '.join(RESUMABLE)} may change)")
+                raise SystemExit(
+                    f"--resume: the configuration differs from the checkpointed "
+                    f"run's (only {', '.join(RESUMABLE)} may change)"
+                )
             log.info("node %d: resumed after round %d", self.rank, start)
         if bar is not None:
             bar.set_description_str("warm-up: waiting for the other nodes' warm-up")
         # Warm-ups and loads take different times on different nodes: wait for the slowest here,
         # under the set-up timeout, so that no later collective's timeout has to cover them.
-        collective("the set-up barrier (waiting for every node's warm-up)", dist.barrier,
-                   group=self.setup_group)
+        collective(
+            "the set-up barrier (waiting for every node's warm-up)",
+            dist.barrier,
+            group=self.setup_group,
+        )
         if not cfg.resume:
             self.save(0)
         if bar is not None:
@@ -176,53 +205,88 @@ class Node:
             if problem is None:
                 good.append(round_)
             else:
-                log.warning("node %d: checkpoint of round %d is damaged, not used: %s",
-                            self.rank, round_, problem)
+                log.warning(
+                    "node %d: checkpoint of round %d is damaged, not used: %s",
+                    self.rank,
+                    round_,
+                    problem,
+                )
         everyone: list = [None] * self.world
-        collective("the checkpoint check", dist.all_gather_object, everyone, good,
-                   group=self.setup_group)
+        collective(
+            "the checkpoint check", dist.all_gather_object, everyone, good, group=self.setup_group
+        )
         start = checkpoint.newest_common(everyone)
         if start is None:
             detail = "; ".join(f"node {i}: {rounds or 'none'}" for i, rounds in enumerate(everyone))
-            raise SystemExit(f"--resume: no checkpoint under {self.ckpt} is good on every node "
-                             f"(good rounds up to {latest}: {detail}); see the warnings above")
+            raise SystemExit(
+                f"--resume: no checkpoint under {self.ckpt} is good on every node "
+                f"(good rounds up to {latest}: {detail}); see the warnings above"
+            )
         if start != latest and self.rank == 0:
-            log.warning("falling back to the checkpoint of round %d, the newest good on every "
-                        "node (round %d, the latest, is damaged on some node)", start, latest)
+            log.warning(
+                "falling back to the checkpoint of round %d, the newest good on every "
+                "node (round %d, the latest, is damaged on some node)",
+                start,
+                latest,
+            )
         return start
 
     def warm_up(self, bar=None) -> None:
         """The preset model's supervised warm-up, or its weights from `warmup_cache`; a tqdm `bar`
         follows its steps."""
         cfg, spec, t0 = self.cfg, self.spec, time.time()
-        recipe = dict(steps=spec.warmup_steps, lr=spec.warmup_lr, batch_size=cfg.warmup_batch,
-                      seed=cfg.init_seed(self.rank), operations=list(spec.warmup_ops),
-                      gsm8k_format=spec.warmup_format)
+        recipe = dict(
+            steps=spec.warmup_steps,
+            lr=spec.warmup_lr,
+            batch_size=cfg.warmup_batch,
+            seed=cfg.init_seed(self.rank),
+            operations=list(spec.warmup_ops),
+            gsm8k_format=spec.warmup_format,
+        )
         cached = None
         if cfg.warmup_cache:
-            cached = warmup_cache_file(cfg.warmup_cache, spec.arch, task_seed=cfg.seed,
-                                       vocabulary=vocab_fingerprint(self.tokenizer), **recipe)
+            cached = warmup_cache_file(
+                cfg.warmup_cache,
+                spec.arch,
+                task_seed=cfg.seed,
+                vocabulary=vocab_fingerprint(self.tokenizer),
+                **recipe,
+            )
         on_step = None
         if bar is not None:
+
             def on_step(step: int, loss: float) -> None:
                 bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
                 bar.update(1)
-        loss = warm_up_cached(self.model, self.tokenizer, self.problems.arith, cached,
-                              on_step=on_step, **recipe)
+
+        loss = warm_up_cached(
+            self.model, self.tokenizer, self.problems.arith, cached, on_step=on_step, **recipe
+        )
         if loss is None:
             if bar is not None:
                 bar.set_postfix_str("loaded from the warm-up cache", refresh=False)
                 bar.update(bar.total - bar.n)
-            log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name,
-                     cached)
+            log.info("node %d (%s): warmed-up weights loaded from %s", self.rank, spec.name, cached)
         else:
-            log.info("node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f", self.rank,
-                     spec.name, spec.warmup_steps, time.time() - t0, loss)
+            log.info(
+                "node %d (%s): warm-up of %d steps in %.1fs, final loss %.3f",
+                self.rank,
+                spec.name,
+                spec.warmup_steps,
+                time.time() - t0,
+                loss,
+            )
 
     def save(self, completed: int) -> None:
-        checkpoint.save_node(self.ckpt, self.rank, completed, self.model, self.optimizer,
-                             self.sampler, {"config": self.cfg.fingerprint(),
-                                            "name": self.spec.name})
+        checkpoint.save_node(
+            self.ckpt,
+            self.rank,
+            completed,
+            self.model,
+            self.optimizer,
+            self.sampler,
+            {"config": self.cfg.fingerprint(), "name": self.spec.name},
+        )
         collective("the checkpoint barrier", dist.barrier)
         if self.rank == 0:
             checkpoint.mark_latest(self.ckpt, completed)
@@ -241,9 +305,14 @@ class Node:
         for start in range(0, len(prompt_ids), step):
             ids = prompt_ids[start : start + step]
             tokens, logprobs, lengths = sample(
-                self.model, [self.prompt_tokens(p) for p in ids], max_new_tokens=max_new_tokens,
-                temperature=self.cfg.temperature, eos_id=self.tokenizer.eos_token_id,
-                pad_id=self.tokenizer.pad_token_id, generator=self.sampler, greedy=greedy,
+                self.model,
+                [self.prompt_tokens(p) for p in ids],
+                max_new_tokens=max_new_tokens,
+                temperature=self.cfg.temperature,
+                eos_id=self.tokenizer.eos_token_id,
+                pad_id=self.tokenizer.pad_token_id,
+                generator=self.sampler,
+                greedy=greedy,
             )
             for i, pid in enumerate(ids):
                 n = int(lengths[i])
@@ -282,14 +351,15 @@ class Node:
             advantages = horizontal_advantages(torch.stack(swarm))[self.rank]
         else:
             advantages = vertical_advantages(rewards)
-        return [Sample(pid, self.rank, tok, lp, rew, float(adv))
-                for pid, (tok, lp, rew), adv in zip(ids, done, advantages.flatten().tolist())]
+        return [
+            Sample(pid, self.rank, tok, lp, rew, float(adv))
+            for pid, (tok, lp, rew), adv in zip(ids, done, advantages.flatten().tolist())
+        ]
 
     def run_round(self, round_: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
         if self.spec.fail_at_round == round_:
-            log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank,
-                      round_)
+            log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank, round_)
             _leave(EXIT_FAULT_INJECTION)
         evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
         acc_id = self.accuracy("test") if evaluate else math.nan
@@ -300,27 +370,50 @@ class Node:
             hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.rank))
             outgoing = make_hostile(own, self.spec.hostile, self.vocab_size, hostile_gen)
             received, drops, sent = collective(
-                "the sample exchange", exchange, outgoing, vocab_size=self.vocab_size,
-                max_tokens=cfg.max_new_tokens, max_samples=len(own), prompt_ok=self.problems.known,
+                "the sample exchange",
+                exchange,
+                outgoing,
+                vocab_size=self.vocab_size,
+                max_tokens=cfg.max_new_tokens,
+                max_samples=len(own),
+                prompt_ok=self.problems.known,
             )
         if cfg.verify_rewards and received:
             received, lies = self.verify(received)
             drops += lies
-        stats = grpo_update(self.model, self.optimizer, own + received, self.prompt_tokens,
-                            self.options, micro_batch=cfg.micro_batch,
-                            pad_id=self.tokenizer.pad_token_id, grad_clip=cfg.grad_clip,
-                            device=self.device)
+        stats = grpo_update(
+            self.model,
+            self.optimizer,
+            own + received,
+            self.prompt_tokens,
+            self.options,
+            micro_batch=cfg.micro_batch,
+            pad_id=self.tokenizer.pad_token_id,
+            grad_clip=cfg.grad_clip,
+            device=self.device,
+        )
         if stats["skipped"]:
-            log.warning("node %d (%s) round %d: optimizer step skipped, %s; parameters and "
-                        "optimizer state unchanged", self.rank, self.spec.name, round_,
-                        skip_cause(stats))
+            log.warning(
+                "node %d (%s) round %d: optimizer step skipped, %s; parameters and "
+                "optimizer state unchanged",
+                self.rank,
+                self.spec.name,
+                round_,
+                skip_cause(stats),
+            )
         tokens_sent = sum(s.n_tokens for s in own) if cfg.loss != "on-policy" else 0
         return dict(
-            reward_mean=sum(s.reward for s in own) / len(own), acc_id=acc_id, acc_ood=acc_ood,
-            tokens_sent=tokens_sent, bytes_sent=sent,
+            reward_mean=sum(s.reward for s in own) / len(own),
+            acc_id=acc_id,
+            acc_ood=acc_ood,
+            tokens_sent=tokens_sent,
+            bytes_sent=sent,
             bytes_per_token=sent / tokens_sent if tokens_sent else math.nan,
-            samples_trained=len(own) + len(received), samples_received=len(received),
-            dropped=len(drops), seconds=time.time() - t0, **stats,
+            samples_trained=len(own) + len(received),
+            samples_received=len(received),
+            dropped=len(drops),
+            seconds=time.time() - t0,
+            **stats,
         )
 
     def verify(self, received: list[Sample]) -> tuple[list[Sample], list[str]]:
@@ -330,8 +423,9 @@ class Node:
         for s in received:
             true = self.score(s.prompt_id, s.tokens)
             if true != s.reward:
-                drops.append(f"node {s.source}: claimed reward {s.reward:g}, completion scores "
-                             f"{true:g}")
+                drops.append(
+                    f"node {s.source}: claimed reward {s.reward:g}, completion scores {true:g}"
+                )
             else:
                 kept.append(s)
         for reason in drops[:3]:
@@ -346,8 +440,9 @@ class Node:
         everyone = [torch.empty_like(vec) for _ in range(self.world)]
         collective("the metrics gather", dist.all_gather, everyone, vec)
         names = [self.cfg.node(i).name for i in range(self.world)]
-        return metric_rows(round_, [v.tolist() for v in everyone], names, self.cfg.loss,
-                           self.cfg.collab)
+        return metric_rows(
+            round_, [v.tolist() for v in everyone], names, self.cfg.loss, self.cfg.collab
+        )
 
     def check_skips(self, rows: list[dict], in_row: list[int]) -> None:
         """Count each node's skipped steps in a row (`in_row`, updated in place); Diverged on
@@ -358,12 +453,17 @@ class Node:
         n, last = in_row[worst], rows[0]["round"]
         if n < self.cfg.max_skipped_steps:
             return
-        hint = (f" (--loss {self.cfg.loss} leaves the IS weight untruncated; tis and f-tis cap it)"
-                if self.options.is_mode == "vis" else "")
-        raise Diverged(f"node {worst} ({self.cfg.node(worst).name}) skipped its optimizer step "
-                       f"{n} rounds in a row (rounds {last - n + 1}-{last}: non-finite loss or "
-                       f"gradient, see its warnings); stopping the swarm, the training diverges"
-                       f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}")
+        hint = (
+            f" (--loss {self.cfg.loss} leaves the IS weight untruncated; tis and f-tis cap it)"
+            if self.options.is_mode == "vis"
+            else ""
+        )
+        raise Diverged(
+            f"node {worst} ({self.cfg.node(worst).name}) skipped its optimizer step "
+            f"{n} rounds in a row (rounds {last - n + 1}-{last}: non-finite loss or "
+            f"gradient, see its warnings); stopping the swarm, the training diverges"
+            f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}"
+        )
 
     def run(self) -> None:
         cfg = self.cfg
@@ -458,8 +558,9 @@ def stop_on_signals(rank: int) -> None:
 def setup_logging(rank: int) -> None:
     """Log lines tagged with the node; third-party advisories a user cannot act on silenced."""
     # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
-    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
+    )
     logging.basicConfig(
         level=os.environ.get("FTIS_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s node{rank} %(levelname)s %(name)s: %(message)s",
@@ -493,9 +594,13 @@ def run_worker(cfg: RunConfig) -> int:
         collective("the final barrier", dist.barrier)
     except SwarmError as exc:
         resumable = checkpoint.latest_round(Path(cfg.out) / "ckpt") is not None
-        log.error("node %d: lost contact with the swarm %s. A peer node died or stopped "
-                  "answering; stopping.%s", rank, exc,
-                  " Continue from the last checkpoint with --resume." if resumable else "")
+        log.error(
+            "node %d: lost contact with the swarm %s. A peer node died or stopped "
+            "answering; stopping.%s",
+            rank,
+            exc,
+            " Continue from the last checkpoint with --resume." if resumable else "",
+        )
         _leave(EXIT_SWARM)
     except Diverged:  # rank 0 logged why
         dist.destroy_process_group()

@@ -7,8 +7,9 @@ import json
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import yaml
 
@@ -16,20 +17,44 @@ from ftis_kernels.grpo.checkpoint import write_json_atomic
 
 # The per-node metrics of a round, in the order nodes gather them as one float64 vector.
 METRIC_KEYS = (
-    "reward_mean", "acc_id", "acc_ood", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
-    "is_truncated_frac", "loss", "tokens_sent", "bytes_sent", "bytes_per_token",
-    "samples_trained", "samples_received", "dropped", "seconds", "grad_norm", "skipped",
+    "reward_mean",
+    "acc_id",
+    "acc_ood",
+    "kl_mean",
+    "filtered_frac",
+    "clip_frac",
+    "is_weight_mean",
+    "is_truncated_frac",
+    "loss",
+    "tokens_sent",
+    "bytes_sent",
+    "bytes_per_token",
+    "samples_trained",
+    "samples_received",
+    "dropped",
+    "seconds",
+    "grad_norm",
+    "skipped",
 )
-_INT_KEYS = ("tokens_sent", "bytes_sent", "samples_trained", "samples_received", "dropped",
-             "skipped")
+_INT_KEYS = (
+    "tokens_sent",
+    "bytes_sent",
+    "samples_trained",
+    "samples_received",
+    "dropped",
+    "skipped",
+)
 
 log = logging.getLogger("ftis_kernels.grpo")
 
 
 def _metrics_row(line: str) -> dict[str, Any]:
     row = json.loads(line)
-    if not (isinstance(row, dict) and isinstance(row.get("round"), int)
-            and isinstance(row.get("node"), int)):
+    if not (
+        isinstance(row, dict)
+        and isinstance(row.get("round"), int)
+        and isinstance(row.get("node"), int)
+    ):
         raise ValueError("not a metrics row: a JSON object with integer 'round' and 'node'")
     return row
 
@@ -47,8 +72,13 @@ def read_metrics(path: Path, warn: bool = True) -> list[dict[str, Any]]:
             if k < len(numbered) - 1:
                 raise ValueError(f"{path}, line {number}: {exc}; fix or delete that line") from None
             if warn:
-                log.warning("%s, line %d (the last): dropped a torn or garbage row (%s), as a "
-                            "run killed mid-write leaves it", path, number, exc)
+                log.warning(
+                    "%s, line %d (the last): dropped a torn or garbage row (%s), as a "
+                    "run killed mid-write leaves it",
+                    path,
+                    number,
+                    exc,
+                )
     return rows
 
 
@@ -70,8 +100,10 @@ def skipped_in_a_row(rows: list[dict[str, Any]]) -> dict[int, int]:
 
 def smooth(values: list[float], k: int) -> list[float]:
     """Trailing moving average over up to k values."""
-    return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def mean_window(n: int, k: int = 5) -> int:
@@ -91,21 +123,27 @@ def curves_plan(rows: list[dict[str, Any]]) -> tuple[int, list[tuple[str, str, s
     nodes = _by_node(rows)
     k = mean_window(min(len(series) for series in nodes.values()))
     ood = [r["acc_ood"] for r in rows if r.get("acc_ood") is not None]
-    panels = [("reward_mean", "train reward (sampled completions)", "mean reward per round"),
-              ("acc_id", "accuracy, in-distribution", "accuracy (greedy decoding)")]
+    panels = [
+        ("reward_mean", "train reward (sampled completions)", "mean reward per round"),
+        ("acc_id", "accuracy, in-distribution", "accuracy (greedy decoding)"),
+    ]
     if _carries_signal(ood):
         panels.append(("acc_ood", "accuracy, out-of-distribution", "accuracy (greedy decoding)"))
-    caption = [f"Reward: thin lines per round, thick lines the trailing mean of the last {k} "
-               f"rounds." if k > 1 else "Reward: per round (too few rounds to average)."]
+    caption = [
+        f"Reward: thin lines per round, thick lines the trailing mean of the last {k} rounds."
+        if k > 1
+        else "Reward: per round (too few rounds to average)."
+    ]
     if any(r.get("skipped") for r in rows):
-        caption.append("x: a round whose optimizer step was skipped (non-finite loss or "
-                       "gradient).")
+        caption.append("x: a round whose optimizer step was skipped (non-finite loss or gradient).")
     caption.append("Accuracy: greedy answers to held-out problems, at each evaluation (dots).")
     if not ood:
         caption.append("No out-of-distribution evaluation.")
     elif not _carries_signal(ood):
-        caption.append(f"Out-of-distribution accuracy was {ood[0]:.3f} at every evaluation of "
-                       f"every node (not drawn).")
+        caption.append(
+            f"Out-of-distribution accuracy was {ood[0]:.3f} at every evaluation of "
+            f"every node (not drawn)."
+        )
     return k, panels, caption
 
 
@@ -130,8 +168,14 @@ def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
         reward = [r["reward_mean"] for r in series]
         if k > 1:
             axes[0].plot(rounds, reward, color=color, alpha=0.35, lw=0.8)
-        line, = axes[0].plot(rounds, smooth(reward, k), color=color, lw=2 if k > 1 else 1.2,
-                             marker="" if k > 1 else ".", label=f"{node}: {series[0]['name']}")
+        (line,) = axes[0].plot(
+            rounds,
+            smooth(reward, k),
+            color=color,
+            lw=2 if k > 1 else 1.2,
+            marker="" if k > 1 else ".",
+            label=f"{node}: {series[0]['name']}",
+        )
         handles.append(line)
         skipped = [(r["round"], r["reward_mean"]) for r in series if r.get("skipped")]
         if skipped:
@@ -148,10 +192,19 @@ def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     first = rows[0]
-    fig.suptitle(f"collaborative GRPO, {first['mode']} ({first.get('collab', 'vertical')}), "
-                 f"{len(nodes)} nodes", y=0.99)
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.935),
-               ncol=len(handles), fontsize=9, frameon=False)
+    fig.suptitle(
+        f"collaborative GRPO, {first['mode']} ({first.get('collab', 'vertical')}), "
+        f"{len(nodes)} nodes",
+        y=0.99,
+    )
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.935),
+        ncol=len(handles),
+        fontsize=9,
+        frameon=False,
+    )
     fig.text(0.01, 0.015, "\n".join(caption), fontsize=8.5, va="bottom", wrap=True)
     fig.tight_layout(rect=(0, 0.02 + 0.03 * len(caption), 1, 0.88))
     tmp = path.with_name(path.stem + ".tmp.png")
@@ -187,8 +240,20 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     nodes = _by_node(rows)
     k = mean_window(min(len(series) for series in nodes.values()))
     reward_head = f"reward ({k}-round means)" if k > 1 else "reward (first -> last round)"
-    head = ("node", "name", "rounds", reward_head, "acc_id", "acc_ood", "kl_mean", "filtered",
-            "skipped", "MB_sent", "B/token", "s/round")
+    head = (
+        "node",
+        "name",
+        "rounds",
+        reward_head,
+        "acc_id",
+        "acc_ood",
+        "kl_mean",
+        "filtered",
+        "skipped",
+        "MB_sent",
+        "B/token",
+        "s/round",
+    )
     lines = []
     for node, series in nodes.items():
         cells = [str(node), series[0].get("name", ""), str(len(series))]
@@ -214,8 +279,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def metric_rows(round_: int, vectors: Sequence[Sequence[float]], names: Sequence[str], mode: str,
-                collab: str) -> list[dict[str, Any]]:
+def metric_rows(
+    round_: int, vectors: Sequence[Sequence[float]], names: Sequence[str], mode: str, collab: str
+) -> list[dict[str, Any]]:
     """The metrics.jsonl rows of one round from each node's `METRIC_KEYS` vector (NaN -> None)."""
     rows = []
     for node, (vec, name) in enumerate(zip(vectors, names)):

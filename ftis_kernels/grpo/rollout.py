@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -11,7 +12,7 @@ ADVANTAGE_EPS = 1e-4
 
 
 def _cache_name(model) -> str:
-    """The KV-cache keyword of `model.forward`: 'cache' (transformers >= 5.x) or 'past_key_values'."""
+    """The KV-cache keyword of `model.forward`: 'cache' (transformers >= 5.x) or 'past_key_values'."""  # noqa: E501
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
@@ -27,8 +28,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
         if len(p):
-            ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
     return ids, mask
 
 
@@ -57,8 +58,9 @@ def sample(
     ids, mask = (t.to(device) for t in left_pad(prompts, pad_id))
     B = ids.shape[0]
     position = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True,
-                logits_to_keep=1)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1
+    )
     cache_name = _cache_name(model)
     past, logits = _cache_of(out), out.logits[:, -1]
     next_pos = position[:, -1:] + 1
@@ -81,8 +83,13 @@ def sample(
         if bool(done.all()) or t == max_new_tokens - 1:
             break
         mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                    use_cache=True, **{cache_name: past})
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=mask,
+            position_ids=next_pos,
+            use_cache=True,
+            **{cache_name: past},
+        )
         past, logits = _cache_of(out), out.logits[:, -1]
         next_pos = next_pos + 1
     model.train(was_training)
@@ -96,7 +103,9 @@ def group_advantages(rewards: torch.Tensor, eps: float = ADVANTAGE_EPS) -> torch
     rewards (..., G) float with G >= 2; returns the same shape in float32.
     """
     if rewards.shape[-1] < 2:
-        raise ValueError(f"rewards: expected groups of at least 2, got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards: expected groups of at least 2, got shape {tuple(rewards.shape)}"
+        )
     r = rewards.float()
     return (r - r.mean(dim=-1, keepdim=True)) / (r.std(dim=-1, keepdim=True) + eps)
 

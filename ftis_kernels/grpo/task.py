@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 NAMES = {"Ava": "She", "Ben": "He", "Cara": "She", "Dan": "He", "Eli": "He", "Fay": "She"}
 ITEMS = ("apples", "pens", "cards", "books", "coins", "shells")
@@ -71,7 +72,7 @@ def _normalise(answer: str) -> str:
 
 
 def reward(completion: str, problem: Problem) -> float:
-    """Binary correctness reward (as the paper): 1.0 iff the extracted answer equals the reference."""
+    """Binary correctness reward (as the paper): 1.0 iff the extracted answer equals the reference."""  # noqa: E501
     got = extract_answer(completion)
     return float(got is not None and got == _normalise(problem.answer))
 
@@ -128,7 +129,7 @@ class ArithmeticTask:
     def vocabulary_text(self) -> list[str]:
         """Every word and symbol a generated problem or answer can contain."""
         words = list(NAMES) + list(NAMES.values()) + list(ITEMS)
-        words += "Q A The answer is has gives away gets more How many does have now ? . + - = ####".split()
+        words += "Q A The answer is has gives away gets more How many does have now ? . + - = ####".split()  # noqa: E501
         return words
 
 
@@ -142,7 +143,7 @@ class JsonlTask:
 
     Prompt ids are `make_prompt_id("file", line_index)` into `paths[split]`; the completion must end
     with '#### answer' for the strict reward (as the GSM8K format asks).
-    """
+    """  # noqa: E501
 
     def __init__(self, paths: dict[str, str]):
         self.problems: dict[str, list[Problem]] = {}
@@ -166,12 +167,16 @@ def load_jsonl(path: str, split: str) -> list[Problem]:
         question = row.get("question", row.get("problem"))
         answer = str(row.get("answer", ""))
         if question is None or not answer:
-            raise ValueError(f"{path}:{lineno + 1}: expected 'question'/'problem' and 'answer' fields")
+            raise ValueError(
+                f"{path}:{lineno + 1}: expected 'question'/'problem' and 'answer' fields"
+            )
         solution = ""
         if "####" in answer:
             solution, answer = answer.rsplit("####", 1)
         problems.append(
-            Problem(make_prompt_id("file", offset + lineno), question, solution.strip(), answer.strip())
+            Problem(
+                make_prompt_id("file", offset + lineno), question, solution.strip(), answer.strip()
+            )
         )
     return problems
 
@@ -183,8 +188,11 @@ class Problems:
     def __init__(self, seed: int, task: str = "arith", data: Optional[dict[str, str]] = None):
         self.arith = ArithmeticTask(seed)
         self.files = JsonlTask(data or {}) if task == "jsonl" else None
-        self._by_id = ({p.prompt_id: p for ps in self.files.problems.values() for p in ps}
-                       if self.files else {})
+        self._by_id = (
+            {p.prompt_id: p for ps in self.files.problems.values() for p in ps}
+            if self.files
+            else {}
+        )
 
     def problem(self, prompt_id: int) -> Problem:
         if self.files is not None:

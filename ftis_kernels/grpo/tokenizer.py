@@ -35,6 +35,6 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
 
 
 def vocab_fingerprint(tokenizer) -> str:
-    """sha256 of the token -> id map: two nodes can exchange token ids iff their fingerprints match."""
+    """sha256 of the token -> id map: two nodes can exchange token ids iff their fingerprints match."""  # noqa: E501
     items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()

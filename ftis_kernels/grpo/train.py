@@ -13,7 +13,8 @@ an untruncated IS weight (VIS), and a single NaN step would turn every parameter
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import torch
 
@@ -23,8 +24,12 @@ from ftis_kernels.grpo.rollout import left_pad
 from ftis_kernels.options import FTISOptions
 
 
-def build_batch(samples: Sequence[Sample], prompt_tokens: Callable[[int], list[int]], pad_id: int,
-                device: torch.device) -> dict[str, torch.Tensor]:
+def build_batch(
+    samples: Sequence[Sample],
+    prompt_tokens: Callable[[int], list[int]],
+    pad_id: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
     """Model inputs and loss inputs of `samples`.
 
     Prompts are left-padded to P columns and completions right-padded to L, so completion token j
@@ -57,8 +62,13 @@ def build_batch(samples: Sequence[Sample], prompt_tokens: Callable[[int], list[i
 def completion_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """(B, L, V) logits with logits[b, j] scoring tokens[b, j] (the causal LM's, shifted by one)."""
     L = batch["tokens"].shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False, logits_to_keep=L + 1)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+        logits_to_keep=L + 1,
+    )
     return out.logits[:, :L]
 
 
@@ -84,15 +94,23 @@ def grpo_update(
     n_samples = len(samples)
     n_tokens = sum(s.n_tokens for s in samples)
     by_tokens = options.loss_type in ("bnpo", "dapo", "cispo", "vespo")  # token means
-    totals = dict.fromkeys(("loss", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
-                            "is_truncated_frac"), 0.0)
+    totals = dict.fromkeys(
+        ("loss", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean", "is_truncated_frac"),
+        0.0,
+    )
     optimizer.zero_grad(set_to_none=True)
     for start in range(0, n_samples, micro_batch):
         chunk = samples[start : start + micro_batch]
         batch = build_batch(chunk, prompt_tokens, pad_id, device)
         logits = completion_logits(model, batch)
-        loss, metrics = ftis_loss(logits, batch["tokens"], batch["gen_logprobs"],
-                                  batch["advantages"], batch["mask"], **options.as_kwargs())
+        loss, metrics = ftis_loss(
+            logits,
+            batch["tokens"],
+            batch["gen_logprobs"],
+            batch["advantages"],
+            batch["mask"],
+            **options.as_kwargs(),
+        )
         chunk_tokens = int(batch["mask"].sum())
         share = chunk_tokens / max(n_tokens, 1) if by_tokens else len(chunk) / n_samples
         (loss * share).backward()

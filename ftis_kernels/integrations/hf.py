@@ -70,8 +70,10 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
         return model
     for name in getattr(model, "active_adapters", None) or []:
         if getattr(peft_config.get(name), "is_prompt_learning", False):
-            raise ValueError(f"model: prompt-learning adapter {name!r} is not supported "
-                             "(only module adapters such as LoRA)")  # fmt: skip
+            raise ValueError(
+                f"model: prompt-learning adapter {name!r} is not supported "
+                "(only module adapters such as LoRA)"
+            )
     return model.get_base_model()
 
 
@@ -105,8 +107,10 @@ def linear_head(head: nn.Module, hidden: torch.Tensor) -> tuple:
     if lora_cls is not None and isinstance(head, lora_cls):
         return _lora_linear_head(head, hidden)
     if not isinstance(head, nn.Linear):
-        raise ValueError(f"model: expected an nn.Linear lm-head (or a LoRA-wrapped one), "
-                         f"got {type(head).__name__}")  # fmt: skip
+        raise ValueError(
+            f"model: expected an nn.Linear lm-head (or a LoRA-wrapped one), "
+            f"got {type(head).__name__}"
+        )
     return hidden.to(head.weight.dtype), head.weight, head.bias
 
 
@@ -114,7 +118,9 @@ def _lora_linear_head(layer: nn.Module, hidden: torch.Tensor):
     """Mirrors peft's `lora.Linear.forward` as an augmented linear map."""
     base = layer.get_base_layer()
     if not isinstance(base, nn.Linear) or getattr(layer, "fan_in_fan_out", False):
-        raise ValueError(f"model: expected a LoRA lm-head over an nn.Linear, got {type(base).__name__}")
+        raise ValueError(
+            f"model: expected a LoRA lm-head over an nn.Linear, got {type(base).__name__}"
+        )
     dtype = base.weight.dtype
     x = hidden.to(dtype)
     if layer.disable_adapters:
@@ -128,8 +134,10 @@ def _lora_linear_head(layer: nn.Module, hidden: torch.Tensor):
         if name not in layer.lora_A.keys():
             continue
         if name in getattr(layer, "lora_variant", {}):
-            raise ValueError(f"model: LoRA adapter {name!r} on the lm-head uses a variant (e.g. DoRA) "
-                             "that is not a low-rank sum; not supported")  # fmt: skip
+            raise ValueError(
+                f"model: LoRA adapter {name!r} on the lm-head uses a variant (e.g. DoRA) "
+                "that is not a low-rank sum; not supported"
+            )
         lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
         scaling = layer.scaling[name]
         a_in = layer._cast_input_dtype(hidden, lora_a.weight.dtype)
@@ -148,8 +156,10 @@ def _check_plain_logits(config) -> None:
     for field, neutral in _LOGIT_TRANSFORMS.items():
         value = getattr(config, field, neutral)
         if value is not None and value != neutral:
-            raise ValueError(f"model: its logits are not the lm-head output ({field}={value!r}); "
-                             "ftis_linear_loss would compute another loss")  # fmt: skip
+            raise ValueError(
+                f"model: its logits are not the lm-head output ({field}={value!r}); "
+                "ftis_linear_loss would compute another loss"
+            )
 
 
 def lm_head_inputs(
@@ -177,16 +187,24 @@ def lm_head_inputs(
     sequence; its states are taken at columns start - 1 .. L - 2 (one predicts the next token).
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids: expected a (B, L) tensor, "
-                         f"got {getattr(input_ids, 'shape', input_ids)!r}")  # fmt: skip
+        raise ValueError(
+            f"input_ids: expected a (B, L) tensor, got {getattr(input_ids, 'shape', input_ids)!r}"
+        )
     B, L = input_ids.shape
     if attention_mask is not None and tuple(attention_mask.shape) != (B, L):
-        raise ValueError(f"attention_mask: expected shape ({B}, {L}) or None, "
-                         f"got {tuple(attention_mask.shape)}")  # fmt: skip
-    if not isinstance(completion_mask, torch.Tensor) or completion_mask.dim() != 2 \
-            or completion_mask.shape[0] != B or not 1 <= completion_mask.shape[1] <= L:  # fmt: skip
-        raise ValueError(f"completion_mask: expected a (B, L) or (B, C <= L) tensor with B={B}, L={L}, "
-                         f"got {getattr(completion_mask, 'shape', completion_mask)!r}")  # fmt: skip
+        raise ValueError(
+            f"attention_mask: expected shape ({B}, {L}) or None, got {tuple(attention_mask.shape)}"
+        )
+    if (
+        not isinstance(completion_mask, torch.Tensor)
+        or completion_mask.dim() != 2
+        or completion_mask.shape[0] != B
+        or not 1 <= completion_mask.shape[1] <= L
+    ):
+        raise ValueError(
+            f"completion_mask: expected a (B, L) or (B, C <= L) tensor with B={B}, L={L}, "
+            f"got {getattr(completion_mask, 'shape', completion_mask)!r}"
+        )
     comp = completion_mask != 0
     if comp.shape[1] < L:
         comp = torch.cat([comp.new_zeros(B, L - comp.shape[1]), comp], dim=1)
@@ -195,7 +213,9 @@ def lm_head_inputs(
         raise ValueError("completion_mask: expected at least one completion token")
     start = int(any_col.nonzero()[0, 0])
     if start < 1:
-        raise ValueError("completion_mask: column 0 holds a completion token, which no hidden state predicts")
+        raise ValueError(
+            "completion_mask: column 0 holds a completion token, which no hidden state predicts"
+        )
 
     causal_lm = _unwrap_peft(model)
     _check_plain_logits(causal_lm.config)
@@ -208,5 +228,11 @@ def lm_head_inputs(
     mask = comp[:, start:]
     if attention_mask is not None:
         mask = mask & (attention_mask[:, start:] != 0)
-    return LMHeadInputs(hidden=hidden, weight=weight, bias=bias, tokens=input_ids[:, start:].long(),
-                        mask=mask, start=start)  # fmt: skip
+    return LMHeadInputs(
+        hidden=hidden,
+        weight=weight,
+        bias=bias,
+        tokens=input_ids[:, start:].long(),
+        mask=mask,
+        start=start,
+    )

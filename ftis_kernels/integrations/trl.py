@@ -43,8 +43,9 @@ import functools
 import math
 import typing
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -64,8 +65,11 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 TESTED_TRL = ">=1.11,<1.17"
 if Version(trl.__version__) not in SpecifierSet(TESTED_TRL):
-    warnings.warn(f"ftis_kernels.integrations.trl is tested with trl{TESTED_TRL}, "
-                  f"found trl {trl.__version__}", stacklevel=2)  # fmt: skip
+    warnings.warn(
+        f"ftis_kernels.integrations.trl is tested with trl{TESTED_TRL}, "
+        f"found trl {trl.__version__}",
+        stacklevel=2,
+    )
 FTIS_OPS = ("ftis_linear_loss", "ftis_loss")
 LOGGED_METRICS = (
     "kl_mean",
@@ -135,7 +139,7 @@ class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
     ftis_op: str = field(
         default="ftis_linear_loss",
         metadata={
-            "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never materialised; "
+            "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never materialised; "  # noqa: E501
             "one process or DDP, not FSDP / DeepSpeed) or 'ftis_loss' (from the completion logits "
             "of the model's forward)."
         },
@@ -194,7 +198,11 @@ def _refuse(option: str, value: Any, why: str) -> None:
 def check_trl_options(args: GRPOConfig) -> None:
     """ValueError naming the first TRL option whose effect on the loss F-TIS cannot honour."""
     if args.top_entropy_quantile < 1.0:
-        _refuse("top_entropy_quantile", args.top_entropy_quantile, "F-TIS trains on every completion token")
+        _refuse(
+            "top_entropy_quantile",
+            args.top_entropy_quantile,
+            "F-TIS trains on every completion token",
+        )
     if args.ftis_op not in FTIS_OPS:
         _refuse("ftis_op", args.ftis_op, f"expected one of {FTIS_OPS}")
 
@@ -205,7 +213,9 @@ class FTISGRPOTrainer(GRPOTrainer):
     ftis/is_weight_mean, ftis/is_truncated_frac and ftis/clip_frac (and `kl`, the reference KL,
     when beta > 0); TRL's entropy and clip_ratio/* are not computed."""
 
-    def __init__(self, model, reward_funcs=None, args: Optional[FTISGRPOConfig] = None, *pos, **kwargs):
+    def __init__(
+        self, model, reward_funcs=None, args: Optional[FTISGRPOConfig] = None, *pos, **kwargs
+    ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = FTISGRPOConfig(f"{str(name).split('/')[-1] or 'model'}-FTIS-GRPO")
@@ -215,24 +225,38 @@ class FTISGRPOTrainer(GRPOTrainer):
         self.ftis = args.ftis_options()
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         if self._is_vlm:
-            raise ValueError("processing_class: FTISGRPOTrainer supports text-only causal LMs, "
-                             "got a multimodal processor")
+            raise ValueError(
+                "processing_class: FTISGRPOTrainer supports text-only causal LMs, "
+                "got a multimodal processor"
+            )
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         if args.ftis_op == "ftis_linear_loss" and sharded:
-            _refuse("ftis_op", args.ftis_op,
-                    "FSDP and DeepSpeed shard the lm-head weight it reads outside the model's forward "
-                    "(not supported yet); use ftis_op='ftis_loss', or DDP")  # fmt: skip
+            _refuse(
+                "ftis_op",
+                args.ftis_op,
+                "FSDP and DeepSpeed shard the lm-head weight it reads outside the model's forward "
+                "(not supported yet); use ftis_op='ftis_loss', or DDP",
+            )
         if self.aux_loss_enabled:
-            _refuse("router_aux_loss_coef", self.router_aux_loss_coef,
-                    "F-TIS adds no MoE load-balancing loss; set router_aux_loss_coef=0.0")  # fmt: skip
+            _refuse(
+                "router_aux_loss_coef",
+                self.router_aux_loss_coef,
+                "F-TIS adds no MoE load-balancing loss; set router_aux_loss_coef=0.0",
+            )
 
-    def _policy_head(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> Callable:
+    def _policy_head(
+        self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int
+    ) -> Callable:
         """The F-TIS op bound to the policy's completion positions: `head(tokens, gen, adv, mask,
         old, ref, **options)`. Row t of what it scores predicts completion token t."""
         if self.args.ftis_op == "ftis_loss":
             with self.accelerator.autocast():
-                out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
-                            use_cache=False)  # fmt: skip
+                out = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    logits_to_keep=T + 1,
+                    use_cache=False,
+                )
             return functools.partial(ftis_loss, out.logits[:, :-1])
         # Every completion column, so that the columns are TRL's; the loss mask goes to the op.
         columns = torch.ones(input_ids.shape[0], T, dtype=torch.bool, device=input_ids.device)
@@ -242,8 +266,13 @@ class FTISGRPOTrainer(GRPOTrainer):
             if model is not unwrapped:
                 # Through the wrapper: DDP's forward arms the all-reduce of the gradients. One
                 # position of logits is computed and dropped.
-                out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
-                            output_hidden_states=True, use_cache=False)
+                out = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    logits_to_keep=1,
+                    output_hidden_states=True,
+                    use_cache=False,
+                )
                 states = out.hidden_states[-1]
             x = lm_head_inputs(unwrapped, input_ids, attention_mask, columns, states=states)
         return functools.partial(ftis_linear_loss, x.hidden, x.weight, bias=x.bias)
@@ -258,8 +287,10 @@ class FTISGRPOTrainer(GRPOTrainer):
             mask = mask & inputs["tool_mask"].bool()
         advantages = inputs["advantages"]
         if advantages.dim() != 1:
-            raise ValueError(f"advantages: expected one per completion, shape ({B},), "
-                             f"got {tuple(advantages.shape)}")
+            raise ValueError(
+                f"advantages: expected one per completion, shape ({B},), "
+                f"got {tuple(advantages.shape)}"
+            )
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps") if self.ftis.beta > 0 else None
 
@@ -314,23 +345,41 @@ class FTISGRPOTrainer(GRPOTrainer):
         world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
         args = self.args
         if world_entropy <= args.entropy_target:
-            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            self.entropy_coef = min(
+                self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max
+            )
         else:
-            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            self.entropy_coef = max(
+                self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min
+            )
         self._last_world_entropy = world_entropy
         self._entropy_window_stats = None
         self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False,
-                                           compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         """TRL's pi_old and reference passes (no grad: the F-TIS loss computes its own log pi_theta)
         with `ftis_logprobs` from the hidden states and the lm-head, the row kernels of the loss:
         (B, logits_to_keep) log-probabilities at the temperature, 0 at padding."""
         if compute_aux_loss or any(v is not None for v in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss, **multimodal,
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
             )
         B = input_ids.shape[0]
         batch_size = batch_size or B
@@ -341,8 +390,14 @@ class FTISGRPOTrainer(GRPOTrainer):
             for b0 in range(0, B, batch_size):
                 rows = slice(b0, b0 + batch_size)
                 x = lm_head_inputs(unwrapped, input_ids[rows], attention_mask[rows], columns[rows])
-                logp, entropy = ftis_logprobs(x.hidden, x.tokens, x.weight, bias=x.bias,
-                                              mask=x.mask, temperature=self.temperature)
+                logp, entropy = ftis_logprobs(
+                    x.hidden,
+                    x.tokens,
+                    x.weight,
+                    bias=x.bias,
+                    mask=x.mask,
+                    temperature=self.temperature,
+                )
                 logps.append(logp)
                 entropies.append(entropy)
         entropy = torch.cat(entropies) if compute_entropy else None
@@ -361,9 +416,11 @@ class FTISGRPOTrainer(GRPOTrainer):
         """Factor that turns the op's reduction into TRL's (`GRPOTrainer._compute_loss`)."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         if self.loss_type in ("dapo", "cispo", "vespo"):
-            # TRL: token sum / (tokens of the generation batch per process, per accumulation window);
+            # TRL: token sum / (tokens of the generation batch per process, per accumulation window);  # noqa: E501
             # the op: token sum / tokens of this micro-batch.
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            normalizer = (
+                inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            )
             if mode == "train":
                 normalizer = normalizer * accumulation / self.args.steps_per_generation
             return mask.sum().clamp(min=1.0) / normalizer
@@ -377,11 +434,12 @@ class FTISGRPOTrainer(GRPOTrainer):
         values.append((metrics["entropy"] * mask).sum() / mask.sum().clamp(min=1))
         names.append("entropy")
         if ref is not None:
-            # TRL's `kl` metric: the per-token k3 to the reference model, averaged over completion tokens.
+            # TRL's `kl` metric: the per-token k3 to the reference model, averaged over completion tokens.  # noqa: E501
             d = torch.where(mask, ref.float() - metrics["logp"], 0.0)
             values.append((torch.expm1(d) - d).sum() / mask.sum().clamp(min=1))
             names.append("kl")
-        gathered = self.accelerator.gather(torch.stack(values).float()[None]).nanmean(dim=0).tolist()
+        gathered = (
+            self.accelerator.gather(torch.stack(values).float()[None]).nanmean(dim=0).tolist()
+        )
         for name, value in zip(names, gathered):
             self._metrics[mode][name].append(value)
-

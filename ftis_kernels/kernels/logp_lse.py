@@ -20,7 +20,7 @@ a NaN or +inf logit makes log_sum NaN (and row_max +inf for +inf), an all -inf r
 log_sum = -inf, and -inf at the taken token gives logp = -inf. A -inf logit elsewhere is exact
 (vocabulary masking). Token ids outside [0, V) are never used as an address: the forward reads no
 logit for them (the caller refuses them after the forward).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -211,7 +211,9 @@ def _logits_bwd_kernel(
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         in_row = offs < V
-        x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf"))
+        x = tl.load(
+            row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf")
+        )
         log_p = (x.to(tl.float32) / temperature - row_max) - log_sum
         p = tl.exp(log_p)
         grad = coef * (tl.where(offs == token, 1.0, 0.0) - p)
@@ -358,8 +360,7 @@ def logp_lse_fwd_torch(
             # H = log s - sum e * shifted / s; a -inf logit adds 0 (not 0 * -inf = nan).
             u = e.mul_(shifted.clamp_(min=FP32_LOWEST)).sum(dim=-1, keepdim=True)
             chunk_log_sum = total.log()
-            parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum),
-                     chunk_log_sum - u / total]  # fmt: skip
+            parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum), chunk_log_sum - u / total]
         else:
             chunk_log_sum = _exp2_shifted(x, neg_m, temperature, s).sum(dim=-1, keepdim=True).log_()
             parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum)]
