@@ -74,7 +74,9 @@ def main() -> None:
         title = f"Triton kernels under the interpreter, {B * T} x {V} fp32"
         _report(title, _measure(fns, max(3, args.rounds // 2)), max(3, args.rounds // 2))
     else:
-        print(f"(Triton interpreter not active: TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})")
+        print(
+            f"(Triton interpreter not active: TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})"
+        )
 
 
 if __name__ == "__main__":

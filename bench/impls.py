@@ -9,7 +9,7 @@ logits family (input: (B, T, V) logits):
   ref_eager            ref/ `ref_ftis_loss`, eager PyTorch (fp32 log-softmax of the whole tensor)
   ref_compile          the same under torch.compile (dynamic=False, one compile per shape)
   ftis_loss            `ftis_kernels.ftis_loss` (Triton on CUDA, the chunked PyTorch path on CPU)
-  ftis_loss_inplace    the same with inplace_backward=True (fwd+bwd only)
+  ftis_loss_inplace    the same with inplace_backward="force" (fwd+bwd only)
   ftis_loss_filter     the same with the paper's F-TIS filter on (FTIS_OPTIONS)
   liger_triton         Liger-Kernel `triton_grpo_loss` (CUDA), TIS through `vllm_is_ratio`
   liger_triton_inplace the same with its inplace=True (fwd+bwd only)

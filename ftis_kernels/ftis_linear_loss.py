@@ -138,8 +138,8 @@ def linear_grads(
     row_max: torch.Tensor,
     log_sum: torch.Tensor,
     coef: torch.Tensor,
-    entropy: torch.Tensor,
-    entropy_coef: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    entropy_coef: Optional[torch.Tensor],
     temperature: float,
     chunk_size: int,
     backend: str,
@@ -147,7 +147,8 @@ def linear_grads(
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward pass. row_max, log_sum, entropy (B, T) fp32 from the forward; coef, entropy_coef
     (B, T) fp32 = d loss / d logp and d loss / d entropy times the incoming gradient, over
-    temperature; needs = which of (hidden, weight, bias) want a grad.
+    temperature (entropy and entropy_coef None without an entropy bonus); needs = which of
+    (hidden, weight, bias) want a grad.
 
     With dlogits[r, v] = coef[r] * (1[v == token[r]] - p[r, v]) - entropy_coef[r] * p[r, v] *
     (log p[r, v] + entropy[r]), p = softmax(logits / temperature) (`kernels/logp_lse.py`):
@@ -162,9 +163,10 @@ def linear_grads(
         grad_weight = torch.zeros(weight.shape, dtype=f32, device=weight.device)
     grad_bias = torch.zeros(weight.shape[0], dtype=f32, device=weight.device) if need_b else None
     if any(needs):
-        live = (coef != 0) | (entropy_coef != 0)
+        live = coef != 0 if entropy_coef is None else (coef != 0) | (entropy_coef != 0)
         for b, t in _chunks(live.nonzero(as_tuple=True), chunk_size):
-            stats = (row_max[b, t], log_sum[b, t], coef[b, t], entropy[b, t], entropy_coef[b, t])
+            per_row = (row_max, log_sum, coef, entropy, entropy_coef)
+            stats = tuple(None if x is None else x[b, t] for x in per_row)
             _chunk_backward(hidden[b, t], weight, bias, tokens[b, t], stats, temperature,
                             backend, grad_hidden, (b, t), grad_weight, grad_bias)  # fmt: skip
     if grad_weight is not None:
@@ -178,7 +180,7 @@ def _chunk_backward(h, weight, bias, tokens, stats, temperature, backend, grad_h
                     grad_weight, grad_bias) -> None:  # fmt: skip
     logits = _chunk_logits(h, weight, bias)[None]
     # In place: the chunk's logits become their gradient.
-    row_max, log_sum, coef, entropy, entropy_coef = (x[None] for x in stats)
+    row_max, log_sum, coef, entropy, entropy_coef = (None if x is None else x[None] for x in stats)
     dlogits = BACKWARD[backend](logits, tokens[None], row_max, log_sum, coef, temperature, logits,
                                 entropy, entropy_coef)[0]
     if grad_hidden is not None:
@@ -263,8 +265,8 @@ def _ftis_linear_loss_bwd(
     row_max: torch.Tensor,
     log_sum: torch.Tensor,
     coef: torch.Tensor,
-    entropy: torch.Tensor,
-    entropy_coef: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    entropy_coef: Optional[torch.Tensor],
     temperature: float,
     chunk_size: int,
     backend: str,

@@ -148,8 +148,8 @@ def _ftis_loss_bwd(
     row_max: torch.Tensor,
     log_sum: torch.Tensor,
     coef: torch.Tensor,
-    entropy: torch.Tensor,
-    entropy_coef: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    entropy_coef: Optional[torch.Tensor],
     temperature: float,
     backend: str,
 ) -> torch.Tensor:
@@ -172,8 +172,8 @@ def _ftis_loss_bwd_inplace(
     row_max: torch.Tensor,
     log_sum: torch.Tensor,
     coef: torch.Tensor,
-    entropy: torch.Tensor,
-    entropy_coef: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    entropy_coef: Optional[torch.Tensor],
     temperature: float,
     backend: str,
 ) -> None:
@@ -184,11 +184,14 @@ def _ftis_loss_bwd_inplace(
 
 def backward_stats(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(row_max, log_sum, coef, entropy, entropy_coef) from a forward op's saved tensors, with
-    the incoming gradient and 1 / temperature folded into coef and entropy_coef."""
+    the incoming gradient and 1 / temperature folded into coef and entropy_coef; entropy and
+    entropy_coef are None without an entropy bonus (the row kernels then skip that term)."""
     *_, row_max, log_sum, coef, entropy, entropy_coef = ctx.saved_tensors
     scale = grad_loss.float() / ctx.temperature
-    coef, entropy_coef = ((c * scale).contiguous() for c in (coef, entropy_coef))
-    return row_max, log_sum, coef, entropy, entropy_coef
+    coef = (coef * scale).contiguous()
+    if not ctx.entropy_grad:
+        return row_max, log_sum, coef, None, None
+    return row_max, log_sum, coef, entropy, (entropy_coef * scale).contiguous()
 
 
 def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *tensors) -> None:
@@ -198,6 +201,7 @@ def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *
     entropy = output[1 + METRIC_NAMES.index("entropy")]
     ctx.save_for_backward(*tensors, row_max, log_sum, coef, entropy, entropy_coef)
     ctx.temperature, ctx.backend, ctx.n_inputs = args["temperature"], args["backend"], len(inputs)
+    ctx.entropy_grad = args["entropy_coef"] > 0
 
 
 def _setup_context(ctx, inputs, output):

@@ -446,7 +446,9 @@ def with_option_keywords(func: Callable) -> Callable:
     sig = inspect.signature(func)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     params += [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+        )
         for name, f in OPTION_FIELDS.items()
     ]
     func.__signature__ = sig.replace(parameters=params)

@@ -204,10 +204,10 @@ def check_values(
             expected = "finite values at completion positions, in float32"
             check(name, expected, x, ~x.float().isfinite() & keep)
     code = torch.where(keep, _logit_faults(*row_stats), 0)
-    what = "logits" if logits_name == "logits" else "logits (hidden @ weight.T + bias)"
+    what = "values" if logits_name == "logits" else "logits (hidden @ weight.T + bias)"
     check(
         logits_name,
-        f"{what} finite at completion positions and pi_theta(token) > 0",
+        f"finite {what} at completion positions and pi_theta(token) > 0",
         code,
         code != 0,
     )

@@ -20,11 +20,13 @@ import torch._dynamo.testing
 from torch import nn
 
 import ftis_kernels
-from ftis_kernels.kernels import logp_lse
+from tests.cases import backend as force_backend
+from tests.cases import implementations
 
 OPTIONS = dict(is_mode="tis", is_cap=2.0, filter="negative_offpolicy", kl_threshold=0.5, epsilon=0.2,
                epsilon_high=0.28, beta=0.04, temperature=0.9, loss_type="grpo")  # fmt: skip
 STEPS = 3
+CUDA = torch.cuda.is_available()
 B, T, V, H = 4, 6, 37, 16
 
 
@@ -109,19 +111,11 @@ def test_compiled_training_step_has_one_graph_and_no_graph_break(op, device):
     assert len(custom_ops) == 1, f"expected the op as one opaque node, got {custom_ops}"
 
 
-def _impls() -> list[str]:
-    """The op's internal paths runnable here: Triton (compiled on CUDA, interpreted on CPU), torch."""
-    return (["triton"] if torch.cuda.is_available() or logp_lse.triton_is_interpreted() else []) + ["torch"]
-
-
-@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("impl", implementations(torch.device("cuda" if CUDA else "cpu")))
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("op", list(STEP_FNS))
-def test_compiled_training_steps_match_eager_and_compile_once(op, backend, impl, device, monkeypatch):
+def test_compiled_training_steps_match_eager_and_compile_once(op, backend, impl, device):
     _skip_if_missing(op)
-    if impl == "torch" or device.type == "cpu":
-        for module in ("ftis_kernels.ftis_loss", "ftis_kernels.ftis_linear_loss"):
-            monkeypatch.setattr(f"{module}.select_backend", lambda _device: impl, raising=False)
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager_model = TinyLM().to(device)
@@ -129,8 +123,9 @@ def test_compiled_training_steps_match_eager_and_compile_once(op, backend, impl,
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled_step = torch.compile(STEP_FNS[op], backend=counter, fullgraph=True)
 
-    want = _train(STEP_FNS[op], eager_model, device)
-    got = _train(compiled_step, compiled_model, device)
+    with force_backend(impl):
+        want = _train(STEP_FNS[op], eager_model, device)
+        got = _train(compiled_step, compiled_model, device)
 
     assert counter.frame_count == 1, f"{counter.frame_count} compilations for {STEPS} steps"
     # aot_eager runs the same kernels: bitwise. Inductor fuses the model's elementwise ops.

@@ -107,3 +107,18 @@ def test_every_enumerated_option_dispatches_through_a_table_that_raises(name):
     args = (logp, logp - 0.1, torch.tensor([1.0, -1.0]), None, logp + 0.05, logp - 0.2, options)
     with pytest.raises(ValueError, match=rf"^{name}: expected one of"):
         per_sample.per_sample_loss(*args)
+
+
+def test_driver_config_takes_its_loss_options_from_the_definition():
+    config = pytest.importorskip("ftis_kernels.grpo.config")
+    fields = {f.name: f for f in dataclasses.fields(config.RunConfig)}
+    assert set(config.LOSSES) == {"on-policy", *PRESETS}
+    for name in config.RUN_LOSS_OPTIONS:
+        assert fields[name].default.description.startswith(OPTION_FIELDS[name].metadata["help"])
+    run = config.build_config(
+        "smoke", overrides={"loss": "gspo", "epsilon": 0.1, "loss_options": {"entropy_coef": 0.01}}
+    )
+    want = FTISOptions.preset("gspo", epsilon=0.1, entropy_coef=0.01, temperature=run.temperature)
+    assert run.ftis_options() == want
+    with pytest.raises(ValueError, match="loss_options"):
+        config.build_config("smoke", overrides={"loss_options": {"is_cap_max": 1.0}})

@@ -123,6 +123,12 @@ REDUCTION_CASES = {
         loss_type="grpo", importance_sampling_level="sequence", delta=1.02, num_iterations=2,
     ),
     "luspo-opsm-peer": dict(loss_type="luspo", off_policy_mask_threshold=0.05, peer_tokens=8),
+    # TRL's adaptive entropy controller: no bonus in the first window (no entropy measured yet),
+    # then the coefficient raised by delta below the target and applied.
+    "dapo-adaptive-entropy-accumulation": dict(
+        loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=5.0,
+        entropy_coef_delta=0.02, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    ),
 }
 
 
@@ -169,6 +175,8 @@ def test_without_is_and_filter_each_step_loss_and_the_weights_equal_trl_grpo(
         err = (weight - trl_weights[name]).abs().max().item()
         assert err <= WEIGHT_TOL, f"{name}: weights after 2 steps differ by {err:.3e}"
     assert any(step["loss"] != 0 for step in ftis_trainer.state.log_history if "loss" in step)
+    if options.get("use_adaptive_entropy"):
+        assert ftis_trainer.entropy_coef > options["entropy_coef"], "the controller never moved"
 
 
 class PeerRollout:
@@ -256,7 +264,6 @@ def test_rollout_tokens_without_a_logprob_get_no_correction(model_dir, tmp_path)
 
 REFUSED = [
     ("top_entropy_quantile", 0.2),
-    ("use_adaptive_entropy", True),
     ("ftis_op", "ftis_lossy"),
     ("is_mode", "sis"),
     ("is_cap", 0.0),

@@ -18,32 +18,39 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import warnings
 from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, kernels
 from ref import ref_ftis_loss
 from tests import numerics
-from tests.cases import backend, ftis_loss_module, implementations, make_case, run_ref
+from tests.cases import (
+    backend,
+    ftis_loss_module,
+    implementations,
+    make_case,
+    masks,
+    options,
+    run_op,
+    run_ref,
+    seeds,
+)
 
 B, T, V = 2, 3, 11
+ROW_ARGUMENTS = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
 OPS = ("ftis_loss", "ftis_linear_loss")
 IMPLS = implementations(torch.device("cpu"))
 
 
 def good_args():
     case = make_case(B, T, V, seed=0, with_ref=True)
-    return dict(
-        logits=case.logits,
-        tokens=case.tokens,
-        gen_logprobs=case.gen_logprobs,
-        advantages=case.advantages,
-        mask=case.mask,
-        old_logprobs=case.old_logprobs,
-        ref_logprobs=case.ref_logprobs,
-    )
+    return dict(logits=case.logits, **dict(zip(ROW_ARGUMENTS, case.inputs)))
 
 
 def call(op, args, impl=None, **opts):
@@ -56,10 +63,6 @@ def call(op, args, impl=None, **opts):
             return ftis_loss(logits, **args, **opts)
         weight = torch.eye(logits.shape[-1], dtype=logits.dtype)
         return ftis_linear_loss(logits, weight, **args, **opts)
-
-
-def logits_name(op):
-    return "logits" if op == "ftis_loss" else "hidden"
 
 
 def with_value(name, index, value, dtype=None):
@@ -78,12 +81,32 @@ def replace(name, value):
     return edit
 
 
-BAD_STRUCTURE = [
+def kernels_must_not_run():
+    kernel = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
+    return mock.patch.dict(kernels.FORWARD, {"triton": kernel, "torch": kernel})
+
+
+BAD_LOGITS = [
     ("logits", "2-d logits", replace("logits", lambda x: x[0])),
     ("logits", "int logits", replace("logits", lambda x: x.long())),
     ("logits", "float64 logits", replace("logits", lambda x: x.double())),
     ("logits", "empty vocabulary", replace("logits", lambda x: x[..., :0])),
     ("logits", "not a tensor", replace("logits", lambda x: x.tolist())),
+    ("inplace_backward", "not a bool", replace("inplace_backward", "yes")),
+]
+
+
+@pytest.mark.parametrize(
+    "argument,what,edit", BAD_LOGITS, ids=[f"{a}-{w}" for a, w, _ in BAD_LOGITS]
+)
+def test_bad_logits_raise_value_error_naming_them_before_any_kernel(argument, what, edit):
+    args = dict(good_args(), inplace_backward=False)
+    edit(args)
+    with kernels_must_not_run(), pytest.raises(ValueError, match=rf"^{argument}: expected"):
+        ftis_loss(**args)
+
+
+BAD_ROW_TENSORS = [
     ("tokens", "wrong shape", replace("tokens", lambda x: x[:, :2])),
     ("tokens", "float tokens", replace("tokens", lambda x: x.float())),
     ("tokens", "int16 tokens", replace("tokens", lambda x: x.short())),
@@ -92,20 +115,54 @@ BAD_STRUCTURE = [
     ("advantages", "wrong shape", replace("advantages", lambda x: x[:, None])),
     ("mask", "wrong shape", replace("mask", lambda x: x[:1])),
     ("old_logprobs", "wrong shape", replace("old_logprobs", lambda x: x.T)),
-    ("inplace_backward", "not a bool", replace("inplace_backward", "yes")),
+    ("ref_logprobs", "missing with beta > 0", replace("ref_logprobs", None)),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    "argument,what,edit", BAD_ROW_TENSORS, ids=[f"{a}-{w}" for a, w, _ in BAD_ROW_TENSORS]
+)
+def test_bad_row_tensor_raises_value_error_naming_it_before_any_kernel(argument, what, edit, op):
+    args = good_args()
+    edit(args)
+    with kernels_must_not_run(), pytest.raises(ValueError, match=rf"^{argument}: expected"):
+        call(op, args, beta=0.1)
+
+
+def linear_args():
+    case = make_case(B, T, V, H=4, seed=12, with_ref=True)
+    return dict(
+        hidden=case.hidden.float(),
+        weight=case.weight.float(),
+        bias=case.bias.float(),
+        **dict(zip(ROW_ARGUMENTS, case.inputs)),
+    )
+
+
+BAD_LINEAR_STRUCTURE = [
+    ("hidden", "2-d hidden", replace("hidden", lambda x: x[0])),
+    ("hidden", "int hidden", replace("hidden", lambda x: x.long())),
+    ("hidden", "empty H", replace("hidden", lambda x: x[:, :0])),
+    ("weight", "wrong H", replace("weight", lambda x: x[:, :3])),
+    ("weight", "float64 weight", replace("weight", lambda x: x.double())),
+    ("weight", "3-d weight", replace("weight", lambda x: x[None])),
+    ("bias", "wrong V", replace("bias", lambda x: x[:5])),
+    ("bias", "another dtype", replace("bias", lambda x: x.half())),
+    ("chunk_size", "0", replace("chunk_size", 0)),
+    ("chunk_size", "a float", replace("chunk_size", 2.5)),
+    ("chunk_size", "a bool", replace("chunk_size", True)),
 ]
 
 
 @pytest.mark.parametrize(
-    "argument,what,edit", BAD_STRUCTURE, ids=[f"{a}-{w}" for a, w, _ in BAD_STRUCTURE]
+    "argument,what,edit", BAD_LINEAR_STRUCTURE, ids=[f"{a}-{w}" for a, w, _ in BAD_LINEAR_STRUCTURE]
 )
-def test_bad_structure_raises_value_error_naming_it_before_any_kernel(argument, what, edit):
-    args = dict(good_args(), inplace_backward=False)
+def test_bad_linear_structure_raises_value_error_naming_it_before_any_kernel(argument, what, edit):
+    args = dict(linear_args(), chunk_size=None)
     edit(args)
-    kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
-    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
-        with pytest.raises(ValueError, match=rf"^{argument}: expected"):
-            ftis_loss(**args, beta=0.1)
+    with kernels_must_not_run(), pytest.raises(ValueError, match=rf"^{argument}: expected"):
+        ftis_linear_loss(**args)
 
 
 BAD_VALUES = [
@@ -140,6 +197,21 @@ def test_bad_value_raises_value_error_naming_it(argument, what, edit, op, impl):
     with pytest.raises(ValueError, match=rf"^{argument}: expected") as error:
         call(op, args, impl, beta=0.1)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.cuda
+def test_value_check_is_one_synchronisation():
+    args = {k: v.cuda() for k, v in good_args().items()}
+    ftis_loss(**args)  # compiles the kernels
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ftis_loss(**args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
 def test_value_error_counts_the_failures_and_locates_the_first():
@@ -278,6 +350,53 @@ def test_minus_inf_bias_of_the_fused_op_is_exact(impl):
     numerics.assert_close("grad_hidden", grad, o_grad)
 
 
+def _outcome(impl, case, logits, opts):
+    """("error", argument, count, first position) or ("ok", loss, metrics, grad)."""
+    try:
+        return ("ok", *run_op(case, impl, logits=logits, **opts))
+    except ValueError as error:
+        located = re.match(
+            r"^(\w+): .* got (\d+) of \d+ \w+ outside that, the first at (\(.*?\))", str(error)
+        )
+        assert located, str(error)
+        return ("error", *located.groups())
+
+
+FAULTS = [math.nan, math.inf, -math.inf, 1e30, -1e30]
+
+
+@numpy_warnings
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 4),
+    V=st.integers(1, 40),
+    mask=masks,
+    seed=seeds,
+    faults=st.lists(st.tuples(st.integers(0, 2**10), st.sampled_from(FAULTS)), max_size=4),
+    opts=options,
+)
+def test_backends_agree_on_logits_with_non_finite_and_huge_values(
+    B, T, V, mask, seed, faults, opts
+):
+    """Either both backends refuse the same argument at the same first position, or both give
+    the same loss, metrics and gradient."""
+    if len(IMPLS) < 2:
+        pytest.skip("Triton is neither compiled (CUDA) nor interpreted here")
+    case = make_case(B, T, V, seed=seed, mask=mask, with_ref=opts["beta"] > 0)
+    logits = case.logits.clone()
+    for position, value in faults:
+        logits.view(-1)[position % logits.numel()] = value
+    triton, torch_path = (_outcome(impl, case, logits, opts) for impl in IMPLS)
+    assert triton[0] == torch_path[0], (triton, torch_path)
+    if triton[0] == "error":
+        assert triton == torch_path
+        return
+    numerics.assert_close("loss", triton[1], torch_path[1])
+    for name in ("logp", "kl"):
+        numerics.assert_close(name, triton[2][name], torch_path[2][name])
+    numerics.assert_close("grad", triton[3], torch_path[3], numerics.Tol(1e-5, 1e-7))
+
+
 # --- inplace_backward ----------------------------------------------------------------------------
 
 
@@ -295,8 +414,7 @@ def _overlapping(kind):
 def test_inplace_backward_into_logits_that_overlap_themselves_is_refused(kind, impl):
     args = good_args()
     args["logits"] = _overlapping(kind)
-    kernel_ran = mock.Mock(side_effect=AssertionError("a kernel ran before validation"))
-    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+    with kernels_must_not_run():
         for inplace in (True, "force"):
             with pytest.raises(
                 ValueError, match=r"^inplace_backward: expected logits whose elements"
@@ -338,7 +456,6 @@ BAD_OPTIONS = [
     ("filter", "positive"),
     ("kl_estimator", "k4"),
     ("kl_reduction", "median"),
-    ("loss_type", "ppo"),
     ("is_source", "gen"),
     ("kl_source", "ref"),
     ("reject_mode", "drop"),
@@ -352,6 +469,7 @@ BAD_OPTIONS = [
     ("vespo_k_neg", math.nan),
     ("use_bias_correction_kl", 1),
     ("entropy_coef", -0.01),
+    ("loss_type", "ppo"),
     ("temperature", 0.0),
     ("temperature", -1.0),
     ("temperature", math.inf),
@@ -373,6 +491,8 @@ def test_bad_option_raises_value_error_naming_it(name, value):
     with pytest.raises(ValueError, match=rf"^{name}: expected"):
         ftis_loss(**good_args(), **{name: value})
     with pytest.raises(ValueError, match=rf"^{name}: expected"):
+        ftis_linear_loss(**linear_args(), **{name: value})
+    with pytest.raises(ValueError, match=rf"^{name}: expected"):
         FTISOptions(**{name: value})
 
 
@@ -390,11 +510,7 @@ BAD_COMBINATIONS = [
 @pytest.mark.parametrize("name,combo", BAD_COMBINATIONS, ids=[str(c) for _, c in BAD_COMBINATIONS])
 def test_bad_combination_raises_value_error_naming_both_options_before_any_kernel(name, combo):
     other = next(k for k in combo if k != name)
-
-    def kernel_ran(*args, **kwargs):
-        raise AssertionError("a kernel ran before the options were checked")
-
-    with mock.patch.dict(kernels.FORWARD, {"triton": kernel_ran, "torch": kernel_ran}):
+    with kernels_must_not_run():
         for op in ("ftis_loss", "ftis_linear_loss"):
             with pytest.raises(ValueError, match=rf"^{name}: expected .*{other}"):
                 call(op, good_args(), **combo)
@@ -405,13 +521,6 @@ def test_unknown_option_name_raises_value_error_naming_it():
         ftis_loss(**good_args(), is_cap_max=3.0)
     with pytest.raises(ValueError, match=r"^preset: expected one of"):
         FTISOptions.preset("ppo2")
-
-
-def test_beta_without_ref_logprobs_raises():
-    args = good_args()
-    args["ref_logprobs"] = None
-    with pytest.raises(ValueError, match=r"^ref_logprobs: expected .* beta > 0"):
-        ftis_loss(**args, beta=0.05)
 
 
 def test_garbage_at_masked_positions_of_logprob_inputs_is_accepted():

@@ -32,7 +32,7 @@ from ftis_kernels.grpo.config import (
     render_keys,
     show,
 )
-from ftis_kernels.options import KL_ESTIMATORS
+from ftis_kernels.options import KL_ESTIMATORS, option_default
 
 EXIT_USAGE = 2  # a configuration or usage error: nothing was started
 _DEFAULTS = RunConfig()
@@ -84,6 +84,8 @@ def _usage_line(message: str) -> str:
 
 def _default(key: str) -> str:
     value = getattr(_DEFAULTS, key)
+    if value is None and key in ("is_cap", "kl_threshold", "kl_estimator", "epsilon"):
+        return f"the loss preset's; F-TIS {show(option_default(key))}"
     return value if isinstance(value, str) else show(value)
 
 

@@ -22,10 +22,15 @@ from pydantic.dataclasses import dataclass
 
 from ftis_kernels.grpo.exchange import HOSTILE_KINDS
 from ftis_kernels.grpo.task import OPERATIONS
-from ftis_kernels.options import KL_ESTIMATORS, LOSS_TYPES, VARIANTS, FTISOptions
+from ftis_kernels.options import OPTION_NAMES, FTISOptions, option_choices, option_help
+from ftis_kernels.options import PRESETS as LOSS_PRESETS
 
 COLLABS = ("vertical", "horizontal")
-LOSSES = ("on-policy",) + tuple(VARIANTS)
+# A run's loss: a preset of FTISOptions (README), or on-policy (isolated nodes, plain GRPO).
+LOSSES = ("on-policy",) + tuple(LOSS_PRESETS)
+# The loss options a run config names as its own keys (null: the preset's value); any other
+# option of FTISOptions goes in `loss_options`.
+RUN_LOSS_OPTIONS = ("is_cap", "kl_threshold", "kl_estimator", "epsilon", "loss_type")
 TASKS = ("arith", "jsonl")
 SPLITS = ("train", "test", "ood")  # the JSONL files a `task: jsonl` run reads
 # Preset architectures (Qwen2 sizes) a node without `model` is built from.
@@ -52,6 +57,12 @@ Index = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 Share = Annotated[float, Field(ge=0, le=1)]
 _SCHEMA = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _loss_option(name: str) -> Any:
+    """A run config key for the loss option `name`: its help from FTISOptions, default null (the
+    loss preset's value)."""
+    return Field(None, description=f"{option_help(name)} null: the loss preset's value")
 
 
 class ConfigError(ValueError):
@@ -115,14 +126,17 @@ class RunConfig:
     collab: Literal[COLLABS] = Field(
         "vertical", description="vertical: own prompts per node; horizontal: shared groups")
     loss: Literal[LOSSES] = Field(
-        "f-tis", description="loss mode; on-policy = isolated nodes, no exchange")
-    is_cap: Annotated[float, Field(gt=0, allow_inf_nan=True)] = Field(
-        2.0, description="C, the truncation of the IS weight (.inf: none)")
-    kl_threshold: Annotated[float, Field(ge=0, allow_inf_nan=True)] = Field(
-        50.0, description="g, the filter's KL threshold")
-    kl_estimator: Literal[KL_ESTIMATORS] = Field("k3", description="the filter's KL estimator")
-    epsilon: Annotated[float, Field(gt=0, lt=1)] = Field(0.2, description="PPO clip range")
-    loss_type: Literal[LOSS_TYPES] = Field("grpo", description="the loss's reduction")
+        "f-tis", description="loss mode: a preset of FTISOptions (README's presets); on-policy = "
+        "isolated nodes, no exchange")
+    is_cap: Optional[Annotated[float, Field(gt=0, allow_inf_nan=True)]] = _loss_option("is_cap")
+    kl_threshold: Optional[Annotated[float, Field(ge=0, allow_inf_nan=True)]] = _loss_option(
+        "kl_threshold")
+    kl_estimator: Optional[Literal[option_choices("kl_estimator")]] = _loss_option("kl_estimator")
+    epsilon: Optional[Annotated[float, Field(gt=0, lt=1)]] = _loss_option("epsilon")
+    loss_type: Optional[Literal[option_choices("loss_type")]] = _loss_option("loss_type")
+    loss_options: dict[Literal[OPTION_NAMES], Any] = Field(
+        default_factory=dict, description="any other option of FTISOptions by name, e.g. "
+        "{ratio_level: sequence, entropy_coef: 0.01} (README's options table)")
     prompts_per_node: Count = Field(
         4, description="vertical: own prompts per round; horizontal: shared prompts")
     group_size: Annotated[int, Field(ge=2)] = Field(8, description="G, completions per prompt")
@@ -165,13 +179,12 @@ class RunConfig:
         return self.node(rank).init_seed + RUN_SEED_STRIDE * self.seed
 
     def ftis_options(self) -> FTISOptions:
-        """The loss options of this run (on-policy = plain GRPO: no IS weight, no filter)."""
-        common = dict(is_cap=self.is_cap, kl_threshold=self.kl_threshold,
-                      kl_estimator=self.kl_estimator, epsilon=self.epsilon,
-                      temperature=self.temperature, loss_type=self.loss_type)
-        if self.loss == "on-policy":
-            return FTISOptions(is_mode="none", filter=None, **common)
-        return FTISOptions.for_variant(self.loss, **common)
+        """The loss options of this run: the `loss` preset (on-policy = the "grpo" preset: no IS
+        weight, no filter), the sampling temperature, the keys set here, then `loss_options`."""
+        explicit = {k: getattr(self, k) for k in RUN_LOSS_OPTIONS if getattr(self, k) is not None}
+        preset = "grpo" if self.loss == "on-policy" else self.loss
+        overrides = {"temperature": self.temperature, **explicit, **self.loss_options}
+        return FTISOptions.preset(preset, **overrides)
 
     def validate(self, world: int) -> None:
         """ConfigError unless the fields fit together for a swarm of `world` nodes (each field's
@@ -196,9 +209,12 @@ class RunConfig:
         if problems:
             raise ConfigError(*problems)
         try:
-            self.ftis_options()
+            options = self.ftis_options()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if options.beta > 0:
+            raise ConfigError(("loss_options.beta", "0 (the driver has no reference model)",
+                               options.beta))
 
     def fingerprint(self) -> str:
         """Hash of everything a resumed run must share with the run it continues."""

@@ -83,7 +83,7 @@ def grpo_update(
     model.train()
     n_samples = len(samples)
     n_tokens = sum(s.n_tokens for s in samples)
-    by_tokens = options.loss_type in ("bnpo", "dapo")
+    by_tokens = options.loss_type in ("bnpo", "dapo", "cispo", "vespo")  # token means
     totals = dict.fromkeys(("loss", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean",
                             "is_truncated_frac"), 0.0)
     optimizer.zero_grad(set_to_none=True)

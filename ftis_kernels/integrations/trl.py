@@ -23,13 +23,14 @@ correction. Without generator logprobs, top_p/top_k/min_p/repetition_penalty are
 as TRL ignores them in its ratio.
 
 TRL's loss options keep their meaning: all eight loss types, importance_sampling_level (the op's
-ratio_level), delta, beta with use_bias_correction_kl, the static entropy_coef, the SAPO and VESPO
+ratio_level), delta, beta with use_bias_correction_kl, entropy_coef (static, or with
+use_adaptive_entropy TRL's controller, fed by the op's per-token entropy), the SAPO and VESPO
 parameters, epsilon, epsilon_high and temperature; off_policy_mask_threshold (OPSM) and, on the
 vLLM path, vllm_importance_sampling_correction with its four modes and clip bounds are mapped onto
 the op's filter and IS weight. The loss is scaled exactly as TRL scales it (gradient accumulation;
 the generation-batch token count of dapo / cispo / vespo; dr_grpo's max_completion_length), so
 with is_mode="none" and filter=None the loss is TRL's own. What F-TIS cannot reproduce
-(top_entropy_quantile < 1, use_adaptive_entropy, a MoE router loss) is refused with a ValueError
+(top_entropy_quantile < 1, a MoE router loss) is refused with a ValueError
 naming it, at config and at trainer construction.
 
 Tested with trl 1.11 to 1.16 (TESTED_TRL); other versions get a warning at import.
@@ -194,9 +195,6 @@ def check_trl_options(args: GRPOConfig) -> None:
     """ValueError naming the first TRL option whose effect on the loss F-TIS cannot honour."""
     if args.top_entropy_quantile < 1.0:
         _refuse("top_entropy_quantile", args.top_entropy_quantile, "F-TIS trains on every completion token")
-    if args.use_adaptive_entropy:
-        why = "FTISGRPOTrainer has the static entropy_coef only (the op's entropy bonus)"
-        _refuse("use_adaptive_entropy", True, why)
     if args.ftis_op not in FTIS_OPS:
         _refuse("ftis_op", args.ftis_op, f"expected one of {FTIS_OPS}")
 
@@ -283,12 +281,16 @@ class FTISGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         scale = self._trl_scale(mode, mask, inputs)
         options = self.ftis
-        if options.entropy_coef > 0:
+        coef = self._entropy_coef_to_apply()
+        if coef > 0:
             # TRL's bonus is coef * mean entropy / accumulation whatever the loss type's scale.
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-            coef = options.entropy_coef / (accumulation * float(scale))
-            options = options.replace(entropy_coef=coef)
+            options = options.replace(entropy_coef=coef / (accumulation * float(scale)))
+        elif options.entropy_coef > 0:
+            options = options.replace(entropy_coef=0.0)
         loss, metrics = head(completion_ids, gen, advantages, mask, old, ref, options=options)
+        if self.use_adaptive_entropy and mode == "train":
+            self._update_entropy_coef(metrics["entropy"], mask)
         self._log_ftis_metrics(mode, metrics, mask, ref)
         return loss * scale
 
@@ -318,6 +320,33 @@ class FTISGRPOTrainer(GRPOTrainer):
                 entropies.append(entropy)
         entropy = torch.cat(entropies) if compute_entropy else None
         return torch.cat(logps), entropy, None
+
+    def _entropy_coef_to_apply(self) -> float:
+        """TRL's rule: the static entropy_coef, or with use_adaptive_entropy the current
+        coefficient while the last window's entropy is at most entropy_target, else 0."""
+        if not self.use_adaptive_entropy:
+            return self.entropy_coef
+        return self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+
+    def _update_entropy_coef(self, entropy: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's adaptive controller (GRPOTrainer._compute_loss), fed by the op's per-token
+        entropy: sums over the accumulation window, and at its end the coefficient moves by
+        entropy_coef_delta towards more entropy below entropy_target, less above it."""
+        stats = torch.stack([(entropy * mask).sum(), mask.sum().float()]).detach()
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
+        self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
     def _current_logprobs(self, head: Callable, tokens, advantages, mask) -> torch.Tensor:
         """log pi_theta(tokens) at the loss's temperature, detached, from the same op and inputs

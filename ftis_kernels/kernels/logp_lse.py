@@ -350,18 +350,23 @@ def logits_bwd_torch(
             continue
         x = logits[b, t0:t1].float() / temperature
         log_p = (x - row_max[b, t0:t1, None]).sub_(log_sum[b, t0:t1, None])
-        grad = log_p.exp()
+        entropy_term = None
         if ec is not None and bool((ec != 0).any()):
-            # -p_v (c + e (log p_v + H)), with dH/dlogit_v = -p_v (log p_v + H). log p_v is
-            # clamped where p_v underflows to 0 anyway, so that 0 * -inf stays 0.
-            h = (c + ec * entropy[b, t0:t1])[:, None]
-            grad.mul_(log_p.clamp_(min=-1e4).mul_(ec[:, None]).add_(h)).neg_()
+            # e * p_v (log p_v + H), with dH/dlogit_v = -p_v (log p_v + H). log p_v is clamped
+            # where p_v underflows to 0 anyway, so that 0 * -inf stays 0.
+            grad = log_p.exp()
+            h = entropy[b, t0:t1, None]
+            entropy_term = log_p.clamp_(min=-1e4).add_(h).mul_(grad).mul_(ec[:, None])
         else:
-            grad.mul_(c[:, None]).neg_()
-        # A token outside [0, V) is another vocabulary shard's (sharded.py): it adds nothing here.
+            grad = log_p.exp_()
+        # c (onehot - p) in the Triton kernel's order, so that both paths agree at the extremes. A
+        # token outside [0, V) is another vocabulary shard's (sharded.py): no onehot here.
         token = tokens[b, t0:t1].long()
-        owned = (token >= 0) & (token < V)
-        grad.scatter_add_(-1, token.clamp(0, V - 1)[:, None], torch.where(owned, c, 0.0)[:, None])
+        owned = ((token >= 0) & (token < V)).to(grad.dtype)[:, None]
+        grad.neg_().scatter_add_(-1, token.clamp(0, V - 1)[:, None], owned)
+        grad.mul_(c[:, None])
+        if entropy_term is not None:
+            grad.sub_(entropy_term)
         # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
         grad = torch.where(live[:, None], grad, 0.0)
         out[b, t0:t1] = grad.to(out.dtype)
