@@ -10,7 +10,7 @@ from ftis_kernels import ftis_logprobs
 from ftis_kernels.kernels import logp_lse
 from ref import ref_ftis_loss
 from tests import numerics
-from tests.test_ftis_linear_loss import make_linear_case
+from tests.cases import make_case
 
 
 @pytest.fixture(autouse=True)
@@ -38,11 +38,10 @@ def oracle(logits64, tokens, mask, temperature):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("from_hidden", [False, True])
 def test_logprobs_and_entropy_match_the_reference(dtype, from_hidden, monkeypatch):
-    case = make_linear_case(3, 5, 6, 37, seed=1)
-    tokens, *_ = case["rows"]
-    mask = case["rows"][3]
-    hidden, weight, bias = case["hidden"], case["weight"], case["bias"]
-    logits64 = hidden @ weight.T + bias  # exact inputs: the same logits in every dtype
+    case = make_case(3, 5, 37, H=6, seed=1)
+    tokens, mask = case.tokens, case.mask
+    hidden, weight, bias = case.hidden, case.weight, case.bias
+    logits64 = case.logits  # exact inputs: the same logits in every dtype
     want_logp, want_ent = oracle(logits64, tokens, mask, 0.7)
     args = (
         (hidden.to(dtype), tokens, weight.to(dtype))
@@ -60,8 +59,8 @@ def test_logprobs_and_entropy_match_the_reference(dtype, from_hidden, monkeypatc
 
 
 def test_packed_rows_give_the_padded_values():
-    case = make_linear_case(2, 6, 5, 29, seed=2, mask=None)
-    tokens, hidden, weight = case["rows"][0], case["hidden"].float(), case["weight"].float()
+    case = make_case(2, 6, 29, H=5, seed=2, mask="none")
+    tokens, hidden, weight = case.tokens, case.hidden.float(), case.weight.float()
     lengths = [6, 3]
     packed_h = torch.cat([hidden[b, :n] for b, n in enumerate(lengths)])
     packed_t = torch.cat([tokens[b, :n] for b, n in enumerate(lengths)])

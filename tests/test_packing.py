@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse
-from tests.test_ftis_loss import options
+from tests.cases import options
 
 
 @pytest.fixture(autouse=True)
