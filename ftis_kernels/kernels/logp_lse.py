@@ -304,11 +304,17 @@ def _scratch(B: int, T: int, V: int, device) -> torch.Tensor:
     return torch.empty(rows, V, dtype=torch.float32, device=device)
 
 
-def _exp2_shifted(
-    x: torch.Tensor, neg_row_max: torch.Tensor, temperature: float, out: torch.Tensor
-) -> torch.Tensor:
-    """out = exp(x / tau - row_max), as exp2((x / tau - row_max) * log2 e); x may be out itself."""
-    return torch.add(neg_row_max, x, alpha=1.0 / temperature, out=out).mul_(LOG2E).exp2_()
+def _shifted(x: torch.Tensor, temperature: float, out: torch.Tensor):
+    """(out, max_v x) with out = (x - max_v x) / tau in fp32. The subtraction comes first, in the
+    logits' own units, where it is exact near the max (Sterbenz), so only the division rounds:
+    dividing first would round every x / tau at |x| ~ 1e4 to ~1e-3. An all -inf row gets the
+    lowest finite max (out = -inf, not NaN from -inf - -inf); NaN and +inf stay non-finite.
+    x may be out itself."""
+    m = x.amax(dim=-1, keepdim=True).clamp_(min=FP32_LOWEST)
+    out = torch.sub(x, m, out=out)
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out, m
 
 
 def logp_lse_fwd_torch(
@@ -337,24 +343,20 @@ def logp_lse_fwd_torch(
                 continue
             if bool(live.all()):
                 live = None
-        x = logits[b, t0:t1]
         s = scratch[: t1 - t0]
+        x = logits[b, t0:t1]
         if x.dtype != f32:
             # One up-cast into the scratch, then fp32 passes in place (mixed-dtype ops are slow).
             x = s.copy_(x)
         # A bad token id is refused by the caller after the forward: until then, read a valid one.
         x_token = x.gather(-1, tokens[b, t0:t1, None].long().clamp(0, V - 1))
-        # max_v(x / tau) = max_v(x) / tau exactly: rounded division is monotonic. The Triton
-        # kernels' start value: an all -inf row gets a finite max and log_sum = -inf (not NaN
-        # from -inf - -inf); NaN stays NaN.
-        m = x.amax(dim=-1, keepdim=True)
+        shifted, m_raw = _shifted(x, temperature, s)
+        shifted_token = x_token.sub_(m_raw)
+        m = m_raw
         if temperature != 1.0:
-            m.div_(temperature)
-        m.clamp_(min=FP32_LOWEST)
-        neg_m = m.neg()
-        shifted_token = torch.add(neg_m, x_token, alpha=1.0 / temperature)
+            shifted_token.div_(temperature)
+            m = (m_raw / temperature).clamp_(min=FP32_LOWEST)
         if with_entropy:
-            shifted = torch.add(neg_m, x, alpha=1.0 / temperature, out=s)
             e = torch.mul(shifted, LOG2E, out=scratch_e[: t1 - t0]).exp2_()
             total = e.sum(dim=-1, keepdim=True)
             # H = log s - sum e * shifted / s; a -inf logit adds 0 (not 0 * -inf = nan).
@@ -362,7 +364,7 @@ def logp_lse_fwd_torch(
             chunk_log_sum = total.log()
             parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum), chunk_log_sum - u / total]
         else:
-            chunk_log_sum = _exp2_shifted(x, neg_m, temperature, s).sum(dim=-1, keepdim=True).log_()
+            chunk_log_sum = shifted.mul_(LOG2E).exp2_().sum(dim=-1, keepdim=True).log_()
             parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum)]
         chunk = torch.cat(parts, dim=1)
         if live is not None:
@@ -436,14 +438,21 @@ def logits_bwd_torch(
         # A token outside [0, V) is another vocabulary shard's (sharded.py): no 1 - p entry here.
         owned = (token >= 0) & (token < V)
         tok = token.clamp(0, V - 1)
-        neg_m = row_max[b, t0:t1, None].neg()
         ls = log_sum[b, t0:t1, None]
-        # Gathered before o is written: o may be the logits.
-        logp = torch.add(neg_m, x.gather(-1, tok).float(), alpha=1.0 / temperature).sub_(ls)
         s = scratch[: t1 - t0]
+        if x.dtype != f32:
+            x = s.copy_(x)
+        # Gathered before o is written: o may be the logits.
+        x_token = x.gather(-1, tok)
+        # The shift is redone in the logits' units (the forward keeps max / tau): see _shifted.
         # exp2 always runs on the contiguous scratch: its vectorised and scalar (tail) results
         # differ in the last bit, and where the tail falls must not depend on the layout of out.
-        e = _exp2_shifted(s.copy_(x) if x.dtype != f32 else x, neg_m, temperature, s)
+        shifted, m_raw = _shifted(x, temperature, s)
+        logp = x_token.sub_(m_raw)
+        if temperature != 1.0:
+            logp.div_(temperature)
+        logp.sub_(ls)
+        e = shifted.mul_(LOG2E).exp2_()
         k = ls.neg().exp_().mul_(c).neg_()
         if o.dtype == f32:
             torch.mul(e, k, out=o)
