@@ -28,6 +28,7 @@ from ftis_kernels.options import (
     REJECT_MODES,
     FTISOptions,
 )
+from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
 from ref import ref_ftis_loss
 
 # The modules, not the functions of the same name.
@@ -35,18 +36,8 @@ ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")
 linear_module = importlib.import_module("ftis_kernels.ftis_linear_loss")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SCALAR_METRICS = (
-    "filtered_frac",
-    "kl_mean",
-    "clip_frac",
-    "is_weight_mean",
-    "is_truncated_frac",
-    "is_masked_frac",
-    "is_ratio_mean",
-    "is_ratio_max",
-    "is_ratio_min",
-    "entropy_mean",
-)
+# The 0-dim metrics of both ops, from the one list the ops return.
+SCALAR_METRICS = tuple(n for n in METRIC_NAMES if n not in PER_TOKEN_METRICS + PER_SAMPLE_METRICS)
 
 
 @dataclass(frozen=True)
