@@ -70,6 +70,8 @@ RESUMABLE = (
     "warmup_cache",
     "setup_timeout_s",
     "max_skipped_steps",
+    "pack",
+    "pack_row_tokens",
 )
 # Seed strides: `--seed s` moves every node's init seed by s * RUN_SEED_STRIDE; `--nodes n` beyond
 # the config's list repeats its specs, the k-th repetition with init seeds k * REPEAT_SEED_STRIDE
@@ -187,6 +189,17 @@ class RunConfig:
     temperature: Positive = Field(1.0, description="sampling temperature")
     max_new_tokens: Count = Field(32, description="completion length limit in training")
     micro_batch: Count = Field(32, description="sequences per forward pass")
+    pack: bool = Field(
+        True,
+        description="train on packed micro-batches: whole prompt + completion sequences "
+        "concatenated into rows of at most pack_row_tokens tokens, each attending to itself "
+        "only (position ids restart); false: one padded row per sequence",
+    )
+    pack_row_tokens: Count = Field(
+        128,
+        description="longest packed row (a longer sequence gets a row of its own); attention "
+        "on CPU costs the square of a row's length, masked or not",
+    )
     grad_clip: Positive = Field(1.0, description="gradient norm clip")
     eval_size: Count = Field(64, description="problems per accuracy evaluation")
     eval_every: Count = Field(1, description="rounds between evaluations")

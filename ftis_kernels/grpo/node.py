@@ -46,7 +46,7 @@ from ftis_kernels.grpo.report import (
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
 from ftis_kernels.grpo.task import Problems, format_prompt, reward
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
-from ftis_kernels.grpo.train import grpo_update, skip_cause
+from ftis_kernels.grpo.train import grpo_update, packing_keeps_sequences_apart, skip_cause
 
 log = logging.getLogger("ftis_kernels.grpo")
 
@@ -153,6 +153,11 @@ class Node:
         if spec.lora:
             self.model = apply_lora(
                 self.model, spec.lora_r, spec.lora_alpha, seed=self.cfg.init_seed(self.rank)
+            )
+        if cfg.pack and not packing_keeps_sequences_apart(self.model, self.vocab_size):
+            raise SystemExit(
+                f"pack: node {self.rank} ({spec.name})'s model lets packed sequences attend to "
+                "each other (its attention ignores restarting position ids); set pack: false"
             )
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
@@ -391,6 +396,7 @@ class Node:
             pad_id=self.tokenizer.pad_token_id,
             grad_clip=cfg.grad_clip,
             device=self.device,
+            pack_row_tokens=cfg.pack_row_tokens if cfg.pack else None,
         )
         if stats["skipped"]:
             log.warning(
