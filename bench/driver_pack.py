@@ -17,7 +17,7 @@ rise of the resident-set high-water mark over the resident set before the step
 (`bench.measure.peak_extra_bytes`: VmHWM after /proc/self/clear_refs), each in a fresh process
 whose glibc serves every block of 64 KiB or more by mmap, so that freed memory leaves the resident
 set (in a long-lived process the heap's reuse hides most of a step). The model, its optimizer
-state and the batch are held before the step and not counted; the largest of two is kept.
+state and the batch are held before the step and not counted.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ from bench.measure import cpu_rss_supported, metadata, peak_extra_bytes
 from ftis_kernels.grpo.config import build_config
 from ftis_kernels.grpo.node import Node
 from ftis_kernels.grpo.train import build_batch, build_packed_batch, grpo_update
-
-PEAK_REPEATS = 2  # alternating peak-memory calls per layout and node; the largest is kept
 
 
 def layout_positions(samples, node: Node, row_tokens) -> int:
@@ -77,8 +75,14 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with tempfile.TemporaryDirectory(prefix="driver_pack_") as out:
+        run(args, out)
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, out: str) -> None:
+    """Build, warm up and time the nodes (the module docstring); `out` holds their checkpoints."""
     layouts = {"padded": None} | {f"packed {n}": n for n in args.row_tokens}
-    out = tempfile.mkdtemp(prefix="driver_pack_")
     demo = build_config(preset="demo")
     nodes, copies = [], {}
     for k, spec in enumerate(demo.nodes):
@@ -154,11 +158,8 @@ def main() -> None:
                 ),
                 state,
             )
-            for _ in range(PEAK_REPEATS):
-                for name in names:
-                    peaks[k, name] = max(
-                        peaks[k, name], peak_in_a_fresh_process(state, layouts[name])
-                    )
+            for name in names:
+                peaks[k, name] = peak_in_a_fresh_process(state, layouts[name])
     for name in names:  # the three nodes together
         mine = [rec[k, name] for k in range(len(nodes))]
         rec["all", name] = {key: sum(n[key] for n in mine) for key in mine[0]}
@@ -186,7 +187,6 @@ def main() -> None:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
-    dist.destroy_process_group()
 
 
 def peak_in_a_fresh_process(state: Path, row_tokens) -> int:
