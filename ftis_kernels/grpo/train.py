@@ -13,8 +13,9 @@ A micro-batch is laid out padded (`build_batch`: one row per sequence, prompts l
 completions right-padded) or packed (`build_packed_batch`: whole prompt + completion sequences
 concatenated into rows of at most `pack_row_tokens` tokens, no padding but at a row's end). A packed
 row keeps its sequences apart by restarting `position_ids` at 0 for each, with no attention mask:
-transformers then builds a block-diagonal causal mask for eager and sdpa attention (and varlen
-offsets for flash-attention), `masking_utils.find_packed_sequence_indices`. The loss runs on the
+transformers then builds a block-diagonal causal mask for eager and sdpa attention
+(`masking_utils.find_packed_sequence_indices`; a 2-D attention mask turns that off). Masked
+attention still costs the square of a row's length, hence rows rather than one. The loss runs on the
 completion rows alone, concatenated with `cu_seqlens`; it equals the padded step's loss, metrics and
 gradients to float32 rounding (tests/test_grpo_pack.py).
 """
