@@ -216,5 +216,70 @@ def test_two_sharded_processes_give_the_single_process_loss_logprobs_and_weights
     assert not torch.equal(want["weights"][head], base[head])  # the step moved the lm-head
 
 
+def test_the_fused_loss_runs_inside_the_lm_heads_forward_as_zero3_needs():
+    """ZeRO-3's protocol, simulated in one process: the lm-head weight is empty outside the
+    module's forward, whole inside it, and whole again once the backward reaches the module's
+    output (ZeRO's hooks do this with all-gathers). Through `_call_as_forward` the fused loss and
+    its weight gradient are those of the whole weight, and the module's forward is restored."""
+    from ftis_kernels import ftis_linear_loss
+    from ftis_kernels.integrations.trl import _call_as_forward
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    whole = torch.randn(11, 8, generator=g)
+    head.weight.data = torch.empty(0)
+
+    class Regather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out):
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, grad):
+            head.weight.data = whole
+            return grad
+
+    def gather(module, args):
+        module.weight.data = whole
+
+    def release(module, args, out):
+        module.weight.data = torch.empty(0)
+        return Regather.apply(out)
+
+    head.register_forward_pre_hook(gather)
+    head.register_forward_hook(release)
+    hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 11, (2, 5), generator=g)
+    gen = -torch.rand(2, 5, generator=g) - 0.5
+    advantages = torch.tensor([1.0, -0.5])
+
+    def loss_of(h, weight):
+        return ftis_linear_loss(h, weight, tokens, gen, advantages)
+
+    loss, metrics = _call_as_forward(head, lambda h: loss_of(h, head.weight), hidden)
+    assert head.weight.numel() == 0 and "forward" not in head.__dict__
+    loss.backward()
+    reference = whole.clone().requires_grad_()
+    want, want_metrics = loss_of(hidden.detach(), reference)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(metrics["logp"], want_metrics["logp"])
+    torch.testing.assert_close(head.weight.grad, reference.grad)
+
+
+def test_a_lora_lm_head_under_zero3_is_refused_naming_ftis_op():
+    peft = pytest.importorskip("peft")
+    from ftis_kernels.integrations.trl import _sharding, _zero3_lm_head
+    from tests.test_trl_integration import _tiny_qwen2
+
+    config = peft.LoraConfig(r=2, target_modules=["lm_head"])
+    model = peft.get_peft_model(_tiny_qwen2(13, seed=0), config)
+    for i, p in enumerate(model.get_output_embeddings().parameters()):
+        p.ds_id = i  # how deepspeed.zero marks its partitioned parameters
+    assert _sharding(model, model) == "zero3"
+    with pytest.raises(ValueError, match="^ftis_op=.*ZeRO-3.*plain nn.Linear"):
+        _zero3_lm_head(model)
+
+
 if __name__ == "__main__":
     _worker(*sys.argv[1:4])

@@ -33,6 +33,8 @@ with is_mode="none" and filter=None the loss is TRL's own. What F-TIS cannot rep
 (top_entropy_quantile < 1, a MoE router loss) is refused with a ValueError
 naming it, at config and at trainer construction.
 
+Several processes: DDP, FSDP2 and DeepSpeed ZeRO-1/2/3 (`FTISGRPOTrainer`'s docstring).
+
 Tested with trl 1.11 to 1.16 (TESTED_TRL); other versions get a warning at import.
 """
 
@@ -303,7 +305,19 @@ class FTISGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose loss is F-TIS (module docstring). Takes `GRPOTrainer`'s arguments,
     with `args` an `FTISGRPOConfig`. Logs TRL's metrics plus ftis/kl_mean, ftis/filtered_frac,
     ftis/is_weight_mean, ftis/is_truncated_frac and ftis/clip_frac (and `kl`, the reference KL,
-    when beta > 0); TRL's entropy and clip_ratio/* are not computed."""
+    when beta > 0); TRL's entropy and clip_ratio/* are not computed.
+
+    Several processes: with ftis_op="ftis_linear_loss" it runs under accelerate's DDP, FSDP2 and
+    DeepSpeed ZeRO-1/2/3. The decoder runs through the engine's wrapper; the fused loss and the
+    pi_old / reference passes take the lm-head weight whole, which under FSDP2 is an explicit
+    `unshard` of its groups (FSDP's post-backward reduce-scatters the gradient) and under ZeRO-3
+    a call as the lm-head module's forward (ZeRO's hooks gather the weight, again in the
+    backward, and reduce-scatter the gradient); see `_sharding`. Tied embeddings work; FSDP1,
+    and a LoRA lm-head under ZeRO-3, are refused with a ValueError naming ftis_op. Tested with
+    2 gloo processes on CPU against one process on the same global batch (loss, pi_old
+    logprobs, SGD-updated weights; tests/test_trl_ddp.py, tests/test_trl_fsdp.py): DDP; FSDP2
+    by `fully_shard` and by accelerate's `fsdp2_prepare_model`, as accelerate enables FSDP on
+    GPUs only; ZeRO-2/3 through accelerate where deepspeed is installed. Not run on GPUs."""
 
     def __init__(
         self, model, reward_funcs=None, args: Optional[FTISGRPOConfig] = None, *pos, **kwargs
