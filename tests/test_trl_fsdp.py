@@ -1,21 +1,23 @@
-"""FTISGRPOTrainer with ftis_linear_loss on a sharded lm-head: FSDP2 and DeepSpeed ZeRO-3, 2 CPU
-processes over gloo. As in tests/test_trl_ddp.py, the trainer's loss on each process's half of a
-fixed global batch, the backward and one SGD step give the loss, the pi_old log-probabilities and
-the updated weights of one plain process on the whole batch, for an lm-head tied to the input
-embedding (Qwen2's tiny configs) and an untied one.
+"""FTISGRPOTrainer with ftis_linear_loss under FSDP2 and DeepSpeed ZeRO-2/3, 2 CPU processes over
+gloo. As in tests/test_trl_ddp.py, the trainer's loss on each process's half of a fixed global
+batch, the backward and one SGD step give the loss, the pi_old log-probabilities and the updated
+weights of one plain process on the whole batch, for an lm-head tied to the input embedding
+(Qwen2's tiny configs) and an untied one.
 
 What runs on this CPU machine (torch 2.13 CPU, accelerate 1.15):
 - FSDP2: torch's `fully_shard` runs on a CPU device mesh over gloo. accelerate does not enable
   FSDP on CPU (with `use_cpu` it drops the FSDP plugin and wraps the model in DDP; without,
   transformers' Trainer refuses FSDP outside distributed training), so the worker shards the
-  trainer's model itself: "fsdp2" with `fully_shard` on each decoder layer and the root,
-  "fsdp2-accelerate" with accelerate's own `fsdp2_prepare_model` (its [norm, lm_head] group,
-  the embedding apart or, tied, in that group), as accelerate's FSDP2 plugin does on GPUs.
-- DeepSpeed ZeRO-3 (deepspeed 0.19.8, `DS_ACCELERATOR=cpu`, gloo): runs through accelerate once
-  accelerate's state is made before the trainer with `PartialState(backend="gloo")` (without it,
-  accelerate finds no backend on a CPU-only machine and counts one process). deepspeed is not
-  installed here (nor in CI: it must be built from source against the installed torch), so
-  that case is skipped unless it is importable, e.g. from a venv that keeps the torch in place:
+  trainer's model itself: "fsdp2" with `fully_shard` (the lm-head resharded after its forward,
+  so that the loss all-gathers it), "fsdp2-accelerate" with accelerate's own
+  `fsdp2_prepare_model` (its [norm, lm_head] group, kept gathered after the forward; the
+  embedding apart or, tied, in that group), as accelerate's FSDP2 plugin does on GPUs.
+- DeepSpeed ZeRO-2 and -3 (deepspeed 0.19.8, `DS_ACCELERATOR=cpu`, gloo): run through
+  accelerate once its state is made before the trainer with `PartialState(backend="gloo")`
+  (without it, accelerate finds no backend on a CPU-only machine and counts one process).
+  deepspeed is not installed here (nor in CI: it must be built from source against the
+  installed torch), so those cases are skipped unless it is importable, e.g. from a venv that
+  keeps the torch in place:
 
       python -m venv --system-site-packages /tmp/ds && /tmp/ds/bin/pip install wheel hjson \\
           ninja py-cpuinfo msgpack einops && DS_BUILD_OPS=0 /tmp/ds/bin/pip install --no-deps \\
@@ -44,12 +46,18 @@ MODES = (*SHARDED_MODES, "zero2")  # ZeRO-2 keeps whole parameters and partition
 
 
 def _shard_fsdp2(model, world: int) -> None:
+    """`fully_shard` on each decoder layer, on the lm-head as a group of its own that reshards
+    after its forward (tied: with the embedding), so that the loss must gather it again, and on
+    the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
+    head, embedding = model.lm_head, model.model.embed_tokens
+    group = [embedding, head] if head.weight is embedding.weight else head
+    fully_shard(group, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
 
 
