@@ -317,7 +317,8 @@ class FTISGRPOTrainer(GRPOTrainer):
     2 gloo processes on CPU against one process on the same global batch (loss, pi_old
     logprobs, SGD-updated weights; tests/test_trl_ddp.py, tests/test_trl_fsdp.py): DDP; FSDP2
     by `fully_shard` and by accelerate's `fsdp2_prepare_model`, as accelerate enables FSDP on
-    GPUs only; ZeRO-2/3 through accelerate where deepspeed is installed. Not run on GPUs."""
+    GPUs only; ZeRO-2/3 through accelerate where deepspeed is installed. Untested: ZeRO-1,
+    GPUs."""
 
     def __init__(
         self, model, reward_funcs=None, args: Optional[FTISGRPOConfig] = None, *pos, **kwargs
