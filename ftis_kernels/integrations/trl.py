@@ -33,6 +33,8 @@ with is_mode="none" and filter=None the loss is TRL's own. What F-TIS cannot rep
 (top_entropy_quantile < 1, a MoE router loss) is refused with a ValueError
 naming it, at config and at trainer construction.
 
+Several processes: DDP, FSDP2 and DeepSpeed ZeRO-1/2/3 (`FTISGRPOTrainer`'s docstring).
+
 Tested with trl 1.11 to 1.16 (TESTED_TRL); other versions get a warning at import.
 """
 
@@ -48,12 +50,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from ftis_kernels._extras import require
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
-from ftis_kernels.integrations.hf import lm_head_inputs
+from ftis_kernels.integrations.hf import _active_module, _unwrap_peft, lm_head_inputs
 from ftis_kernels.options import DEFAULTS, OPTION_FIELDS, OPTION_NAMES, FTISOptions, dispatch
 
 require("trl", "ftis_kernels.integrations.trl")
@@ -139,9 +142,9 @@ class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
     ftis_op: str = field(
         default="ftis_linear_loss",
         metadata={
-            "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never materialised; "  # noqa: E501
-            "one process or DDP, not FSDP / DeepSpeed) or 'ftis_loss' (from the completion logits "
-            "of the model's forward)."
+            "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never "
+            "materialised; one process, DDP, FSDP2 or DeepSpeed ZeRO, not FSDP1) or 'ftis_loss' "
+            "(from the completion logits of the model's forward)."
         },
     )
     vllm_importance_sampling_correction: bool = field(
@@ -207,11 +210,115 @@ def check_trl_options(args: GRPOConfig) -> None:
         _refuse("ftis_op", args.ftis_op, f"expected one of {FTIS_OPS}")
 
 
+def _refuse_fsdp1() -> None:
+    _refuse(
+        "ftis_op",
+        "ftis_linear_loss",
+        "FSDP1 flattens the lm-head weight into a FlatParameter; use FSDP2 (fsdp_config "
+        "version 2), DDP or DeepSpeed, or ftis_op='ftis_loss'",
+    )
+
+
+def _lm_head_module(unwrapped: nn.Module) -> nn.Module:
+    return _unwrap_peft(unwrapped).get_output_embeddings()
+
+
+def _sharding(model: nn.Module, unwrapped: nn.Module) -> Optional[str]:
+    """How the engine holds the lm-head weight on this process: None, whole (one process, DDP,
+    DeepSpeed ZeRO-1/2); "fsdp2", sharded by torch's `fully_shard` (accelerate's FSDP2);
+    "zero3", partitioned by DeepSpeed ZeRO-3. FSDP1 is refused. Read from the modules, not from
+    accelerate's flags, so that it holds for however the model was wrapped."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    modules = [model, *unwrapped.modules()]
+    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+        _refuse_fsdp1()
+    if any(isinstance(m, FSDPModule) for m in modules):
+        return "fsdp2"
+    if any(hasattr(p, "ds_id") for p in _lm_head_module(unwrapped).parameters()):
+        return "zero3"  # deepspeed.zero's partitioned parameters carry a ds_id
+    return None
+
+
+def _unshard_lm_head(unwrapped: nn.Module) -> None:
+    """FSDP2: all-gathers the groups that hold the lm-head's parameters (`FSDPModule.unshard`,
+    a no-op where the forward left them gathered, as it does the root's and accelerate's
+    [norm, lm_head] group). FSDP's post-backward then reduce-scatters their gradients into the
+    shards: the root runs it, at the end of the backward, for every group whose forward inputs
+    got no gradient, and the fused loss is outside any group's forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    head = _lm_head_module(unwrapped)
+    name = next(n for n, m in unwrapped.named_modules() if m is head)
+    parts = name.split(".") if name else []
+    ancestors = [unwrapped.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
+    owners = [m for m in ancestors if isinstance(m, FSDPModule)][-1:]
+    owners += [m for m in head.modules() if isinstance(m, FSDPModule) and m is not head]
+    for owner in owners:
+        owner.unshard()
+
+
+def _zero3_lm_head(unwrapped: nn.Module) -> nn.Module:
+    head = _active_module(_lm_head_module(unwrapped))
+    if not isinstance(head, nn.Linear):
+        _refuse(
+            "ftis_op",
+            "ftis_linear_loss",
+            "under DeepSpeed ZeRO-3 the fused loss needs a plain nn.Linear lm-head, whose "
+            f"parameters ZeRO gathers as one module, got {type(head).__name__}; "
+            "use ftis_op='ftis_loss'",
+        )
+    return head
+
+
+def _call_as_forward(module: nn.Module, fn: Callable, hidden: torch.Tensor) -> tuple:
+    """fn(hidden), run as `module`'s forward so that the engine's hooks on `module` apply to it.
+    DeepSpeed ZeRO-3 gathers the module's parameters before the call and releases them after;
+    when the backward reaches the returned tensor (fn's first result) it gathers them again,
+    their gradients are reduce-scattered into the partitions, and they are released once
+    `hidden` has its gradient. Returns fn's results."""
+    results = []
+
+    def forward(h):
+        results.append(fn(h))
+        return results[0][0]
+
+    saved = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        first = module(hidden)
+    finally:
+        if saved is None:
+            del module.forward
+        else:
+            module.forward = saved
+    return (first, *results[0][1:])
+
+
+def _call(fn: Callable, hidden: torch.Tensor) -> Any:
+    return fn(hidden)
+
+
 class FTISGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose loss is F-TIS (module docstring). Takes `GRPOTrainer`'s arguments,
     with `args` an `FTISGRPOConfig`. Logs TRL's metrics plus ftis/kl_mean, ftis/filtered_frac,
     ftis/is_weight_mean, ftis/is_truncated_frac and ftis/clip_frac (and `kl`, the reference KL,
-    when beta > 0); TRL's entropy and clip_ratio/* are not computed."""
+    when beta > 0); TRL's entropy and clip_ratio/* are not computed.
+
+    Several processes: with ftis_op="ftis_linear_loss" it runs under accelerate's DDP, FSDP2 and
+    DeepSpeed ZeRO-1/2/3. The decoder runs through the engine's wrapper; the fused loss and the
+    pi_old / reference passes take the lm-head weight whole, which under FSDP2 is an explicit
+    `unshard` of its groups (FSDP's post-backward reduce-scatters the gradient) and under ZeRO-3
+    a call as the lm-head module's forward (ZeRO's hooks gather the weight, again in the
+    backward, and reduce-scatter the gradient); see `_sharding`. Tied embeddings work; FSDP1,
+    and a LoRA lm-head under ZeRO-3, are refused with a ValueError naming ftis_op. Tested with
+    2 gloo processes on CPU against one process on the same global batch (loss, pi_old
+    logprobs, SGD-updated weights; tests/test_trl_ddp.py, tests/test_trl_fsdp.py): DDP; FSDP2
+    by `fully_shard` and by accelerate's `fsdp2_prepare_model`, as accelerate enables FSDP on
+    GPUs only; ZeRO-2/3 through accelerate where deepspeed is installed. Untested: ZeRO-1,
+    GPUs."""
 
     def __init__(
         self, model, reward_funcs=None, args: Optional[FTISGRPOConfig] = None, *pos, **kwargs
@@ -229,14 +336,9 @@ class FTISGRPOTrainer(GRPOTrainer):
                 "processing_class: FTISGRPOTrainer supports text-only causal LMs, "
                 "got a multimodal processor"
             )
-        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
-        if args.ftis_op == "ftis_linear_loss" and sharded:
-            _refuse(
-                "ftis_op",
-                args.ftis_op,
-                "FSDP and DeepSpeed shard the lm-head weight it reads outside the model's forward "
-                "(not supported yet); use ftis_op='ftis_loss', or DDP",
-            )
+        if args.ftis_op == "ftis_linear_loss" and self.is_fsdp_enabled:
+            if not self.accelerator.is_fsdp2:
+                _refuse_fsdp1()
         if self.aux_loss_enabled:
             _refuse(
                 "router_aux_loss_coef",
@@ -260,22 +362,44 @@ class FTISGRPOTrainer(GRPOTrainer):
             return functools.partial(ftis_loss, out.logits[:, :-1])
         # Every completion column, so that the columns are TRL's; the loss mask goes to the op.
         columns = torch.ones(input_ids.shape[0], T, dtype=torch.bool, device=input_ids.device)
-        unwrapped = self.accelerator.unwrap_model(model)
         with self.accelerator.autocast():
-            states = None
-            if model is not unwrapped:
-                # Through the wrapper: DDP's forward arms the all-reduce of the gradients. One
-                # position of logits is computed and dropped.
-                out = model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    logits_to_keep=1,
-                    output_hidden_states=True,
-                    use_cache=False,
-                )
-                states = out.hidden_states[-1]
-            x = lm_head_inputs(unwrapped, input_ids, attention_mask, columns, states=states)
-        return functools.partial(ftis_linear_loss, x.hidden, x.weight, bias=x.bias)
+            x, run = self._lm_head_inputs(model, input_ids, attention_mask, columns, grad=True)
+
+        def head(*args, **kwargs):
+            def loss(hidden):
+                return ftis_linear_loss(hidden, x.weight, *args, bias=x.bias, **kwargs)
+
+            return run(loss, x.hidden)
+
+        return head
+
+    def _lm_head_inputs(self, model, input_ids, attention_mask, columns, grad: bool) -> tuple:
+        """`lm_head_inputs` of the policy or reference `model` as prepared by accelerate, and
+        `run(fn, hidden)`, which calls fn(hidden) while the lm-head weight is whole on this
+        process and makes its gradient reach the parameter the engine holds (see `_sharding`).
+
+        The decoder runs through the wrapper when there is one that must see the forward (DDP's
+        arms the gradient all-reduce; grad=False skips it) and always under FSDP2 and ZeRO-3,
+        whose hooks gather the other parameters; one position of logits is computed and dropped.
+        """
+        unwrapped = self.accelerator.unwrap_model(model)
+        sharding = _sharding(model, unwrapped)
+        states = None
+        if sharding is not None or (grad and model is not unwrapped):
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=1,
+                output_hidden_states=True,
+                use_cache=False,
+            )
+            states = out.hidden_states[-1]
+        if sharding == "fsdp2":
+            _unshard_lm_head(unwrapped)
+        x = lm_head_inputs(unwrapped, input_ids, attention_mask, columns, states=states)
+        if sharding == "zero3":
+            return x, functools.partial(_call_as_forward, _zero3_lm_head(unwrapped))
+        return x, _call
 
     def _compute_loss(self, model, inputs):
         completion_ids = inputs["completion_ids"]
@@ -384,20 +508,22 @@ class FTISGRPOTrainer(GRPOTrainer):
         B = input_ids.shape[0]
         batch_size = batch_size or B
         columns = torch.ones(B, logits_to_keep, dtype=torch.bool, device=input_ids.device)
-        unwrapped = self.accelerator.unwrap_model(model)
         logps, entropies = [], []
         with torch.no_grad(), self.accelerator.autocast():
             for b0 in range(0, B, batch_size):
                 rows = slice(b0, b0 + batch_size)
-                x = lm_head_inputs(unwrapped, input_ids[rows], attention_mask[rows], columns[rows])
-                logp, entropy = ftis_logprobs(
-                    x.hidden,
-                    x.tokens,
-                    x.weight,
+                x, run = self._lm_head_inputs(
+                    model, input_ids[rows], attention_mask[rows], columns[rows], grad=False
+                )
+                logprobs = functools.partial(
+                    ftis_logprobs,
+                    tokens=x.tokens,
+                    weight=x.weight,
                     bias=x.bias,
                     mask=x.mask,
                     temperature=self.temperature,
                 )
+                logp, entropy = run(logprobs, x.hidden)
                 logps.append(logp)
                 entropies.append(entropy)
         entropy = torch.cat(entropies) if compute_entropy else None
