@@ -220,3 +220,52 @@ def test_a_resumed_sample_log_keeps_the_rounds_before_the_resume(tmp_path):
     assert path.read_text().splitlines() == rows[:2]
     start_sample_log(path, None)
     assert path.read_text() == ""
+
+
+# -- reproducibility (item 6) ------------------------------------------------------------------
+def test_rerunning_a_command_on_the_same_machine_is_bit_identical(tmp_path):
+    """Two runs of one command, at once (so their timings differ): metrics.jsonl is the same
+    line by line apart from its wall-time fields, received.jsonl byte for byte, and each run
+    records its environment."""
+    import os
+    import subprocess
+    import sys
+
+    from ftis_kernels.grpo.report import WALL_TIME_KEYS, without_wall_time
+    from tests.test_grpo_run import ROOT
+
+    env = dict(os.environ, FTIS_LOG_LEVEL="WARNING")
+    env.pop("TRITON_INTERPRET", None)  # the driver on CPU takes ftis_loss's PyTorch path
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    args = ["--preset", "smoke", "--no-progress", "--rounds", "2", "--set", "sample_log=true"]
+    outs = [tmp_path / f"run{i}" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ftis_kernels.grpo", *args, "--out", str(out)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for out in outs
+    ]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    lines = [(out / "metrics.jsonl").read_text().splitlines() for out in outs]
+    assert len(lines[0]) == 4
+    assert [without_wall_time(x) for x in lines[0]] == [without_wall_time(x) for x in lines[1]]
+    assert WALL_TIME_KEYS == ("seconds",)
+    received = [(out / "received.jsonl").read_bytes() for out in outs]
+    assert received[0] == received[1]
+    rows = [json.loads(x) for x in lines[0]]
+    logged = [json.loads(x) for x in received[0].decode().splitlines()]
+    for r in rows:  # one received.jsonl line per record a node received or dropped
+        mine = [x for x in logged if (x["round"], x["receiver"]) == (r["round"], r["node"])]
+        assert len(mine) == r["samples_received"] + r["dropped"] > 0
+        assert all(x["sender"] == 1 - r["node"] for x in mine)
+    (start,) = json.loads((outs[0] / "environment.json").read_text())
+    for key in ("torch", "triton", "numpy", "cpu", "cpu_capability", "threads_per_node"):
+        assert start[key], key
+    assert start["first_round"] == 0 and start["commit"] != ""
+    assert f"commit {start['commit']}" in (outs[0] / "summary.txt").read_text()

@@ -48,6 +48,7 @@ from ftis_kernels.grpo.models import (
     warm_up_cached,
     warmup_cache_file,
 )
+from ftis_kernels.grpo.provenance import describe, environment, record_environment
 from ftis_kernels.grpo.report import (
     METRIC_KEYS,
     append_metrics,
@@ -529,6 +530,8 @@ class Node:
         if self.rank == 0:
             kept = [r for r in previous if r["round"] < start]
             write_run_config(self.out, to_dict(cfg))
+            self.environment = environment(self.world)
+            record_environment(self.out, self.environment, start)
             start_metrics(metrics_path, kept)
             if cfg.sample_log:
                 start_sample_log(self.out / SAMPLE_LOG, start if cfg.resume else None)
@@ -556,7 +559,8 @@ class Node:
                     bar.close()
                 if self.rank == 0:
                     log.error("%s", exc)
-                    write_outputs(self.out, self.tokenizer, metrics_path)
+                    notes = [describe(self.environment)]
+                    write_outputs(self.out, self.tokenizer, metrics_path, notes)
                 # None leaves before rank 0 has written: torchrun stops the rest at the first exit.
                 collective("the stop barrier", dist.barrier)
                 raise
@@ -566,7 +570,9 @@ class Node:
         if bar is not None:
             bar.close()
         if self.rank == 0:
-            summary = write_outputs(self.out, self.tokenizer, metrics_path)
+            summary = write_outputs(
+                self.out, self.tokenizer, metrics_path, [describe(self.environment)]
+            )
             if summary is not None:
                 print(f"\n{summary}", flush=True)
 
