@@ -122,6 +122,7 @@ class Node:
         self.options = cfg.ftis_options()
         self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, rank))
         self._prompt_cache: dict[int, list[int]] = {}
+        self.last_received: list[Sample] = []
 
     # -- set-up -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -401,7 +402,9 @@ class Node:
         received, drops, sent = [], [], 0
         if cfg.loss != "on-policy":
             hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.rank))
-            outgoing = make_hostile(own, self.spec.hostile, self.vocab_size, hostile_gen)
+            outgoing = make_hostile(
+                own, self.spec.hostile, self.vocab_size, hostile_gen, self.last_received
+            )
             received, drops, sent = collective(
                 "the sample exchange",
                 exchange,
@@ -411,6 +414,7 @@ class Node:
                 max_samples=len(own),
                 prompt_ok=self.problems.known,
             )
+            self.last_received = received  # what a "replay" node sends next round
         if cfg.verify_rewards and received:
             received, lies = self.verify(received)
             drops += lies
