@@ -200,6 +200,16 @@ def test_filter_changed_counts_only_filtered_samples_whose_advantage_was_not_zer
     assert rows[0]["kl"] == 80.0 and rows[1]["truncated"] == 1.0 and rows[2]["filtered"] is True
 
 
+def test_a_node_may_set_its_own_kl_threshold():
+    cfg = build_config(
+        "smoke", overrides={"kl_threshold": 20.0}, sets=("nodes.1.kl_threshold=0.5",)
+    )
+    assert (cfg.ftis_options(0).kl_threshold, cfg.ftis_options(1).kl_threshold) == (20.0, 0.5)
+    assert cfg.ftis_options().kl_threshold == 20.0
+    with pytest.raises(ConfigError, match="nodes.0.kl_threshold: expected a value >= 0"):
+        build_config("smoke", sets=("nodes.0.kl_threshold=-1",))
+
+
 def test_every_parser_drop_names_its_kind_and_sender():
     honest = [_s(0.5) for _ in range(6)]
     broken = make_hostile(honest, "malformed", 50, torch.Generator())

@@ -146,6 +146,9 @@ class NodeSpec:
     lora_r: Count = Field(8, description="LoRA rank")
     lora_alpha: Positive = Field(16.0, description="LoRA scale numerator")
     lr: Positive = Field(1e-4, description="GRPO learning rate (AdamW)")
+    kl_threshold: Optional[Annotated[float, Field(ge=0, allow_inf_nan=True)]] = Field(
+        None, description="this node's g, its filter's KL threshold; null: the run's kl_threshold"
+    )
     hostile: Optional[Literal[HOSTILE_KINDS]] = Field(
         None, description="what a hostile node sends its peers instead of its samples"
     )
@@ -252,12 +255,15 @@ class RunConfig:
         """Seed of node `rank`'s initial weights, warm-up data and LoRA init: `--seed` moves all."""
         return self.node(rank).init_seed + RUN_SEED_STRIDE * self.seed
 
-    def ftis_options(self) -> FTISOptions:
+    def ftis_options(self, rank: Optional[int] = None) -> FTISOptions:
         """The loss options of this run: the `loss` preset (on-policy = the "grpo" preset: no IS
-        weight, no filter), the sampling temperature, the keys set here, then `loss_options`."""
+        weight, no filter), the sampling temperature, the keys set here, then `loss_options`;
+        for node `rank`, its own `kl_threshold` if it sets one."""
         explicit = {k: getattr(self, k) for k in RUN_LOSS_OPTIONS if getattr(self, k) is not None}
         preset = "grpo" if self.loss == "on-policy" else self.loss
         overrides = {"temperature": self.temperature, **explicit, **self.loss_options}
+        if rank is not None and self.node(rank).kl_threshold is not None:
+            overrides["kl_threshold"] = self.node(rank).kl_threshold
         return FTISOptions.preset(preset, **overrides)
 
     def difficulty(self) -> Difficulty:
@@ -306,6 +312,8 @@ class RunConfig:
             raise ConfigError(*problems)
         try:
             options = self.ftis_options()
+            for rank in range(len(self.nodes)):
+                self.ftis_options(rank)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if options.beta > 0:

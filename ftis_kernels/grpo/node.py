@@ -119,7 +119,7 @@ class Node:
         self.out = Path(cfg.out)
         self.ckpt = self.out / "ckpt"
         self.problems = Problems(cfg.seed, cfg.task, cfg.data, cfg.difficulty())
-        self.options = cfg.ftis_options()
+        self.options = cfg.ftis_options(rank)
         self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, rank))
         self._prompt_cache: dict[int, list[int]] = {}
         self.last_received: list[Sample] = []
