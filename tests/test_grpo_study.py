@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -220,6 +221,8 @@ def test_every_parser_drop_names_its_kind_and_sender():
     assert all(d.sender == 1 for d in drops)
     _, drops = unpack(pack(honest)[:-3], sender=1, vocab_size=50, max_tokens=8)
     assert [d.kind for d in drops] == ["length"] and "runs past" in drops[0]
+    (again,) = pickle.loads(pickle.dumps(drops))
+    assert (again, again.kind, again.sender) == (drops[0], "length", 1)
 
 
 def test_a_resumed_sample_log_keeps_the_rounds_before_the_resume(tmp_path):

@@ -67,6 +67,9 @@ class Drop(str):
         drop.kind, drop.sender = kind, sender
         return drop
 
+    def __reduce__(self):
+        return Drop, (str(self), self.kind, self.sender)
+
 
 class SwarmError(RuntimeError):
     """A collective failed or timed out: some peer node died or stopped answering."""
