@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from ftis_kernels.grpo.exchange import HOSTILE_KINDS
-from ftis_kernels.grpo.task import OPERATIONS
+from ftis_kernels.grpo.task import OPERATIONS, Difficulty
 from ftis_kernels.options import OPTION_NAMES, FTISOptions, option_choices, option_help
 from ftis_kernels.options import PRESETS as LOSS_PRESETS
 
@@ -84,6 +84,7 @@ Count = Annotated[int, Field(ge=1)]
 Index = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 Share = Annotated[float, Field(ge=0, le=1)]
+Steps = Annotated[list[Count], Field(min_length=2, max_length=2)]
 _SCHEMA = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
@@ -147,6 +148,9 @@ class NodeSpec:
     lora_r: Count = Field(8, description="LoRA rank")
     lora_alpha: Positive = Field(16.0, description="LoRA scale numerator")
     lr: Positive = Field(1e-4, description="GRPO learning rate (AdamW)")
+    kl_threshold: Optional[Annotated[float, Field(ge=0, allow_inf_nan=True)]] = Field(
+        None, description="this node's g, its filter's KL threshold; null: the run's kl_threshold"
+    )
     hostile: Optional[Literal[HOSTILE_KINDS]] = Field(
         None, description="what a hostile node sends its peers instead of its samples"
     )
@@ -217,8 +221,27 @@ class RunConfig:
     data: dict[Literal[SPLITS], str] = Field(
         default_factory=dict, description="task jsonl: {train: PATH, test: PATH, ood: PATH}"
     )
+    format_credit: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.0,
+        description="reward of a well-formed but wrong answer ('#### x'), a right one earns 1; "
+        "0: the paper's binary reward",
+    )
+    task_steps: Steps = Field(
+        default_factory=lambda: [1, 2],
+        description="arith: [fewest, most] steps of a train or test problem",
+    )
+    task_operand_max: Count = Field(9, description="arith: largest operand of a train/test problem")
+    ood_steps: Steps = Field(
+        default_factory=lambda: [3, 4], description="arith: [fewest, most] steps of an ood problem"
+    )
+    ood_operand_max: Count = Field(19, description="arith: largest operand of an ood problem")
     verify_rewards: bool = Field(
         False, description="rescore each received completion; drop it if its reward lies"
+    )
+    sample_log: bool = Field(
+        False,
+        description="write received.jsonl: per received sample and node, its KL, advantage, "
+        "whether the filter changed it, its truncated share, or why it was dropped",
     )
     warmup_cache: Optional[str] = Field(
         None, description="folder of warmed-up weights, reused by identical warm-ups"
@@ -245,18 +268,30 @@ class RunConfig:
         """Seed of node `rank`'s initial weights, warm-up data and LoRA init: `--seed` moves all."""
         return self.node(rank).init_seed + RUN_SEED_STRIDE * self.seed
 
-    def ftis_options(self) -> FTISOptions:
+    def ftis_options(self, rank: Optional[int] = None) -> FTISOptions:
         """The loss options of this run: the `loss` preset (on-policy = the "grpo" preset: no IS
-        weight, no filter), the sampling temperature, the keys set here, then `loss_options`."""
+        weight, no filter), the sampling temperature, the keys set here, then `loss_options`;
+        for node `rank`, its own `kl_threshold` if it sets one."""
         explicit = {k: getattr(self, k) for k in RUN_LOSS_OPTIONS if getattr(self, k) is not None}
         preset = "grpo" if self.loss == "on-policy" else self.loss
         overrides = {"temperature": self.temperature, **explicit, **self.loss_options}
+        if rank is not None and self.node(rank).kl_threshold is not None:
+            overrides["kl_threshold"] = self.node(rank).kl_threshold
         return FTISOptions.preset(preset, **overrides)
+
+    def difficulty(self) -> Difficulty:
+        """The built-in task's difficulty (`task_steps`, `task_operand_max`, `ood_*`)."""
+        return Difficulty(
+            *self.task_steps, self.task_operand_max, *self.ood_steps, self.ood_operand_max
+        )
 
     def validate(self, world: int) -> None:
         """ConfigError unless the fields fit together for a swarm of `world` nodes (each field's
         own type and range is checked when the config is built)."""
         problems = []
+        for key in ("task_steps", "ood_steps"):
+            if getattr(self, key)[0] > getattr(self, key)[1]:
+                problems.append((key, "[fewest, most] with fewest <= most", getattr(self, key)))
         if self.collab == "horizontal" and self.loss != "on-policy" and self.group_size % world:
             problems.append(
                 (
@@ -290,6 +325,8 @@ class RunConfig:
             raise ConfigError(*problems)
         try:
             options = self.ftis_options()
+            for rank in range(len(self.nodes)):
+                self.ftis_options(rank)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if options.beta > 0:

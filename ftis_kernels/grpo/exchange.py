@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,13 +36,39 @@ HOSTILE_KINDS = (
     "random_tokens",
     "malformed",
     "improbable_logprobs",
+    "random_tokens_max_weight",
+    "replay",
 )
 # What an "improbable_logprobs" peer claims for log pi_gen of one token: exp(-log pi_gen) > 1e43
 # overflows float32, and so does an untruncated IS weight pi_theta / pi_gen of any likely token.
 IMPROBABLE_LOGPROB = -100.0
+# What a "random_tokens_max_weight" peer claims for log pi_gen of every token: any token the
+# receiver gives a probability above C * e^-30 gets the full truncated IS weight C, and the
+# summed k3 KL (about e^30 per token) stays finite in float32.
+MAX_WEIGHT_LOGPROB = -30.0
 # The advantage a "random_tokens" peer claims: a correct answer in a group where about one in
 # five is correct ((1 - 0.2) / sqrt(0.2 * 0.8) = 2).
 RANDOM_TOKENS_ADVANTAGE = 2.0
+
+
+# Why a record was dropped: the parser's checks (`unpack`), then the receiver's rescoring.
+DROP_KINDS = ("length", "source", "token", "logprob", "reward", "prompt", "verify")
+
+
+class Drop(str):
+    """A dropped record's reason as logged, with the `kind` of check (one of DROP_KINDS) that
+    dropped it and the `sender` node."""
+
+    kind: str
+    sender: int
+
+    def __new__(cls, reason: str, kind: str, sender: int) -> Drop:
+        drop = super().__new__(cls, reason)
+        drop.kind, drop.sender = kind, sender
+        return drop
+
+    def __reduce__(self):
+        return Drop, (str(self), self.kind, self.sender)
 
 
 class SwarmError(RuntimeError):
@@ -97,8 +123,8 @@ def unpack(
     vocab_size: int,
     max_tokens: int,
     prompt_ok: Callable[[int], bool] = lambda pid: True,
-) -> tuple[list[Sample], list[str]]:
-    """Parse and validate `sender`'s payload; returns (valid samples, one reason per dropped record).
+) -> tuple[list[Sample], list[Drop]]:
+    """Parse and validate `sender`'s payload; returns (valid samples, one `Drop` per dropped record).
 
     A record is dropped when its source is not `sender`, its length is outside [1, max_tokens], a
     token id is outside [0, vocab_size), a logprob is non-finite or > 0, the reward or advantage is
@@ -110,15 +136,33 @@ def unpack(
     while offset < len(payload):
         where = f"sample {index} from node {sender}"
         if len(payload) - offset < HEADER_BYTES:
-            drops.append(f"{where}: truncated header ({len(payload) - offset} bytes left)")
+            drops.append(
+                Drop(
+                    f"{where}: truncated header ({len(payload) - offset} bytes left)",
+                    "length",
+                    sender,
+                )
+            )
             break
         prompt_id, source, n, rew, adv = _HEADER.unpack_from(payload, offset)
         if not 1 <= n <= max_tokens:
-            drops.append(f"{where}: length {n} outside [1, {max_tokens}]; rest of payload dropped")
+            drops.append(
+                Drop(
+                    f"{where}: length {n} outside [1, {max_tokens}]; rest of payload dropped",
+                    "length",
+                    sender,
+                )
+            )
             break
         end = offset + record_bytes(n)
         if end > len(payload):
-            drops.append(f"{where}: record of {n} tokens runs past the payload; rest dropped")
+            drops.append(
+                Drop(
+                    f"{where}: record of {n} tokens runs past the payload; rest dropped",
+                    "length",
+                    sender,
+                )
+            )
             break
         body = offset + HEADER_BYTES
         tokens = np.frombuffer(payload, dtype="<i4", count=n, offset=body)
@@ -126,19 +170,19 @@ def unpack(
         offset, index = end, index + 1
         reason = None
         if source != sender:
-            reason = f"source field {source} is not the sending node {sender}"
+            reason, kind = f"source field {source} is not the sending node {sender}", "source"
         elif tokens.min() < 0 or tokens.max() >= vocab_size:
-            reason = f"token id outside [0, {vocab_size})"
+            reason, kind = f"token id outside [0, {vocab_size})", "token"
         elif not np.isfinite(logprobs).all():
-            reason = "non-finite logprob"
+            reason, kind = "non-finite logprob", "logprob"
         elif (logprobs > 0).any():
-            reason = "logprob > 0"
+            reason, kind = "logprob > 0", "logprob"
         elif not (math.isfinite(rew) and math.isfinite(adv)):
-            reason = "non-finite reward or advantage"
+            reason, kind = "non-finite reward or advantage", "reward"
         elif not prompt_ok(prompt_id):
-            reason = f"unknown prompt id {prompt_id}"
+            reason, kind = f"unknown prompt id {prompt_id}", "prompt"
         if reason is not None:
-            drops.append(f"{where}: {reason}")
+            drops.append(Drop(f"{where}: {reason}", kind, sender))
             continue
         samples.append(
             Sample(
@@ -161,7 +205,7 @@ def exchange(
     max_samples: int,
     prompt_ok: Callable[[int], bool] = lambda pid: True,
     group: Optional[dist.ProcessGroup] = None,
-) -> tuple[list[Sample], list[str], int]:
+) -> tuple[list[Sample], list[Drop], int]:
     """Send `samples` to every node and receive theirs (one all_gather of lengths, one of bytes).
 
     Returns (valid samples from the other nodes, in rank order; drop reasons; bytes this node sent).
@@ -196,7 +240,13 @@ def exchange(
             prompt_ok=prompt_ok,
         )
         if claimed[peer] > width:
-            dropped.append(f"node {peer}: payload of {claimed[peer]} bytes cut at the cap {cap}")
+            dropped.append(
+                Drop(
+                    f"node {peer}: payload of {claimed[peer]} bytes cut at the cap {cap}",
+                    "length",
+                    peer,
+                )
+            )
         received.extend(got)
         drops.extend(dropped)
     for reason in drops:
@@ -205,7 +255,11 @@ def exchange(
 
 
 def make_hostile(
-    samples: list[Sample], kind: Optional[str], vocab_size: int, generator: torch.Generator
+    samples: list[Sample],
+    kind: Optional[str],
+    vocab_size: int,
+    generator: torch.Generator,
+    previous: Sequence[Sample] = (),
 ) -> list[Sample]:
     """What a hostile node sends instead of `samples` (hook for robustness experiments).
 
@@ -214,15 +268,26 @@ def make_hostile(
     as correct: reward 1 and advantage `RANDOM_TOKENS_ADVANTAGE`) | "malformed" (each record
     broken in one of the ways `unpack` checks, in turn) | "improbable_logprobs" (the round's first
     sample claims log pi_gen = `IMPROBABLE_LOGPROB` at its first token and advantage
-    `RANDOM_TOKENS_ADVANTAGE`: its untruncated IS weight overflows, and it weighs in the update).
-    All but "malformed" are well formed on the wire, so the receiver's parser accepts them; only
-    `verify_rewards` (the receiver rescoring the completion) or the loss can catch them. The node
-    itself still trains on its honest samples.
+    `RANDOM_TOKENS_ADVANTAGE`: its untruncated IS weight overflows, and it weighs in the update) |
+    "random_tokens_max_weight" (random tokens sold as correct, as "random_tokens", claiming
+    log pi_gen = `MAX_WEIGHT_LOGPROB` at every token, so that the receiver's IS weight is the
+    cap C, or huge without one) | "replay" (the honest samples the node received last round from
+    its lowest-ranked peer, `previous`, sent as its own: at most as many as `samples`, none in a
+    first round or the first after a --resume). All but "malformed" are well formed on the wire,
+    so the receiver's parser accepts them; only `verify_rewards` (the receiver rescoring the
+    completion) or the loss can catch them. The node itself still trains on its honest samples.
     """
     if kind is None:
         return samples
     if kind not in HOSTILE_KINDS:
         raise ValueError(f"hostile: expected None or one of {HOSTILE_KINDS}, got {kind!r}")
+    if kind == "replay":
+        victims = {s.source for s in previous if s.source != samples[0].source}
+        return [
+            Sample(s.prompt_id, samples[0].source, s.tokens, s.logprobs, s.reward, s.advantage)
+            for s in previous
+            if victims and s.source == min(victims)
+        ][: len(samples)]
     out = []
     for s in samples:
         tokens, logprobs, rew, adv = s.tokens, s.logprobs, s.reward, s.advantage
@@ -242,6 +307,8 @@ def make_hostile(
                 0, vocab_size, tokens.shape, generator=generator, dtype=torch.int32
             )
             rew, adv = 1.0, RANDOM_TOKENS_ADVANTAGE
+            if kind == "random_tokens_max_weight":
+                logprobs = torch.full_like(logprobs, MAX_WEIGHT_LOGPROB)
         out.append(Sample(s.prompt_id, s.source, tokens, logprobs, rew, adv))
     return out
 

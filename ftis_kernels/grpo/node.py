@@ -24,8 +24,22 @@ import torch
 import torch.distributed as dist
 
 from ftis_kernels.grpo import checkpoint
+from ftis_kernels.grpo.audit import (
+    SAMPLE_LOG,
+    append_sample_log,
+    defence_metrics,
+    sample_rows,
+    start_sample_log,
+)
 from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
-from ftis_kernels.grpo.exchange import Sample, SwarmError, collective, exchange, make_hostile
+from ftis_kernels.grpo.exchange import (
+    Drop,
+    Sample,
+    SwarmError,
+    collective,
+    exchange,
+    make_hostile,
+)
 from ftis_kernels.grpo.launch import threads_per_node
 from ftis_kernels.grpo.models import (
     apply_lora,
@@ -34,6 +48,7 @@ from ftis_kernels.grpo.models import (
     warm_up_cached,
     warmup_cache_file,
 )
+from ftis_kernels.grpo.provenance import describe, environment, record_environment
 from ftis_kernels.grpo.report import (
     METRIC_KEYS,
     append_metrics,
@@ -44,7 +59,7 @@ from ftis_kernels.grpo.report import (
     write_run_config,
 )
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
-from ftis_kernels.grpo.task import Problems, format_prompt, reward
+from ftis_kernels.grpo.task import Difficulty, Problems, format_prompt, reward
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
 from ftis_kernels.grpo.train import grpo_update, packing_keeps_sequences_apart, skip_cause
 
@@ -66,6 +81,19 @@ def sampler_seed(seed: int, rank: int) -> int:
 def hostile_seed(seed: int, round_: int, rank: int) -> int:
     """Seed of what a hostile node `rank` forges in round `round_`."""
     return seed * HOSTILE_SEED_MIX + round_ * HOSTILE_ROUND_MIX + rank
+
+
+def signal_metrics(own: list[Sample]) -> dict[str, float]:
+    """How much a node's own samples can teach: sample_acc, the share with the right answer
+    (reward 1, whatever `format_credit` pays), and zero_adv_groups, the share of its groups
+    (prompts) whose advantages are all 0 (equal rewards: no gradient)."""
+    groups: dict[int, list[float]] = {}
+    for s in own:
+        groups.setdefault(s.prompt_id, []).append(s.advantage)
+    return dict(
+        sample_acc=sum(s.reward == 1.0 for s in own) / len(own),
+        zero_adv_groups=sum(all(a == 0 for a in g) for g in groups.values()) / len(groups),
+    )
 
 
 class Diverged(Exception):
@@ -90,10 +118,11 @@ class Node:
         self.spec = cfg.node(rank)
         self.out = Path(cfg.out)
         self.ckpt = self.out / "ckpt"
-        self.problems = Problems(cfg.seed, cfg.task, cfg.data)
-        self.options = cfg.ftis_options()
+        self.problems = Problems(cfg.seed, cfg.task, cfg.data, cfg.difficulty())
+        self.options = cfg.ftis_options(rank)
         self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, rank))
         self._prompt_cache: dict[int, list[int]] = {}
+        self.last_received: list[Sample] = []
 
     # -- set-up -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -250,11 +279,16 @@ class Node:
         )
         cached = None
         if cfg.warmup_cache:
+            # The warm-up draws train problems: a harder task is another recipe. The default
+            # difficulty keeps the key earlier versions wrote, so their caches stay valid.
+            train = self.problems.arith.difficulty.of("train")
+            harder = {} if train == Difficulty().of("train") else {"difficulty": list(train)}
             cached = warmup_cache_file(
                 cfg.warmup_cache,
                 spec.arch,
                 task_seed=cfg.seed,
                 vocabulary=vocab_fingerprint(self.tokenizer),
+                **harder,
                 **recipe,
             )
         on_step = None
@@ -329,12 +363,12 @@ class Node:
         """The task's reward of `completion` (token ids) for the prompt; the one scoring rule of
         the node's own samples and of `verify`'s rescoring of its peers'."""
         text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)
-        return reward(text, self.problems.problem(prompt_id))
+        return reward(text, self.problems.problem(prompt_id), self.cfg.format_credit)
 
     def accuracy(self, split: str) -> float:
         ids = self.problems.eval_ids(split, self.cfg.eval_size)
         done = self.generate(ids, greedy=True, max_new_tokens=self.cfg.eval_max_new_tokens)
-        return sum(r for _, _, r in done) / max(len(done), 1)
+        return sum(r == 1.0 for _, _, r in done) / max(len(done), 1)
 
     def rollout(self, round_: int) -> list[Sample]:
         """This node's samples of the round, with rewards and group advantages."""
@@ -373,7 +407,9 @@ class Node:
         received, drops, sent = [], [], 0
         if cfg.loss != "on-policy":
             hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.rank))
-            outgoing = make_hostile(own, self.spec.hostile, self.vocab_size, hostile_gen)
+            outgoing = make_hostile(
+                own, self.spec.hostile, self.vocab_size, hostile_gen, self.last_received
+            )
             received, drops, sent = collective(
                 "the sample exchange",
                 exchange,
@@ -383,9 +419,11 @@ class Node:
                 max_samples=len(own),
                 prompt_ok=self.problems.known,
             )
+            self.last_received = received  # what a "replay" node sends next round
         if cfg.verify_rewards and received:
             received, lies = self.verify(received)
             drops += lies
+        per_sample: dict[str, list[float]] = {}
         stats = grpo_update(
             self.model,
             self.optimizer,
@@ -397,7 +435,10 @@ class Node:
             grad_clip=cfg.grad_clip,
             device=self.device,
             pack_row_tokens=cfg.pack_row_tokens if cfg.pack else None,
+            per_sample=per_sample,
         )
+        if cfg.sample_log:
+            self.sample_rows = sample_rows(round_, self.rank, own, received, per_sample, drops)
         if stats["skipped"]:
             log.warning(
                 "node %d (%s) round %d: optimizer step skipped, %s; parameters and "
@@ -410,6 +451,7 @@ class Node:
         tokens_sent = sum(s.n_tokens for s in own) if cfg.loss != "on-policy" else 0
         return dict(
             reward_mean=sum(s.reward for s in own) / len(own),
+            **signal_metrics(own),
             acc_id=acc_id,
             acc_ood=acc_ood,
             tokens_sent=tokens_sent,
@@ -420,9 +462,10 @@ class Node:
             dropped=len(drops),
             seconds=time.time() - t0,
             **stats,
+            **defence_metrics(own, received, per_sample, drops),
         )
 
-    def verify(self, received: list[Sample]) -> tuple[list[Sample], list[str]]:
+    def verify(self, received: list[Sample]) -> tuple[list[Sample], list[Drop]]:
         """Rescore each received completion with the task's reward; drop the ones whose claimed
         reward differs (a peer lying about rewards). Logprobs cannot be checked this way."""
         kept, drops = [], []
@@ -430,7 +473,11 @@ class Node:
             true = self.score(s.prompt_id, s.tokens)
             if true != s.reward:
                 drops.append(
-                    f"node {s.source}: claimed reward {s.reward:g}, completion scores {true:g}"
+                    Drop(
+                        f"node {s.source}: claimed reward {s.reward:g}, completion scores {true:g}",
+                        "verify",
+                        s.source,
+                    )
                 )
             else:
                 kept.append(s)
@@ -449,6 +496,13 @@ class Node:
         return metric_rows(
             round_, [v.tolist() for v in everyone], names, self.cfg.loss, self.cfg.collab
         )
+
+    def log_samples(self) -> None:
+        """Node 0 appends every node's `received.jsonl` lines of the round (`sample_log`)."""
+        everyone: list = [None] * self.world
+        collective("the sample-log gather", dist.all_gather_object, everyone, self.sample_rows)
+        if self.rank == 0:
+            append_sample_log(self.out / SAMPLE_LOG, [r for rows in everyone for r in rows])
 
     def check_skips(self, rows: list[dict], in_row: list[int]) -> None:
         """Count each node's skipped steps in a row (`in_row`, updated in place); Diverged on
@@ -486,7 +540,11 @@ class Node:
         if self.rank == 0:
             kept = [r for r in previous if r["round"] < start]
             write_run_config(self.out, to_dict(cfg))
+            self.environment = environment(self.world)
+            record_environment(self.out, self.environment, start)
             start_metrics(metrics_path, kept)
+            if cfg.sample_log:
+                start_sample_log(self.out / SAMPLE_LOG, start if cfg.resume else None)
             if cfg.progress:
                 bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=start)
         skips_in_row = [0] * self.world
@@ -495,6 +553,8 @@ class Node:
                 collective(f"the start barrier of round {round_}", _barrier, cfg.timeout_s)
             metrics = self.run_round(round_)
             rows = self.gather_rows(round_, metrics)
+            if cfg.sample_log:
+                self.log_samples()
             if self.rank == 0:
                 append_metrics(metrics_path, rows)
                 msg = " ".join(f"{r['name']}={r['reward_mean']:.2f}" for r in rows)
@@ -509,7 +569,8 @@ class Node:
                     bar.close()
                 if self.rank == 0:
                     log.error("%s", exc)
-                    write_outputs(self.out, self.tokenizer, metrics_path)
+                    notes = [describe(self.environment)]
+                    write_outputs(self.out, self.tokenizer, metrics_path, notes)
                 # None leaves before rank 0 has written: torchrun stops the rest at the first exit.
                 collective("the stop barrier", dist.barrier)
                 raise
@@ -519,7 +580,9 @@ class Node:
         if bar is not None:
             bar.close()
         if self.rank == 0:
-            summary = write_outputs(self.out, self.tokenizer, metrics_path)
+            summary = write_outputs(
+                self.out, self.tokenizer, metrics_path, [describe(self.environment)]
+            )
             if summary is not None:
                 print(f"\n{summary}", flush=True)
 
