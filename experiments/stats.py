@@ -47,9 +47,9 @@ pairs uses the per-seed mean of their differences. From n >= 10 seeds:
   90% t interval inside (-m, +m), its p-value Holm-adjusted. *Reproduced* if p_Holm < 0.05;
   *contradicted* if the 95% t interval lies wholly outside (-m, +m); otherwise *inconclusive*.
   Absence of a significant difference is never read as equivalence.
-- **Untestable at this scale**: the claim's precondition failed on the data: its positive
-  control detected no harm (the setup cannot show the effect), or the baseline metric sits at its
-  floor (mean below the binomial error of one evaluation), so no outcome could bear on it.
+- **Untestable at this scale**: the test was inconclusive and the claim's precondition failed
+  on the data: its positive control showed no harm (the setup could not have shown the effect),
+  or the baseline metric sits at its floor (stated per claim), so no outcome could bear on it.
 - Every verdict is printed with its 95% t interval (and the bootstrap interval beside it)."""
 
 
@@ -187,9 +187,8 @@ def p_value(claim: Claim, d: Sequence[float]) -> float:
 def verdict(
     claim: Claim, ci: Interval, p_holm: float, untestable: Optional[str] = None
 ) -> tuple[Verdict, str]:
-    """The verdict word from the rule in `RULES`, and the reason in a few words."""
-    if untestable:
-        return "untestable at this scale", untestable
+    """The verdict word from the rule in `RULES`, and the reason in a few words. `untestable`
+    (the failed precondition, or None) turns only an inconclusive verdict into "untestable"."""
     if claim.kind == "direction":
         if p_holm < ALPHA:
             agrees = math.copysign(1, ci.mean) == claim.sign
@@ -198,29 +197,29 @@ def verdict(
                 f"p_Holm = {p_holm:.3g}, mean {'in' if agrees else 'against'} the claimed "
                 "direction",
             )
-        return "inconclusive", f"p_Holm = {p_holm:.3g} >= {ALPHA}"
-    if p_holm < ALPHA:
+        word, why = "inconclusive", f"p_Holm = {p_holm:.3g} >= {ALPHA}"
+    elif p_holm < ALPHA:
         return "reproduced", f"TOST p_Holm = {p_holm:.3g}: within +-{claim.margin:g}"
-    if ci.outside(claim.margin):
+    elif ci.outside(claim.margin):
         return "contradicted", f"the 95% interval lies outside +-{claim.margin:g}"
-    return (
-        "inconclusive",
-        f"TOST p_Holm = {p_holm:.3g}: the interval reaches past +-{claim.margin:g}",
-    )
+    else:
+        word = "inconclusive"
+        why = f"TOST p_Holm = {p_holm:.3g}: the interval reaches past +-{claim.margin:g}"
+    if untestable:
+        return "untestable at this scale", f"{why}, and {untestable}"
+    return word, why
 
 
 def evaluate(
     family: Sequence[tuple[Claim, Sequence[float], Optional[str]]],
 ) -> list[Result]:
-    """Test a family of claims together: (claim, per-seed differences, reason it is untestable
-    or None). Holm runs over the testable claims' p-values."""
-    ps = [p_value(c, d) if why is None else math.nan for c, d, why in family]
-    testable = [i for i, (_, _, why) in enumerate(family) if why is None]
-    adjusted = dict(zip(testable, holm([ps[i] for i in testable])))
+    """Test a family of claims together: (claim, per-seed differences, the failed precondition
+    or None). Holm runs over every claim's p-value."""
+    ps = [p_value(c, d) for c, d, _ in family]
+    adjusted = holm(ps)
     out = []
-    for i, (claim, d, why) in enumerate(family):
+    for (claim, d, why), p, p_h in zip(family, ps, adjusted):
         ci = t_interval(d)
-        p_h = adjusted.get(i, math.nan)
         word, reason = verdict(claim, ci, p_h, why)
-        out.append(Result(claim, ci, bootstrap_interval(d), ps[i], p_h, word, reason))
+        out.append(Result(claim, ci, bootstrap_interval(d), p, p_h, word, reason))
     return out

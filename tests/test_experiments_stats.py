@@ -106,13 +106,13 @@ def test_bootstrap_interval_is_reproducible_and_near_the_t_interval():
     assert t.lo - 0.02 < b1.lo and b1.hi < t.hi + 0.02
 
 
-def test_an_untestable_claim_stays_out_of_the_holm_family():
-    d = 0.045 + 0.05 * Z
+def test_a_failed_precondition_turns_only_an_inconclusive_verdict_untestable():
     claim = stats.Claim("c", "direction", "m", sign=+1)
-    results = stats.evaluate([(claim, d, None), (claim, d, "the positive control saw no harm")])
-    assert results[0].verdict == "reproduced"  # Holm over one claim, not two
-    assert results[1].verdict == "untestable at this scale"
-    assert math.isnan(results[1].p_holm)
+    why = "the positive control saw no harm"
+    clear, unclear = 0.10 + 0.05 * Z, 0.01 + 0.2 * Z
+    results = stats.evaluate([(claim, clear, why), (claim, unclear, why)])
+    assert [r.verdict for r in results] == ["reproduced", "untestable at this scale"]
+    assert why in results[1].why
 
 
 def test_too_few_seeds_are_refused_naming_the_argument():
