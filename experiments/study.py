@@ -10,9 +10,10 @@ The design, fixed before the numbers (`CLAIMS` and `experiments/stats.py` hold t
 
 - One receiver, `small`, meets peers that are a dose of off-policyness (`configs/`): `identical`
   (a twin: the negative control), `size` (tiny), `expertise` (warmed up on additions only),
-  `lora` (the same model training an adapter) and `shifted` (a frozen, barely warmed-up tiny:
-  the positive control, where NoIS is known to be biased). Every node's isolated on-policy
-  baseline comes from one swarm that exchanges nothing (`configs/isolated.yaml`).
+  `lora` (the same model training an adapter) and `stale` (the receiver's recipe stopped at 100
+  warm-up steps, frozen: the positive control, where NoIS is known to be biased). Every node's
+  isolated on-policy baseline comes from one swarm that exchanges nothing
+  (`configs/isolated.yaml`).
 - Modes `nois`, `f-vis` (LoRA pair) and `f-tis`, with the filter at a threshold that acts.
 - `SEEDS`: 10 seeds of 30 rounds. A seed moves the task draw, every node's initial weights,
   warm-up data and sampling, and is the unit of replication: claims are tested on the per-seed
@@ -59,29 +60,32 @@ PAIR_MODES = {
     "size": ("nois", "f-tis"),
     "expertise": ("nois", "f-tis"),
     "lora": ("nois", "f-vis", "f-tis"),
-    "shifted": ("nois", "f-tis"),
+    "stale": ("nois", "f-tis"),
 }
 HETERO = ("size", "expertise", "lora")
 PEER = {"identical": "twin", "size": "tiny", "expertise": "add-expert", "lora": "lora"}
-PEER["shifted"] = "shifted"
-# Hostile kinds (`nodes.1.hostile`) and the modes each runs under. The honest reference is the
-# size pair's cell of the same mode and seed.
+PEER["stale"] = "stale"
+HOSTILE = 0  # the size pair's tiny turns hostile in the bad-peer cells
+# Hostile kinds (`nodes.<HOSTILE>.hostile`) and the modes each runs under. The honest reference
+# is the size pair's cell of the same mode and seed.
 ATTACKS = {
     "malformed": ("nois", "f-tis"),
     "forged_logprobs": ("nois", "f-tis", "f-tis+verify"),
     "flipped_rewards": ("nois", "f-tis", "f-tis+verify"),
     "random_tokens": ("nois", "f-tis", "f-tis+verify"),
 }
-# The primary metrics (per node and run). A run of R rounds: "late" is rounds R//2 .. R-1 (480
-# own samples at 4 prompts x 8), "last" the last third; accuracies are the final greedy evaluation
-# of 128 problems.
+# The metrics (per node and run). A run of R rounds: "late" is rounds R//2 .. R-1 (480 own
+# samples at 4 prompts x 8), "last" the last third; accuracies are the final greedy evaluation of
+# 128 problems. Sample accuracy is the share of right answers (reward 1) among the node's own
+# training samples: the paper's binary reward, whatever format credit the run's reward adds.
 METRICS = {
+    "acc_late": "sample accuracy of the node's own training samples, second half of the rounds",
+    "acc_last": "sample accuracy of the node's own training samples, last third of the rounds",
     "reward_late": "training reward of the node's own samples, second half of the rounds",
-    "reward_last": "training reward of the node's own samples, last third of the rounds",
     "acc_id": "final in-domain accuracy (greedy, 128 problems)",
     "acc_ood": "final out-of-domain accuracy (greedy, 128 problems)",
 }
-MARGIN = 0.05  # "behaves like": |mean difference in reward| < 0.05 (5 points of reward)
+MARGIN = 0.05  # "behaves like": |mean difference| < 0.05 (5 points of sample accuracy)
 FLOOR = 0.05  # a baseline accuracy below this (fewer than 7 of 128 problems) is at its floor
 EVAL_SIZE = 128
 # CPU seconds per job on 2 idle cores (AMD EPYC, 1 thread per node), for the estimate. Loaded
@@ -157,7 +161,7 @@ def cells(scale: str) -> list[Cell]:
     for seed in BADPEER_SEEDS:
         for attack, modes in ATTACKS.items():
             for mode in modes:
-                flags = ["--loss", mode.split("+")[0], "--set", f"nodes.1.hostile={attack}"]
+                flags = ["--loss", mode.split("+")[0], "--set", f"nodes.{HOSTILE}.hostile={attack}"]
                 if mode.endswith("+verify"):
                     flags += ["--set", "verify_rewards=true"]
                 out.append(Cell("badpeer", mode, attack, seed, "size", flags))
@@ -255,8 +259,8 @@ def estimate(todo: list[Cell], work: Path, extra: tuple[str, ...], cores: int = 
     cpu = sum(CPU_S["cell4" if c.nodes > 2 else "cell2"] for c in left)
     fresh = {c.seed for c in left} - started
     if any(c.study != "badpeer" or c.seed not in SEEDS for c in left):
-        # per seed: the receiver's and add-expert's small warm-ups, tiny's, and shifted's 60 steps
-        cpu += len(fresh) * (2 * CPU_S["small"] + CPU_S["tiny"] * (1 + 60 / 300))
+        # per seed: the receiver's, add-expert's, tiny's and stale's (100 steps) warm-ups
+        cpu += len(fresh) * (CPU_S["small"] * (2 + 100 / 300) + CPU_S["tiny"])
     minutes = cpu / cores / 60
     return (
         f"{len(left)} of {len(todo)} cells to run, {len(fresh)} seeds to warm up: "
@@ -305,7 +309,7 @@ def _mean(xs: list) -> Optional[float]:
 def _numbers(series: list[dict]) -> dict:
     """Every other numeric metric of a node's run: integers summed, floats averaged."""
     keys = {k for m in series for k, v in m.items() if isinstance(v, (int, float))}
-    keys -= {"round", "node", "acc_id", "acc_ood", "reward_mean"}
+    keys -= {"round", "node", "acc_id", "acc_ood", "reward_mean", "sample_acc"}
     out = {}
     for k in sorted(keys):
         vals = [m.get(k) for m in series]
@@ -329,6 +333,8 @@ def collect(todo: list[Cell], work: Path, extra: tuple[str, ...]):
             series = sorted((m for m in metrics if m["node"] == node), key=lambda m: m["round"])
             evals = [m for m in series if m["acc_id"] is not None]
             reward = [m["reward_mean"] for m in series]
+            # sample_acc: recorded by runs with format credit; without, the reward is binary
+            acc = [m.get("sample_acc", m["reward_mean"]) for m in series]
             n = len(series)
             rows.append(
                 dict(
@@ -347,6 +353,8 @@ def collect(todo: list[Cell], work: Path, extra: tuple[str, ...]):
                     reward_early=_mean(reward[: max(1, n // 3)]),
                     reward_late=_mean(reward[n // 2 :]),
                     reward_last=_mean(reward[n - max(1, n // 3) :]),
+                    acc_late=_mean(acc[n // 2 :]),
+                    acc_last=_mean(acc[n - max(1, n // 3) :]),
                     metrics=_numbers(series),
                     seconds=info["seconds"],
                     cpu_seconds=info.get("cpu_seconds"),
@@ -360,6 +368,7 @@ def collect(todo: list[Cell], work: Path, extra: tuple[str, ...]):
                     node=node,
                     name=series[0]["name"],
                     reward=reward,
+                    sample_acc=acc,
                     eval_rounds=[m["round"] for m in evals],
                     acc_id=[m["acc_id"] for m in evals],
                     acc_ood=[m["acc_ood"] for m in evals],
@@ -399,21 +408,21 @@ CLAIMS = (
     ClaimSpec(
         "N",
         "negative control: with an identical peer, F-TIS trains like NoIS (nothing to correct)",
-        stats.Claim("N", "equivalence", "reward_late", margin=MARGIN),
+        stats.Claim("N", "equivalence", "acc_late", margin=MARGIN),
         _units(("identical",), ("f-tis", None, "nois")),
     ),
     ClaimSpec(
         "P",
-        "positive control: NoIS with the far-off (shifted) peer trains the receiver worse than "
+        "positive control: NoIS with the stale peer trains the receiver worse than "
         "isolated training",
-        stats.Claim("P", "direction", "reward_late", sign=-1),
-        _units(("shifted",), ("nois", "isolated", "on-policy"), "receiver"),
+        stats.Claim("P", "direction", "acc_late", sign=-1),
+        _units(("stale",), ("nois", "isolated", "on-policy"), "receiver"),
     ),
     *(
         ClaimSpec(
             f"C1-{pair}",
             f"F-TIS trains like isolated on-policy training ({pair} pair, both nodes)",
-            stats.Claim(f"C1-{pair}", "equivalence", "reward_late", margin=MARGIN),
+            stats.Claim(f"C1-{pair}", "equivalence", "acc_late", margin=MARGIN),
             _units((pair,), ("f-tis", "isolated", "on-policy")),
         )
         for pair in HETERO
@@ -422,28 +431,28 @@ CLAIMS = (
         "C2",
         "NoIS (no importance sampling) trains worse than isolated on-policy training "
         "(pooled over the 6 nodes of the heterogeneous pairs)",
-        stats.Claim("C2", "direction", "reward_late", sign=-1),
+        stats.Claim("C2", "direction", "acc_late", sign=-1),
         _units(HETERO, ("nois", "isolated", "on-policy")),
         control="P",
     ),
     ClaimSpec(
         "C3",
         "F-TIS trains better than NoIS (pooled over the 6 nodes of the heterogeneous pairs)",
-        stats.Claim("C3", "direction", "reward_late", sign=+1),
+        stats.Claim("C3", "direction", "acc_late", sign=+1),
         _units(HETERO, ("f-tis", None, "nois")),
         control="P",
     ),
     ClaimSpec(
         "C4",
-        "F-TIS removes the harm of a far-off peer: F-TIS above NoIS with the shifted peer",
-        stats.Claim("C4", "direction", "reward_late", sign=+1),
-        _units(("shifted",), ("f-tis", None, "nois"), "receiver"),
+        "F-TIS removes the harm of a stale peer: F-TIS above NoIS with the stale peer",
+        stats.Claim("C4", "direction", "acc_late", sign=+1),
+        _units(("stale",), ("f-tis", None, "nois"), "receiver"),
         control="P",
     ),
     ClaimSpec(
         "C5",
         "F-VIS (uncapped IS weights) falls below F-TIS late in training (LoRA pair, both nodes)",
-        stats.Claim("C5", "direction", "reward_last", sign=-1),
+        stats.Claim("C5", "direction", "acc_last", sign=-1),
         _units(("lora",), ("f-vis", None, "f-tis")),
     ),
     ClaimSpec(
@@ -624,9 +633,9 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
         parts += [
             "### Per node and mode (mean ± sd over seeds)\n",
             "`isolated` is the node's on-policy run in the swarm that exchanges nothing.\n",
-            "| pair | node | mode | seeds | reward, 2nd half | reward, last third "
-            "| acc_id | acc_ood | command |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| pair | node | mode | seeds | sample acc, 2nd half | sample acc, last third "
+            "| reward, 2nd half | acc_id | acc_ood | command |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         shown = set()
         for pair, modes in PAIR_MODES.items():
@@ -646,7 +655,8 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
                     if sel:
                         parts.append(
                             f"| {pair} | {name} | {mode} | {len(sel)} | "
-                            f"{_stat(sel, 'reward_late')} | {_stat(sel, 'reward_last')} | "
+                            f"{_stat(sel, 'acc_late')} | {_stat(sel, 'acc_last')} | "
+                            f"{_stat(sel, 'reward_late')} | "
                             f"{_stat(sel, 'acc_id')} | {_stat(sel, 'acc_ood')} | "
                             f"{_cmd(glob, scale)} |"
                         )
@@ -670,10 +680,10 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
         counters = sorted({k for r in bad for k in r["metrics"]} - set(FILTER_KEYS) - _PLAIN_KEYS)
         parts += [
             "### Bad peers: the receiver (small) with tiny turned hostile\n",
-            "Reward over the second half and its difference from the honest size pair's run of "
-            "the same mode and seed; what the receiver dropped, and each defence's counters "
+            "Sample accuracy over the second half and its difference from the honest size pair's "
+            "run of the same mode and seed; what the receiver dropped, and each defence's counters "
             "summed over the run.\n",
-            "| attack | mode | seeds | reward, 2nd half | Δ vs honest | dropped / received | "
+            "| attack | mode | seeds | sample acc, 2nd half | Δ vs honest | dropped / received | "
             "IS weight | truncated | filtered | " + " | ".join(counters) + " | command |",
             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(counters) + "---|",
         ]
@@ -694,7 +704,7 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
                         seed=r["seed"],
                     )
                     if h:
-                        diffs.append(r["reward_late"] - h[0]["reward_late"])
+                        diffs.append(r["acc_late"] - h[0]["acc_late"])
                 delta = f"{statistics.fmean(diffs):+.3f}" if diffs else "-"
                 drop = sum(r["metrics"].get("dropped", 0) for r in sel)
                 recv = drop + sum(r["metrics"].get("samples_received", 0) for r in sel)
@@ -705,7 +715,7 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
                     for k in counters
                 ]
                 parts.append(
-                    f"| {attack} | {mode} | {len(sel)} | {_stat(sel, 'reward_late')} | {delta} "
+                    f"| {attack} | {mode} | {len(sel)} | {_stat(sel, 'acc_late')} | {delta} "
                     f"| {drop} / {recv} | {_stat(sel, 'is_weight_mean', True)} | "
                     f"{_stat(sel, 'is_truncated_frac', True)} | "
                     f"{_stat(sel, 'filtered_frac', True)} | "
@@ -745,9 +755,9 @@ def _curves_of(curves, prefix: str, name: str) -> list[dict]:
     return [c for c in curves if c["id"].startswith(prefix) and c["name"] == name]
 
 
-def plot_rewards(curves: list[dict], path: Path) -> bool:
-    """Training reward per round, one panel per pair and node: each seed a thin line, the mean of
-    the seeds thick with markers; the same y-range in every panel."""
+def plot_rewards(curves: list[dict], path: Path, key: str = "sample_acc") -> bool:
+    """Sample accuracy (or `key`) per round, one panel per pair and node: each seed a thin line,
+    the mean of the seeds thick with markers; the same y-range in every panel."""
     import matplotlib.pyplot as plt
 
     panels = [(pair, name) for pair in PAIR_MODES for name in (RECEIVER, PEER[pair])]
@@ -766,9 +776,9 @@ def plot_rewards(curves: list[dict], path: Path) -> bool:
             drawn = True
             style = MODE_STYLE[mode]
             for c in sel:
-                ax.plot(smooth(c["reward"], SMOOTH), color=style["color"], lw=0.5, alpha=0.25)
-            n = min(len(c["reward"]) for c in sel)
-            mean = [statistics.fmean(smooth(c["reward"], SMOOTH)[i] for c in sel) for i in range(n)]
+                ax.plot(smooth(c[key], SMOOTH), color=style["color"], lw=0.5, alpha=0.25)
+            n = min(len(c[key]) for c in sel)
+            mean = [statistics.fmean(smooth(c[key], SMOOTH)[i] for c in sel) for i in range(n)]
             ax.plot(mean, lw=2, markevery=5, label=f"{mode} (mean of {len(sel)})", **style)
         # One round's reward averages 32 samples; a 5-round mean 160: its standard error is at
         # most 0.5 / sqrt(160) = 0.04 (a reward in [0, 1]).
@@ -780,7 +790,7 @@ def plot_rewards(curves: list[dict], path: Path) -> bool:
     for ax in axes[-1]:
         ax.set_xlabel("round")
     for ax in axes[:, 0]:
-        ax.set_ylabel(f"train reward ({SMOOTH}-round mean)")
+        ax.set_ylabel(f"{key} ({SMOOTH}-round mean)")
     fig.suptitle(
         "Thin: one seed; thick: mean of seeds. Grey bar: the largest standard error of one "
         f"{SMOOTH}-round mean (160 samples)",
@@ -878,8 +888,8 @@ def plot_claims(claims: list[dict], path: Path) -> bool:
     return True
 
 
-def plot_badpeer(curves: list[dict], path: Path) -> bool:
-    """The receiver's training reward under each attack and mode (mean of seeds, seeds thin),
+def plot_badpeer(curves: list[dict], path: Path, key: str = "sample_acc") -> bool:
+    """The receiver's sample accuracy under each attack and mode (mean of seeds, seeds thin),
     against the honest pair's."""
     import matplotlib.pyplot as plt
 
@@ -898,9 +908,9 @@ def plot_badpeer(curves: list[dict], path: Path) -> bool:
             drawn = True
             color = "black" if label == "honest" else f"C{i}"
             for c in sel:
-                ax.plot(smooth(c["reward"], SMOOTH), color=color, lw=0.5, alpha=0.25)
-            n = min(len(c["reward"]) for c in sel)
-            mean = [statistics.fmean(smooth(c["reward"], SMOOTH)[k] for c in sel) for k in range(n)]
+                ax.plot(smooth(c[key], SMOOTH), color=color, lw=0.5, alpha=0.25)
+            n = min(len(c[key]) for c in sel)
+            mean = [statistics.fmean(smooth(c[key], SMOOTH)[k] for c in sel) for k in range(n)]
             ax.plot(
                 mean,
                 color=color,
@@ -915,7 +925,7 @@ def plot_badpeer(curves: list[dict], path: Path) -> bool:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    axes[0].set_ylabel(f"train reward ({SMOOTH}-round mean)")
+    axes[0].set_ylabel(f"{key} ({SMOOTH}-round mean)")
     fig.tight_layout()
     if drawn:
         fig.savefig(path, dpi=100)
@@ -930,7 +940,7 @@ def plots(rows: list[dict], curves: list[dict], claims: list[dict], results: Pat
     made = []
     for name, draw in (
         ("claims", lambda p: plot_claims(claims, p)),
-        ("pairs_reward", lambda p: plot_rewards(curves, p)),
+        ("pairs_sample_acc", lambda p: plot_rewards(curves, p)),
         ("final_acc_id", lambda p: plot_final(rows, p, "acc_id")),
         ("final_acc_ood", lambda p: plot_final(rows, p, "acc_ood")),
         ("badpeer", lambda p: plot_badpeer(curves, p)),
@@ -941,6 +951,49 @@ def plots(rows: list[dict], curves: list[dict], claims: list[dict], results: Pat
 
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
+RULES_BEGIN, RULES_END = "<!-- rules:begin -->", "<!-- rules:end -->"
+
+
+def rules_section() -> str:
+    """The claims and the rules, as the code states them (the README's rules section)."""
+    lines = [
+        stats.RULES,
+        "",
+        f'Margin of "behaves like": ±{MARGIN} in reward. Floor of an accuracy: a baseline mean '
+        f"below {FLOOR}. Seeds: {SEEDS[0]}-{SEEDS[-1]} ({len(SEEDS)}). All claims below form one "
+        "Holm family.",
+        "",
+        "| id | claim | primary metric | test | compared (pair: node, mode − baseline) "
+        "| precondition |",
+        "|---|---|---|---|---|---|",
+    ]
+    for spec in CLAIMS:
+        test = (
+            f"TOST ±{spec.test.margin:g}"
+            if spec.test.kind == "equivalence"
+            else f"paired t, predicted sign {'+' if spec.test.sign > 0 else '−'}"
+        )
+        units = "; ".join(
+            f"{pair}: {name}, {mode} − {bm if bp in (pair, None) else bp}"
+            for pair, name, mode, bp, bm in spec.units
+        )
+        pre = []
+        if spec.control:
+            pre.append(f"control {spec.control} reproduced")
+        if spec.floor:
+            pre.append(f"baseline mean ≥ {FLOOR}")
+        lines.append(
+            f"| {spec.id} | {spec.text} | {spec.test.metric} ({METRICS[spec.test.metric]}) "
+            f"| {test} | {units} | {', '.join(pre) or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def _replace(text: str, begin: str, end: str, body: str) -> str:
+    if begin not in text or end not in text:
+        return text
+    head, rest = text.split(begin, 1)
+    return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
 
 
 def report(
@@ -961,10 +1014,8 @@ def report(
     if rows:
         plots(rows, curves, claims, results)
     if readme is not None and readme.exists():
-        text = readme.read_text()
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
+        text = _replace(readme.read_text(), BEGIN, END, table)
+        readme.write_text(_replace(text, RULES_BEGIN, RULES_END, rules_section()))
     return table
 
 

@@ -75,13 +75,13 @@ def test_smallest_configuration_runs_end_to_end_and_writes_a_table_row(tmp_path)
 
     rows = [json.loads(x) for x in (tmp_path / "results" / "cells.jsonl").read_text().splitlines()]
     assert [(r["id"], r["node"], r["name"]) for r in rows] == [
-        ("pairs/size/f-tis/s0", 0, "small"),
-        ("pairs/size/f-tis/s0", 1, "tiny"),
+        ("pairs/size/f-tis/s0", 0, "tiny"),
+        ("pairs/size/f-tis/s0", 1, "small"),
     ]
     for r in rows:
         assert r["rounds"] == 3 and r["metrics"]["samples_received"] > 0
         assert r["metrics"]["dropped"] == 0
-        for key in ("acc_id", "acc_ood", "reward_late", "reward_last"):
+        for key in ("acc_id", "acc_ood", "acc_late", "acc_last", "reward_late"):
             assert 0.0 <= r[key] <= 1.0, (key, r[key])
         assert r["command"].startswith("ftis-grpo --config experiments/configs/size.yaml")
         assert r["cpu_seconds"] > 0
@@ -96,9 +96,9 @@ def test_smallest_configuration_runs_end_to_end_and_writes_a_table_row(tmp_path)
     table = (tmp_path / "results" / "tables.md").read_text()
     line = next(x for x in table.splitlines() if x.startswith("| size | small | f-tis |"))
     cols = [c.strip() for c in line.strip("|").split("|")]
-    assert len(cols) == 9 and cols[3] == "1"
-    for c in cols[4:8]:
+    assert len(cols) == 10 and cols[3] == "1"
+    for c in cols[4:9]:
         assert 0.0 <= float(c) <= 1.0
-    assert cols[8] == "`python -m experiments.study run --scale smoke --only 'pairs/size/f-tis/*'`"
-    assert (tmp_path / "results" / "pairs_reward.png").stat().st_size > 10_000
+    assert cols[9] == "`python -m experiments.study run --scale smoke --only 'pairs/size/f-tis/*'`"
+    assert (tmp_path / "results" / "pairs_sample_acc.png").stat().st_size > 10_000
     assert table.strip() in proc.stdout  # the tables are printed too
