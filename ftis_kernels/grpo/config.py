@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from ftis_kernels.grpo.exchange import HOSTILE_KINDS
-from ftis_kernels.grpo.task import OPERATIONS
+from ftis_kernels.grpo.task import OPERATIONS, Difficulty
 from ftis_kernels.options import OPTION_NAMES, FTISOptions, option_choices, option_help
 from ftis_kernels.options import PRESETS as LOSS_PRESETS
 
@@ -82,6 +82,7 @@ Count = Annotated[int, Field(ge=1)]
 Index = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 Share = Annotated[float, Field(ge=0, le=1)]
+Steps = Annotated[list[Count], Field(min_length=2, max_length=2)]
 _SCHEMA = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
@@ -204,6 +205,20 @@ class RunConfig:
     data: dict[Literal[SPLITS], str] = Field(
         default_factory=dict, description="task jsonl: {train: PATH, test: PATH, ood: PATH}"
     )
+    format_credit: Annotated[float, Field(ge=0, lt=1)] = Field(
+        0.0,
+        description="reward of a well-formed but wrong answer ('#### x'), a right one earns 1; "
+        "0: the paper's binary reward",
+    )
+    task_steps: Steps = Field(
+        default_factory=lambda: [1, 2],
+        description="arith: [fewest, most] steps of a train or test problem",
+    )
+    task_operand_max: Count = Field(9, description="arith: largest operand of a train/test problem")
+    ood_steps: Steps = Field(
+        default_factory=lambda: [3, 4], description="arith: [fewest, most] steps of an ood problem"
+    )
+    ood_operand_max: Count = Field(19, description="arith: largest operand of an ood problem")
     verify_rewards: bool = Field(
         False, description="rescore each received completion; drop it if its reward lies"
     )
@@ -240,10 +255,19 @@ class RunConfig:
         overrides = {"temperature": self.temperature, **explicit, **self.loss_options}
         return FTISOptions.preset(preset, **overrides)
 
+    def difficulty(self) -> Difficulty:
+        """The built-in task's difficulty (`task_steps`, `task_operand_max`, `ood_*`)."""
+        return Difficulty(
+            *self.task_steps, self.task_operand_max, *self.ood_steps, self.ood_operand_max
+        )
+
     def validate(self, world: int) -> None:
         """ConfigError unless the fields fit together for a swarm of `world` nodes (each field's
         own type and range is checked when the config is built)."""
         problems = []
+        for key in ("task_steps", "ood_steps"):
+            if getattr(self, key)[0] > getattr(self, key)[1]:
+                problems.append((key, "[fewest, most] with fewest <= most", getattr(self, key)))
         if self.collab == "horizontal" and self.loss != "on-policy" and self.group_size % world:
             problems.append(
                 (

@@ -44,7 +44,7 @@ from ftis_kernels.grpo.report import (
     write_run_config,
 )
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
-from ftis_kernels.grpo.task import Problems, format_prompt, reward
+from ftis_kernels.grpo.task import Difficulty, Problems, format_prompt, reward
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
 from ftis_kernels.grpo.train import grpo_update, skip_cause
 
@@ -66,6 +66,19 @@ def sampler_seed(seed: int, rank: int) -> int:
 def hostile_seed(seed: int, round_: int, rank: int) -> int:
     """Seed of what a hostile node `rank` forges in round `round_`."""
     return seed * HOSTILE_SEED_MIX + round_ * HOSTILE_ROUND_MIX + rank
+
+
+def signal_metrics(own: list[Sample]) -> dict[str, float]:
+    """How much a node's own samples can teach: sample_acc, the share with the right answer
+    (reward 1, whatever `format_credit` pays), and zero_adv_groups, the share of its groups
+    (prompts) whose advantages are all 0 (equal rewards: no gradient)."""
+    groups: dict[int, list[float]] = {}
+    for s in own:
+        groups.setdefault(s.prompt_id, []).append(s.advantage)
+    return dict(
+        sample_acc=sum(s.reward == 1.0 for s in own) / len(own),
+        zero_adv_groups=sum(all(a == 0 for a in g) for g in groups.values()) / len(groups),
+    )
 
 
 class Diverged(Exception):
@@ -90,7 +103,7 @@ class Node:
         self.spec = cfg.node(rank)
         self.out = Path(cfg.out)
         self.ckpt = self.out / "ckpt"
-        self.problems = Problems(cfg.seed, cfg.task, cfg.data)
+        self.problems = Problems(cfg.seed, cfg.task, cfg.data, cfg.difficulty())
         self.options = cfg.ftis_options()
         self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, rank))
         self._prompt_cache: dict[int, list[int]] = {}
@@ -245,11 +258,16 @@ class Node:
         )
         cached = None
         if cfg.warmup_cache:
+            # The warm-up draws train problems: a harder task is another recipe. The default
+            # difficulty keeps the key earlier versions wrote, so their caches stay valid.
+            train = self.problems.arith.difficulty.of("train")
+            harder = {} if train == Difficulty().of("train") else {"difficulty": list(train)}
             cached = warmup_cache_file(
                 cfg.warmup_cache,
                 spec.arch,
                 task_seed=cfg.seed,
                 vocabulary=vocab_fingerprint(self.tokenizer),
+                **harder,
                 **recipe,
             )
         on_step = None
@@ -324,12 +342,12 @@ class Node:
         """The task's reward of `completion` (token ids) for the prompt; the one scoring rule of
         the node's own samples and of `verify`'s rescoring of its peers'."""
         text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)
-        return reward(text, self.problems.problem(prompt_id))
+        return reward(text, self.problems.problem(prompt_id), self.cfg.format_credit)
 
     def accuracy(self, split: str) -> float:
         ids = self.problems.eval_ids(split, self.cfg.eval_size)
         done = self.generate(ids, greedy=True, max_new_tokens=self.cfg.eval_max_new_tokens)
-        return sum(r for _, _, r in done) / max(len(done), 1)
+        return sum(r == 1.0 for _, _, r in done) / max(len(done), 1)
 
     def rollout(self, round_: int) -> list[Sample]:
         """This node's samples of the round, with rewards and group advantages."""
@@ -404,6 +422,7 @@ class Node:
         tokens_sent = sum(s.n_tokens for s in own) if cfg.loss != "on-policy" else 0
         return dict(
             reward_mean=sum(s.reward for s in own) / len(own),
+            **signal_metrics(own),
             acc_id=acc_id,
             acc_ood=acc_ood,
             tokens_sent=tokens_sent,

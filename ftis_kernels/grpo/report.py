@@ -35,6 +35,8 @@ METRIC_KEYS = (
     "seconds",
     "grad_norm",
     "skipped",
+    "sample_acc",
+    "zero_adv_groups",
 )
 _INT_KEYS = (
     "tokens_sent",

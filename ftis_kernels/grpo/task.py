@@ -5,9 +5,12 @@ The built-in generator writes grade-school word problems whose worked answer fol
 rebuilds a peer's prompt from its 64-bit prompt id alone and nothing but ids crosses the wire.
 
 Splits: "train" and "test" (in distribution: 1-2 steps, operands 1-9) and "ood" (the stand-in for
-MATH-500: 3-4 steps and operands up to 19, never seen in training). For real data,
-`JsonlTask` reads local GSM8K (`question`/`answer` with "#### x") or MATH-500 (`problem`/`answer`)
-files.
+MATH-500: 3-4 steps and operands up to 19, never seen in training); `Difficulty` moves both. For
+real data, `JsonlTask` reads local GSM8K (`question`/`answer` with "#### x") or MATH-500
+(`problem`/`answer`) files.
+
+Rewards: the paper's binary correctness, or with `format_credit` > 0 partial credit: a
+well-formed final answer ('#### x') that is wrong earns `format_credit`, a right one 1.
 """
 
 from __future__ import annotations
@@ -71,10 +74,44 @@ def _normalise(answer: str) -> str:
     return str(int(value)) if value == int(value) else str(value)
 
 
-def reward(completion: str, problem: Problem) -> float:
-    """Binary correctness reward (as the paper): 1.0 iff the extracted answer equals the reference."""  # noqa: E501
+def reward(completion: str, problem: Problem, format_credit: float = 0.0) -> float:
+    """1.0 iff the extracted answer equals the reference; else `format_credit` when the completion
+    ends in a well-formed '#### x', else 0. `format_credit` = 0 is the paper's binary reward."""
     got = extract_answer(completion)
-    return float(got is not None and got == _normalise(problem.answer))
+    if got is None:
+        return 0.0
+    return 1.0 if got == _normalise(problem.answer) else format_credit
+
+
+@dataclass(frozen=True)
+class Difficulty:
+    """How hard the generated problems are: the number of steps (drawn from [steps_min,
+    steps_max]) and the largest operand, for the train and test splits and for the ood split.
+    The defaults are the task's original ones."""
+
+    steps_min: int = 1
+    steps_max: int = 2
+    operand_max: int = 9
+    ood_steps_min: int = 3
+    ood_steps_max: int = 4
+    ood_operand_max: int = 19
+
+    def __post_init__(self):
+        for prefix in ("", "ood_"):
+            lo, hi = getattr(self, f"{prefix}steps_min"), getattr(self, f"{prefix}steps_max")
+            if not 1 <= lo <= hi:
+                raise ValueError(
+                    f"{prefix}steps: expected 1 <= {prefix}steps_min <= {prefix}steps_max, "
+                    f"got {lo}, {hi}"
+                )
+            if getattr(self, f"{prefix}operand_max") < 1:
+                raise ValueError(f"{prefix}operand_max: expected a value >= 1")
+
+    def of(self, split: str) -> tuple[int, int, int]:
+        """(fewest steps, most steps, largest operand) of `split`'s problems."""
+        if split == "ood":
+            return self.ood_steps_min, self.ood_steps_max, self.ood_operand_max
+        return self.steps_min, self.steps_max, self.operand_max
 
 
 class ArithmeticTask:
@@ -85,18 +122,16 @@ class ArithmeticTask:
     live under a different seed and never cross the wire.
     """
 
-    def __init__(self, seed: int = 0):
-        self.seed = seed
+    def __init__(self, seed: int = 0, difficulty: Difficulty = Difficulty()):
+        self.seed, self.difficulty = seed, difficulty
 
     def problem(self, prompt_id: int, *, operations: Sequence[str] = OPERATIONS) -> Problem:
         split, index = split_prompt_id(prompt_id)
         if split == "file":
             raise ValueError(f"prompt_id: {prompt_id} names a file problem, not a generated one")
         rng = random.Random(f"ftis-arith:{self.seed}:{split}:{index}:{','.join(operations)}")
-        if split == "ood":
-            steps, high = rng.randint(3, 4), 19
-        else:
-            steps, high = rng.randint(1, 2), 9
+        fewest, most, high = self.difficulty.of(split)
+        steps = rng.randint(fewest, most)
         name = rng.choice(sorted(NAMES))
         pronoun, item = NAMES[name], rng.choice(ITEMS)
         total = rng.randint(1, high)
@@ -185,8 +220,14 @@ class Problems:
     """The problems behind prompt ids: the built-in generator (`task="arith"`) or local JSONL files
     (`task="jsonl"`, `data` mapping split -> path), and the ids a run draws from them."""
 
-    def __init__(self, seed: int, task: str = "arith", data: Optional[dict[str, str]] = None):
-        self.arith = ArithmeticTask(seed)
+    def __init__(
+        self,
+        seed: int,
+        task: str = "arith",
+        data: Optional[dict[str, str]] = None,
+        difficulty: Difficulty = Difficulty(),
+    ):
+        self.arith = ArithmeticTask(seed, difficulty)
         self.files = JsonlTask(data or {}) if task == "jsonl" else None
         self._by_id = (
             {p.prompt_id: p for ps in self.files.problems.values() for p in ps}
