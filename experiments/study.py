@@ -952,6 +952,8 @@ def plots(rows: list[dict], curves: list[dict], claims: list[dict], results: Pat
 
 BEGIN, END = "<!-- study:begin -->", "<!-- study:end -->"
 RULES_BEGIN, RULES_END = "<!-- rules:begin -->", "<!-- rules:end -->"
+# The mechanism test's section (`python -m experiments.mechanism` writes it) goes in as written.
+MECH_BEGIN, MECH_END = "<!-- mechanism:begin -->", "<!-- mechanism:end -->"
 
 
 def rules_section() -> str:
@@ -1015,7 +1017,11 @@ def report(
         plots(rows, curves, claims, results)
     if readme is not None and readme.exists():
         text = _replace(readme.read_text(), BEGIN, END, table)
-        readme.write_text(_replace(text, RULES_BEGIN, RULES_END, rules_section()))
+        text = _replace(text, RULES_BEGIN, RULES_END, rules_section())
+        mechanism = results / "mechanism.md"
+        if mechanism.exists():
+            text = _replace(text, MECH_BEGIN, MECH_END, mechanism.read_text().strip())
+        readme.write_text(text)
     return table
 
 

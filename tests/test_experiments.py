@@ -102,3 +102,9 @@ def test_smallest_configuration_runs_end_to_end_and_writes_a_table_row(tmp_path)
     assert cols[9] == "`python -m experiments.study run --scale smoke --only 'pairs/size/f-tis/*'`"
     assert (tmp_path / "results" / "pairs_sample_acc.png").stat().st_size > 10_000
     assert table.strip() in proc.stdout  # the tables are printed too
+
+
+def test_readme_states_the_rules_and_claims_the_code_applies():
+    readme = (ROOT / "experiments" / "README.md").read_text()
+    section = readme.split(study.RULES_BEGIN, 1)[1].split(study.RULES_END, 1)[0]
+    assert section.strip() == study.rules_section().strip()
