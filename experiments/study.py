@@ -69,8 +69,8 @@ HOSTILE = 0  # the size pair's tiny turns hostile in the bad-peer cells
 # Hostile kinds (`nodes.<HOSTILE>.hostile`) and the modes each runs under. The honest reference
 # is the size pair's cell of the same mode and seed.
 ATTACKS = {
-    "malformed": ("nois", "f-tis"),
-    "forged_logprobs": ("nois", "f-tis", "f-tis+verify"),
+    "malformed": ("f-tis",),  # the parser drops every record whatever the mode
+    "forged_logprobs": ("nois", "f-tis"),  # rescoring cannot see logprobs
     "flipped_rewards": ("nois", "f-tis", "f-tis+verify"),
     "random_tokens": ("nois", "f-tis", "f-tis+verify"),
 }
@@ -149,22 +149,29 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def _badpeer_cells(seed: int) -> list[Cell]:
+    out = []
+    for attack, modes in ATTACKS.items():
+        for mode in modes:
+            flags = ["--loss", mode.split("+")[0], "--set", f"nodes.{HOSTILE}.hostile={attack}"]
+            if mode.endswith("+verify"):
+                flags += ["--set", "verify_rewards=true"]
+            out.append(Cell("badpeer", mode, attack, seed, "size", flags))
+    return out
+
+
 def cells(scale: str) -> list[Cell]:
-    """Every cell of the study, seed by seed (the bad-peer cells last)."""
+    """Every cell of the study, seed by seed; the bad-peer cells of BADPEER_SEEDS[i] come after
+    the main cells of seed SEEDS[2 i + 1], so that a study stopped early holds some."""
     if scale == "smoke":
         return [Cell("pairs", "size", "f-tis", 0, "size", ["--loss", "f-tis"])]
     out: list[Cell] = []
-    for seed in SEEDS:
+    for i, seed in enumerate(SEEDS):
         out.append(Cell("isolated", "all", "on-policy", seed, "isolated", nodes=4))
         for pair, modes in PAIR_MODES.items():
             out += [Cell("pairs", pair, m, seed, pair, ["--loss", m]) for m in modes]
-    for seed in BADPEER_SEEDS:
-        for attack, modes in ATTACKS.items():
-            for mode in modes:
-                flags = ["--loss", mode.split("+")[0], "--set", f"nodes.{HOSTILE}.hostile={attack}"]
-                if mode.endswith("+verify"):
-                    flags += ["--set", "verify_rewards=true"]
-                out.append(Cell("badpeer", mode, attack, seed, "size", flags))
+        if i % 2 == 1 and i // 2 < len(BADPEER_SEEDS):
+            out += _badpeer_cells(BADPEER_SEEDS[i // 2])
     return out
 
 
@@ -202,8 +209,9 @@ def environment() -> dict:
             return "unknown"
 
     commit = git("rev-parse", "HEAD")
+    # what a run depends on: the driver and the configs (not this script or the README)
     dirty = git(
-        "status", "--porcelain", "--untracked-files=no", "--", "ftis_kernels", "experiments"
+        "status", "--porcelain", "--untracked-files=no", "--", "ftis_kernels", "experiments/configs"
     )
     return dict(
         python=platform.python_version(),
@@ -216,7 +224,7 @@ def environment() -> dict:
     )
 
 
-def run_cell(cell: Cell, work: Path, extra: tuple[str, ...], env_info: dict):
+def run_cell(cell: Cell, work: Path, extra: tuple[str, ...]):
     """(cell id, wall seconds, CPU seconds, exit code) of one run; a finished cell is skipped."""
     argv = cell.argv(work, extra)
     out = _out(cell, work, extra)
@@ -224,6 +232,7 @@ def run_cell(cell: Cell, work: Path, extra: tuple[str, ...], env_info: dict):
         return cell.id, 0.0, 0.0, 0
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, FTIS_LOG_LEVEL=os.environ.get("FTIS_LOG_LEVEL", "WARNING"))
+    env_info = environment()  # per cell: the code a cell ran is the commit when it started
     t0 = time.time()
     with open(out / "log.txt", "w") as log:
         # argv[0] is the console script; run its module with this interpreter.
@@ -272,10 +281,9 @@ def estimate(todo: list[Cell], work: Path, extra: tuple[str, ...], cores: int = 
 def run(todo: list[Cell], work: Path, jobs: int, extra: tuple[str, ...]) -> int:
     print(estimate(todo, work, extra), flush=True)
     t0, failed, cpu_total = time.time(), [], 0.0
-    env_info = environment()
     bar = _progress(len(todo))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for cid, seconds, cpu, rc in pool.map(lambda c: run_cell(c, work, extra, env_info), todo):
+        for cid, seconds, cpu, rc in pool.map(lambda c: run_cell(c, work, extra), todo):
             cpu_total += cpu
             if rc:
                 failed.append(cid)
