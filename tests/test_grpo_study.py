@@ -3,11 +3,22 @@ what it did, reproducible runs, and stronger bad peers."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
+from ftis_kernels import ftis_loss
+from ftis_kernels.grpo.audit import (
+    DEFENCE_KEYS,
+    defence_metrics,
+    sample_rows,
+    start_sample_log,
+    truncated_share,
+)
 from ftis_kernels.grpo.config import ConfigError, build_config
-from ftis_kernels.grpo.exchange import Sample
+from ftis_kernels.grpo.exchange import Drop, Sample, make_hostile, pack, unpack
 from ftis_kernels.grpo.node import signal_metrics
 from ftis_kernels.grpo.task import (
     ArithmeticTask,
@@ -16,6 +27,7 @@ from ftis_kernels.grpo.task import (
     make_prompt_id,
     reward,
 )
+from ftis_kernels.options import FTISOptions
 
 
 def _bare_node(tmp_path, **overrides):
@@ -113,3 +125,98 @@ def test_a_harder_task_is_another_warm_up_cache_entry_and_the_default_keeps_its_
     assert cache_file(ood_operand_max=9) == default  # the warm-up never sees ood problems
     assert cache_file(task_operand_max=5) != default
     assert default == "tiny-10a5d3333d01e117.pt"  # the key main wrote: old caches stay valid
+
+
+# -- a filter that says what it did (item 4) ---------------------------------------------------
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(is_level="sequence"),
+        dict(is_level="sequence_product", is_cap=1.5),
+        dict(is_cap_min=0.7),
+        dict(is_mode="vis"),
+    ],
+    ids=["token", "sequence", "sequence_product", "cap_min", "vis"],
+)
+def test_truncated_share_is_the_ops_truncated_fraction_sample_by_sample(options):
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 5, 7, 11
+    logits = torch.randn(B, T, V, generator=g) * 2
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    shift = torch.tensor([0.0, -2.0, 1.0, -1.5, 0.5])[:, None]  # some samples far off-policy
+    gen = (logp + 0.5 * torch.randn(B, T, generator=g) + shift).clamp(max=0)
+    mask = torch.rand(B, T, generator=g) < 0.8
+    mask[0] = False  # a sample without completion tokens
+    adv = torch.randn(B, generator=g)
+    opt = FTISOptions.preset("f-tis", **options)
+    share = truncated_share(logp, gen, mask, opt)
+    for b in range(B):
+        _, m = ftis_loss(
+            logits[b : b + 1],
+            tokens[b : b + 1],
+            gen[b : b + 1],
+            adv[b : b + 1],
+            mask[b : b + 1],
+            **opt.as_kwargs(),
+        )
+        assert float(share[b]) == pytest.approx(float(m["is_truncated_frac"]), abs=1e-6), b
+    assert share[0] == 0 and (options.get("is_mode") == "vis") == bool((share == 0).all())
+
+
+def _s(adv: float, n: int = 4, source: int = 1) -> Sample:
+    return Sample(7, source, torch.arange(n, dtype=torch.int32), -torch.ones(n), 0.0, adv)
+
+
+def test_filter_changed_counts_only_filtered_samples_whose_advantage_was_not_zero():
+    own = [_s(0.0, source=0), _s(1.0, source=0)]
+    received = [_s(-1.0), _s(-0.5, 2), _s(0.0), _s(2.0, 6)]
+    per_sample = dict(
+        filtered=[1.0, 0.0, 1.0, 0.0, 1.0, 0.0],
+        kl=[0.0, 0.0, 80.0, 2.0, 70.0, 4.0],
+        truncated=[0.0, 0.0, 0.5, 1.0, 0.0, 0.25],
+    )
+    drops = [Drop("a", "token", 2), Drop("b", "verify", 1), Drop("c", "verify", 2)]
+    got = defence_metrics(own, received, per_sample, drops)
+    assert list(got) == list(DEFENCE_KEYS)
+    assert got["filter_changed_frac"] == 1 / 6  # the own and received 0-advantage ones: no change
+    assert got["filter_changed_neg"] == 1 / 2
+    assert got["recv_kl_mean"] == 39.0
+    assert got["recv_truncated_frac"] == (0.5 * 4 + 1.0 * 2 + 0.25 * 6) / 16
+    assert (got["dropped_token"], got["dropped_verify"], got["dropped_length"]) == (1, 2, 0)
+    alone = defence_metrics(own, [], dict(filtered=[1.0, 0.0], kl=[0, 0], truncated=[0, 0]), [])
+    assert math.isnan(alone["recv_kl_mean"]) and math.isnan(alone["filter_changed_neg"])
+    rows = sample_rows(3, 0, own, received, per_sample, drops)
+    assert [(r["sender"], r["changed"], r["dropped"]) for r in rows] == [
+        (1, True, None),
+        (1, False, None),
+        (1, False, None),
+        (1, False, None),
+        (2, None, "token"),
+        (1, None, "verify"),
+        (2, None, "verify"),
+    ]
+    assert rows[0]["kl"] == 80.0 and rows[1]["truncated"] == 1.0 and rows[2]["filtered"] is True
+
+
+def test_every_parser_drop_names_its_kind_and_sender():
+    honest = [_s(0.5) for _ in range(6)]
+    broken = make_hostile(honest, "malformed", 50, torch.Generator())
+    _, drops = unpack(
+        pack(broken), sender=1, vocab_size=50, max_tokens=8, prompt_ok=lambda p: p < 8
+    )
+    assert [d.kind for d in drops] == ["source", "token", "logprob", "logprob", "reward", "prompt"]
+    assert all(d.sender == 1 for d in drops)
+    _, drops = unpack(pack(honest)[:-3], sender=1, vocab_size=50, max_tokens=8)
+    assert [d.kind for d in drops] == ["length"] and "runs past" in drops[0]
+
+
+def test_a_resumed_sample_log_keeps_the_rounds_before_the_resume(tmp_path):
+    path = tmp_path / "received.jsonl"
+    rows = [json.dumps(dict(round=r, receiver=0)) for r in range(4)]
+    path.write_text("\n".join(rows) + '\n{"round": 4, "rec')
+    start_sample_log(path, 2)
+    assert path.read_text().splitlines() == rows[:2]
+    start_sample_log(path, None)
+    assert path.read_text() == ""

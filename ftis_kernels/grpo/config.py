@@ -222,6 +222,11 @@ class RunConfig:
     verify_rewards: bool = Field(
         False, description="rescore each received completion; drop it if its reward lies"
     )
+    sample_log: bool = Field(
+        False,
+        description="write received.jsonl: per received sample and node, its KL, advantage, "
+        "whether the filter changed it, its truncated share, or why it was dropped",
+    )
     warmup_cache: Optional[str] = Field(
         None, description="folder of warmed-up weights, reused by identical warm-ups"
     )

@@ -45,6 +45,23 @@ IMPROBABLE_LOGPROB = -100.0
 RANDOM_TOKENS_ADVANTAGE = 2.0
 
 
+# Why a record was dropped: the parser's checks (`unpack`), then the receiver's rescoring.
+DROP_KINDS = ("length", "source", "token", "logprob", "reward", "prompt", "verify")
+
+
+class Drop(str):
+    """A dropped record's reason as logged, with the `kind` of check (one of DROP_KINDS) that
+    dropped it and the `sender` node."""
+
+    kind: str
+    sender: int
+
+    def __new__(cls, reason: str, kind: str, sender: int) -> Drop:
+        drop = super().__new__(cls, reason)
+        drop.kind, drop.sender = kind, sender
+        return drop
+
+
 class SwarmError(RuntimeError):
     """A collective failed or timed out: some peer node died or stopped answering."""
 
@@ -97,8 +114,8 @@ def unpack(
     vocab_size: int,
     max_tokens: int,
     prompt_ok: Callable[[int], bool] = lambda pid: True,
-) -> tuple[list[Sample], list[str]]:
-    """Parse and validate `sender`'s payload; returns (valid samples, one reason per dropped record).
+) -> tuple[list[Sample], list[Drop]]:
+    """Parse and validate `sender`'s payload; returns (valid samples, one `Drop` per dropped record).
 
     A record is dropped when its source is not `sender`, its length is outside [1, max_tokens], a
     token id is outside [0, vocab_size), a logprob is non-finite or > 0, the reward or advantage is
@@ -110,15 +127,33 @@ def unpack(
     while offset < len(payload):
         where = f"sample {index} from node {sender}"
         if len(payload) - offset < HEADER_BYTES:
-            drops.append(f"{where}: truncated header ({len(payload) - offset} bytes left)")
+            drops.append(
+                Drop(
+                    f"{where}: truncated header ({len(payload) - offset} bytes left)",
+                    "length",
+                    sender,
+                )
+            )
             break
         prompt_id, source, n, rew, adv = _HEADER.unpack_from(payload, offset)
         if not 1 <= n <= max_tokens:
-            drops.append(f"{where}: length {n} outside [1, {max_tokens}]; rest of payload dropped")
+            drops.append(
+                Drop(
+                    f"{where}: length {n} outside [1, {max_tokens}]; rest of payload dropped",
+                    "length",
+                    sender,
+                )
+            )
             break
         end = offset + record_bytes(n)
         if end > len(payload):
-            drops.append(f"{where}: record of {n} tokens runs past the payload; rest dropped")
+            drops.append(
+                Drop(
+                    f"{where}: record of {n} tokens runs past the payload; rest dropped",
+                    "length",
+                    sender,
+                )
+            )
             break
         body = offset + HEADER_BYTES
         tokens = np.frombuffer(payload, dtype="<i4", count=n, offset=body)
@@ -126,19 +161,19 @@ def unpack(
         offset, index = end, index + 1
         reason = None
         if source != sender:
-            reason = f"source field {source} is not the sending node {sender}"
+            reason, kind = f"source field {source} is not the sending node {sender}", "source"
         elif tokens.min() < 0 or tokens.max() >= vocab_size:
-            reason = f"token id outside [0, {vocab_size})"
+            reason, kind = f"token id outside [0, {vocab_size})", "token"
         elif not np.isfinite(logprobs).all():
-            reason = "non-finite logprob"
+            reason, kind = "non-finite logprob", "logprob"
         elif (logprobs > 0).any():
-            reason = "logprob > 0"
+            reason, kind = "logprob > 0", "logprob"
         elif not (math.isfinite(rew) and math.isfinite(adv)):
-            reason = "non-finite reward or advantage"
+            reason, kind = "non-finite reward or advantage", "reward"
         elif not prompt_ok(prompt_id):
-            reason = f"unknown prompt id {prompt_id}"
+            reason, kind = f"unknown prompt id {prompt_id}", "prompt"
         if reason is not None:
-            drops.append(f"{where}: {reason}")
+            drops.append(Drop(f"{where}: {reason}", kind, sender))
             continue
         samples.append(
             Sample(
@@ -161,7 +196,7 @@ def exchange(
     max_samples: int,
     prompt_ok: Callable[[int], bool] = lambda pid: True,
     group: Optional[dist.ProcessGroup] = None,
-) -> tuple[list[Sample], list[str], int]:
+) -> tuple[list[Sample], list[Drop], int]:
     """Send `samples` to every node and receive theirs (one all_gather of lengths, one of bytes).
 
     Returns (valid samples from the other nodes, in rank order; drop reasons; bytes this node sent).
@@ -196,7 +231,13 @@ def exchange(
             prompt_ok=prompt_ok,
         )
         if claimed[peer] > width:
-            dropped.append(f"node {peer}: payload of {claimed[peer]} bytes cut at the cap {cap}")
+            dropped.append(
+                Drop(
+                    f"node {peer}: payload of {claimed[peer]} bytes cut at the cap {cap}",
+                    "length",
+                    peer,
+                )
+            )
         received.extend(got)
         drops.extend(dropped)
     for reason in drops:

@@ -24,8 +24,22 @@ import torch
 import torch.distributed as dist
 
 from ftis_kernels.grpo import checkpoint
+from ftis_kernels.grpo.audit import (
+    SAMPLE_LOG,
+    append_sample_log,
+    defence_metrics,
+    sample_rows,
+    start_sample_log,
+)
 from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
-from ftis_kernels.grpo.exchange import Sample, SwarmError, collective, exchange, make_hostile
+from ftis_kernels.grpo.exchange import (
+    Drop,
+    Sample,
+    SwarmError,
+    collective,
+    exchange,
+    make_hostile,
+)
 from ftis_kernels.grpo.launch import threads_per_node
 from ftis_kernels.grpo.models import (
     apply_lora,
@@ -399,6 +413,7 @@ class Node:
         if cfg.verify_rewards and received:
             received, lies = self.verify(received)
             drops += lies
+        per_sample: dict[str, list[float]] = {}
         stats = grpo_update(
             self.model,
             self.optimizer,
@@ -409,7 +424,10 @@ class Node:
             pad_id=self.tokenizer.pad_token_id,
             grad_clip=cfg.grad_clip,
             device=self.device,
+            per_sample=per_sample,
         )
+        if cfg.sample_log:
+            self.sample_rows = sample_rows(round_, self.rank, own, received, per_sample, drops)
         if stats["skipped"]:
             log.warning(
                 "node %d (%s) round %d: optimizer step skipped, %s; parameters and "
@@ -433,9 +451,10 @@ class Node:
             dropped=len(drops),
             seconds=time.time() - t0,
             **stats,
+            **defence_metrics(own, received, per_sample, drops),
         )
 
-    def verify(self, received: list[Sample]) -> tuple[list[Sample], list[str]]:
+    def verify(self, received: list[Sample]) -> tuple[list[Sample], list[Drop]]:
         """Rescore each received completion with the task's reward; drop the ones whose claimed
         reward differs (a peer lying about rewards). Logprobs cannot be checked this way."""
         kept, drops = [], []
@@ -443,7 +462,11 @@ class Node:
             true = self.score(s.prompt_id, s.tokens)
             if true != s.reward:
                 drops.append(
-                    f"node {s.source}: claimed reward {s.reward:g}, completion scores {true:g}"
+                    Drop(
+                        f"node {s.source}: claimed reward {s.reward:g}, completion scores {true:g}",
+                        "verify",
+                        s.source,
+                    )
                 )
             else:
                 kept.append(s)
@@ -462,6 +485,13 @@ class Node:
         return metric_rows(
             round_, [v.tolist() for v in everyone], names, self.cfg.loss, self.cfg.collab
         )
+
+    def log_samples(self) -> None:
+        """Node 0 appends every node's `received.jsonl` lines of the round (`sample_log`)."""
+        everyone: list = [None] * self.world
+        collective("the sample-log gather", dist.all_gather_object, everyone, self.sample_rows)
+        if self.rank == 0:
+            append_sample_log(self.out / SAMPLE_LOG, [r for rows in everyone for r in rows])
 
     def check_skips(self, rows: list[dict], in_row: list[int]) -> None:
         """Count each node's skipped steps in a row (`in_row`, updated in place); Diverged on
@@ -500,6 +530,8 @@ class Node:
             kept = [r for r in previous if r["round"] < start]
             write_run_config(self.out, to_dict(cfg))
             start_metrics(metrics_path, kept)
+            if cfg.sample_log:
+                start_sample_log(self.out / SAMPLE_LOG, start if cfg.resume else None)
             if cfg.progress:
                 bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=start)
         skips_in_row = [0] * self.world
@@ -508,6 +540,8 @@ class Node:
                 collective(f"the start barrier of round {round_}", _barrier, cfg.timeout_s)
             metrics = self.run_round(round_)
             rows = self.gather_rows(round_, metrics)
+            if cfg.sample_log:
+                self.log_samples()
             if self.rank == 0:
                 append_metrics(metrics_path, rows)
                 msg = " ".join(f"{r['name']}={r['reward_mean']:.2f}" for r in rows)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
+from ftis_kernels.grpo.audit import DEFENCE_KEYS
 from ftis_kernels.grpo.checkpoint import write_json_atomic
 
 # The per-node metrics of a round, in the order nodes gather them as one float64 vector.
@@ -37,6 +38,7 @@ METRIC_KEYS = (
     "skipped",
     "sample_acc",
     "zero_adv_groups",
+    *DEFENCE_KEYS,
 )
 _INT_KEYS = (
     "tokens_sent",
@@ -45,6 +47,7 @@ _INT_KEYS = (
     "samples_received",
     "dropped",
     "skipped",
+    *(k for k in DEFENCE_KEYS if k.startswith("dropped_")),
 )
 
 log = logging.getLogger("ftis_kernels.grpo")

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ftis_kernels import ftis_loss
+from ftis_kernels.grpo.audit import sample_stats
 from ftis_kernels.grpo.exchange import Sample
 from ftis_kernels.grpo.rollout import left_pad
 from ftis_kernels.options import FTISOptions
@@ -83,12 +84,14 @@ def grpo_update(
     pad_id: int,
     grad_clip: float,
     device: torch.device,
+    per_sample: Optional[dict[str, list[float]]] = None,
 ) -> dict[str, float]:
     """One optimizer step on `samples`, skipped when the loss or the gradient is not finite.
 
     Returns loss, kl_mean, filtered_frac (per sample) and clip_frac, is_weight_mean,
     is_truncated_frac (per completion token) over the whole batch, grad_norm (before clipping) and
-    skipped (1.0 when the step was skipped, else 0.0; `skip_cause` says why).
+    skipped (1.0 when the step was skipped, else 0.0; `skip_cause` says why). A `per_sample` dict
+    is filled with lists in `samples`' order: `audit.sample_stats`' kl, filtered and truncated.
     """
     model.train()
     n_samples = len(samples)
@@ -114,6 +117,9 @@ def grpo_update(
         chunk_tokens = int(batch["mask"].sum())
         share = chunk_tokens / max(n_tokens, 1) if by_tokens else len(chunk) / n_samples
         (loss * share).backward()
+        if per_sample is not None:
+            for key, values in sample_stats(metrics, batch, options).items():
+                per_sample.setdefault(key, []).extend(values)
         token_share = chunk_tokens / max(n_tokens, 1)
         totals["loss"] += float(loss.detach()) * share
         totals["kl_mean"] += float(metrics["kl"].sum()) / n_samples
