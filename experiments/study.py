@@ -613,13 +613,14 @@ def _fmt_claim(c: dict) -> str:
 
 # Per-node run metrics shown beside the rewards, where the driver records them.
 FILTER_KEYS = (
+    "recv_kl_mean",  # the received samples' KL (kl_mean mixes in the node's own, KL ~ 0)
     "kl_mean",
-    "received_kl_mean",
-    "filtered_frac",
-    "filter_changed",
-    "filter_changed_frac",
+    "filtered_frac",  # the op's count: also samples whose advantage was 0 already
+    "filter_changed_frac",  # of all trained samples, those the filter set to 0 from non-zero
+    "filter_changed_neg",  # of the received negative-advantage samples, those it changed
     "is_weight_mean",
     "is_truncated_frac",
+    "recv_truncated_frac",
     "clip_frac",
 )
 
@@ -736,6 +737,7 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
 
 # Run metrics that are not a defence's counter.
 _PLAIN_KEYS = {
+    "zero_adv_groups",
     "loss",
     "tokens_sent",
     "bytes_sent",
