@@ -220,3 +220,122 @@ def test_a_resumed_sample_log_keeps_the_rounds_before_the_resume(tmp_path):
     assert path.read_text().splitlines() == rows[:2]
     start_sample_log(path, None)
     assert path.read_text() == ""
+
+
+# -- reproducibility (item 6) ------------------------------------------------------------------
+def test_rerunning_a_command_on_the_same_machine_is_bit_identical(tmp_path):
+    """Two runs of one command, at once (so their timings differ): metrics.jsonl is the same
+    line by line apart from its wall-time fields, received.jsonl byte for byte, and each run
+    records its environment."""
+    import os
+    import subprocess
+    import sys
+
+    from ftis_kernels.grpo.report import WALL_TIME_KEYS, without_wall_time
+    from tests.test_grpo_run import ROOT
+
+    env = dict(os.environ, FTIS_LOG_LEVEL="WARNING")
+    env.pop("TRITON_INTERPRET", None)  # the driver on CPU takes ftis_loss's PyTorch path
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    args = ["--preset", "smoke", "--no-progress", "--rounds", "2", "--set", "sample_log=true"]
+    outs = [tmp_path / f"run{i}" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ftis_kernels.grpo", *args, "--out", str(out)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for out in outs
+    ]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    lines = [(out / "metrics.jsonl").read_text().splitlines() for out in outs]
+    assert len(lines[0]) == 4
+    assert [without_wall_time(x) for x in lines[0]] == [without_wall_time(x) for x in lines[1]]
+    assert WALL_TIME_KEYS == ("seconds",)
+    received = [(out / "received.jsonl").read_bytes() for out in outs]
+    assert received[0] == received[1]
+    rows = [json.loads(x) for x in lines[0]]
+    logged = [json.loads(x) for x in received[0].decode().splitlines()]
+    for r in rows:  # one received.jsonl line per record a node received or dropped
+        mine = [x for x in logged if (x["round"], x["receiver"]) == (r["round"], r["node"])]
+        assert len(mine) == r["samples_received"] + r["dropped"] > 0
+        assert all(x["sender"] == 1 - r["node"] for x in mine)
+    (start,) = json.loads((outs[0] / "environment.json").read_text())
+    for key in ("torch", "triton", "numpy", "cpu", "cpu_capability", "threads_per_node"):
+        assert start[key], key
+    assert start["first_round"] == 0 and start["commit"] != ""
+    assert f"commit {start['commit']}" in (outs[0] / "summary.txt").read_text()
+
+
+# -- stronger bad peers (item 8) ---------------------------------------------------------------
+def test_random_tokens_max_weight_claims_the_logprob_that_gives_every_token_the_cap():
+    from ftis_kernels.grpo.exchange import MAX_WEIGHT_LOGPROB, RANDOM_TOKENS_ADVANTAGE
+
+    honest = [_s(-0.5, 6) for _ in range(3)]
+    sent = make_hostile(honest, "random_tokens_max_weight", 50, torch.Generator().manual_seed(0))
+    assert all(bool((s.logprobs == MAX_WEIGHT_LOGPROB).all()) for s in sent)
+    assert all((s.reward, s.advantage) == (1.0, RANDOM_TOKENS_ADVANTAGE) for s in sent)
+    assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(sent, honest))
+    got, drops = unpack(pack(sent), sender=1, vocab_size=50, max_tokens=8)
+    assert len(got) == 3 and drops == []
+    # A receiver that finds a token 1e6 times less likely than uniform still gives it the cap.
+    logp = torch.full((3, 6), math.log(1 / 50) - math.log(1e6))
+    gen = torch.stack([s.logprobs for s in got])
+    opt = FTISOptions.preset("f-tis")
+    assert bool((truncated_share(logp, gen, torch.ones(3, 6, dtype=torch.bool), opt) == 1).all())
+
+
+def test_replay_sends_last_rounds_samples_of_one_peer_as_its_own():
+    own = [_s(0.5, source=2) for _ in range(3)]
+    first, second = [_s(1.0, 3, source=0) for _ in range(4)], [_s(-1.0, 5, source=1)]
+    assert make_hostile(own, "replay", 50, torch.Generator()) == []  # nothing to replay yet
+    sent = make_hostile(own, "replay", 50, torch.Generator(), previous=second + first)
+    assert len(sent) == 3 and all(s.source == 2 and s.n_tokens == 3 for s in sent)
+    assert all(
+        (a.prompt_id, a.reward, a.advantage) == (b.prompt_id, b.reward, b.advantage)
+        and torch.equal(a.tokens, b.tokens)
+        for a, b in zip(sent, first)
+    )
+    got, drops = unpack(pack(sent), sender=2, vocab_size=50, max_tokens=8)
+    assert len(got) == 3 and drops == []
+
+
+def test_a_swarm_with_a_replaying_and_a_max_weight_peer_logs_what_each_defence_did(tmp_path):
+    """Node 1 replays node 0's samples, node 2 sends max-weight random tokens: node 0 gets its
+    own samples of round 0 back in round 1, and every token of node 2's samples has its IS
+    weight truncated at C."""
+    from ftis_kernels.grpo.task import make_prompt_id
+    from tests.test_grpo_run import ftis_grpo, rows_of
+
+    rc, log, _ = ftis_grpo(
+        *("--preset", "smoke", "--nodes", "3", "--rounds", "2", "--out", str(tmp_path)),
+        *("--set", "nodes.1.hostile=replay", "--set", "nodes.2.hostile=random_tokens_max_weight"),
+        *("--set", "sample_log=true", "--set", "nodes.2.lora=0"),
+    )
+    assert rc == 0, log[-3000:]
+    logged = [json.loads(x) for x in (tmp_path / "received.jsonl").read_text().splitlines()]
+    to0 = [r for r in logged if r["receiver"] == 0]
+    own_prompts = {make_prompt_id("train", i) for i in range(2)}  # node 0's round-0 prompts
+    replayed = [r for r in to0 if r["sender"] == 1]
+    assert [r["round"] for r in replayed] == [1] * 8
+    assert {r["prompt_id"] for r in replayed} == own_prompts
+    assert all(r["dropped"] is None for r in replayed)  # the parser cannot tell
+    forged = [r for r in logged if r["sender"] == 2]
+    assert len(forged) == 2 * 2 * 8 and all(r["truncated"] == 1.0 for r in forged)
+    assert all(r["advantage"] == 2.0 and not r["filtered"] for r in forged)
+    rows = rows_of(tmp_path)
+    assert all(r["recv_truncated_frac"] > 0.3 for r in rows if r["node"] != 2)
+
+
+def test_verify_rewards_drops_carry_their_kind_and_sender(tmp_path):
+    node = _bare_node(tmp_path, verify_rewards=True)
+    pid = make_prompt_id("train", 0)
+    p = node.problems.problem(pid)
+    right = torch.tensor(node.tokenizer(f"{p.solution} #### {p.answer}")["input_ids"])
+    lie = Sample(pid, 1, right, -torch.ones(len(right)), 0.0, -1.0)
+    kept, drops = node.verify([lie, Sample(pid, 1, right, -torch.ones(len(right)), 1.0, 1.0)])
+    assert len(kept) == 1 and [(d.kind, d.sender) for d in drops] == [("verify", 1)]

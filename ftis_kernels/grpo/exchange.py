@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,10 +36,16 @@ HOSTILE_KINDS = (
     "random_tokens",
     "malformed",
     "improbable_logprobs",
+    "random_tokens_max_weight",
+    "replay",
 )
 # What an "improbable_logprobs" peer claims for log pi_gen of one token: exp(-log pi_gen) > 1e43
 # overflows float32, and so does an untruncated IS weight pi_theta / pi_gen of any likely token.
 IMPROBABLE_LOGPROB = -100.0
+# What a "random_tokens_max_weight" peer claims for log pi_gen of every token: any token the
+# receiver gives a probability above C * e^-30 gets the full truncated IS weight C, and the
+# summed k3 KL (about e^30 per token) stays finite in float32.
+MAX_WEIGHT_LOGPROB = -30.0
 # The advantage a "random_tokens" peer claims: a correct answer in a group where about one in
 # five is correct ((1 - 0.2) / sqrt(0.2 * 0.8) = 2).
 RANDOM_TOKENS_ADVANTAGE = 2.0
@@ -246,7 +252,11 @@ def exchange(
 
 
 def make_hostile(
-    samples: list[Sample], kind: Optional[str], vocab_size: int, generator: torch.Generator
+    samples: list[Sample],
+    kind: Optional[str],
+    vocab_size: int,
+    generator: torch.Generator,
+    previous: Sequence[Sample] = (),
 ) -> list[Sample]:
     """What a hostile node sends instead of `samples` (hook for robustness experiments).
 
@@ -255,15 +265,26 @@ def make_hostile(
     as correct: reward 1 and advantage `RANDOM_TOKENS_ADVANTAGE`) | "malformed" (each record
     broken in one of the ways `unpack` checks, in turn) | "improbable_logprobs" (the round's first
     sample claims log pi_gen = `IMPROBABLE_LOGPROB` at its first token and advantage
-    `RANDOM_TOKENS_ADVANTAGE`: its untruncated IS weight overflows, and it weighs in the update).
-    All but "malformed" are well formed on the wire, so the receiver's parser accepts them; only
-    `verify_rewards` (the receiver rescoring the completion) or the loss can catch them. The node
-    itself still trains on its honest samples.
+    `RANDOM_TOKENS_ADVANTAGE`: its untruncated IS weight overflows, and it weighs in the update) |
+    "random_tokens_max_weight" (random tokens sold as correct, as "random_tokens", claiming
+    log pi_gen = `MAX_WEIGHT_LOGPROB` at every token, so that the receiver's IS weight is the
+    cap C, or huge without one) | "replay" (the honest samples the node received last round from
+    its lowest-ranked peer, `previous`, sent as its own: at most as many as `samples`, none in a
+    first round or the first after a --resume). All but "malformed" are well formed on the wire,
+    so the receiver's parser accepts them; only `verify_rewards` (the receiver rescoring the
+    completion) or the loss can catch them. The node itself still trains on its honest samples.
     """
     if kind is None:
         return samples
     if kind not in HOSTILE_KINDS:
         raise ValueError(f"hostile: expected None or one of {HOSTILE_KINDS}, got {kind!r}")
+    if kind == "replay":
+        victims = {s.source for s in previous if s.source != samples[0].source}
+        return [
+            Sample(s.prompt_id, samples[0].source, s.tokens, s.logprobs, s.reward, s.advantage)
+            for s in previous
+            if victims and s.source == min(victims)
+        ][: len(samples)]
     out = []
     for s in samples:
         tokens, logprobs, rew, adv = s.tokens, s.logprobs, s.reward, s.advantage
@@ -283,6 +304,8 @@ def make_hostile(
                 0, vocab_size, tokens.shape, generator=generator, dtype=torch.int32
             )
             rew, adv = 1.0, RANDOM_TOKENS_ADVANTAGE
+            if kind == "random_tokens_max_weight":
+                logprobs = torch.full_like(logprobs, MAX_WEIGHT_LOGPROB)
         out.append(Sample(s.prompt_id, s.source, tokens, logprobs, rew, adv))
     return out
 

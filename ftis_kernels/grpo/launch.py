@@ -43,6 +43,7 @@ RUN_OUTPUTS = (
     "summary.txt",
     "tokenizer",
     "received.jsonl",
+    "environment.json",
 )
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 20.0  # how long the nodes get to stop after a forwarded signal before SIGKILL

@@ -48,6 +48,7 @@ from ftis_kernels.grpo.models import (
     warm_up_cached,
     warmup_cache_file,
 )
+from ftis_kernels.grpo.provenance import describe, environment, record_environment
 from ftis_kernels.grpo.report import (
     METRIC_KEYS,
     append_metrics,
@@ -121,6 +122,7 @@ class Node:
         self.options = cfg.ftis_options()
         self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, rank))
         self._prompt_cache: dict[int, list[int]] = {}
+        self.last_received: list[Sample] = []
 
     # -- set-up -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -400,7 +402,9 @@ class Node:
         received, drops, sent = [], [], 0
         if cfg.loss != "on-policy":
             hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.rank))
-            outgoing = make_hostile(own, self.spec.hostile, self.vocab_size, hostile_gen)
+            outgoing = make_hostile(
+                own, self.spec.hostile, self.vocab_size, hostile_gen, self.last_received
+            )
             received, drops, sent = collective(
                 "the sample exchange",
                 exchange,
@@ -410,6 +414,7 @@ class Node:
                 max_samples=len(own),
                 prompt_ok=self.problems.known,
             )
+            self.last_received = received  # what a "replay" node sends next round
         if cfg.verify_rewards and received:
             received, lies = self.verify(received)
             drops += lies
@@ -529,6 +534,8 @@ class Node:
         if self.rank == 0:
             kept = [r for r in previous if r["round"] < start]
             write_run_config(self.out, to_dict(cfg))
+            self.environment = environment(self.world)
+            record_environment(self.out, self.environment, start)
             start_metrics(metrics_path, kept)
             if cfg.sample_log:
                 start_sample_log(self.out / SAMPLE_LOG, start if cfg.resume else None)
@@ -556,7 +563,8 @@ class Node:
                     bar.close()
                 if self.rank == 0:
                     log.error("%s", exc)
-                    write_outputs(self.out, self.tokenizer, metrics_path)
+                    notes = [describe(self.environment)]
+                    write_outputs(self.out, self.tokenizer, metrics_path, notes)
                 # None leaves before rank 0 has written: torchrun stops the rest at the first exit.
                 collective("the stop barrier", dist.barrier)
                 raise
@@ -566,7 +574,9 @@ class Node:
         if bar is not None:
             bar.close()
         if self.rank == 0:
-            summary = write_outputs(self.out, self.tokenizer, metrics_path)
+            summary = write_outputs(
+                self.out, self.tokenizer, metrics_path, [describe(self.environment)]
+            )
             if summary is not None:
                 print(f"\n{summary}", flush=True)
 

@@ -40,6 +40,8 @@ METRIC_KEYS = (
     "zero_adv_groups",
     *DEFENCE_KEYS,
 )
+# The metrics that measure wall time: the only ones a rerun on the same machine may change.
+WALL_TIME_KEYS = ("seconds",)
 _INT_KEYS = (
     "tokens_sent",
     "bytes_sent",
@@ -62,6 +64,13 @@ def _metrics_row(line: str) -> dict[str, Any]:
     ):
         raise ValueError("not a metrics row: a JSON object with integer 'round' and 'node'")
     return row
+
+
+def without_wall_time(line: str) -> str:
+    """A metrics.jsonl line without its `WALL_TIME_KEYS`, the rest as written: two runs of one
+    command on one machine give the same such lines, byte for byte."""
+    row = json.loads(line)
+    return json.dumps({k: v for k, v in row.items() if k not in WALL_TIME_KEYS})
 
 
 def read_metrics(path: Path, warn: bool = True) -> list[dict[str, Any]]:
@@ -315,9 +324,11 @@ def append_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def write_outputs(out: Path, tokenizer, metrics_path: Path) -> Optional[str]:
-    """At the end of a run: the tokenizer, `curves.png` and `summary.txt`; returns the summary
-    with the paths to print (None without any metrics)."""
+def write_outputs(
+    out: Path, tokenizer, metrics_path: Path, notes: Sequence[str] = ()
+) -> Optional[str]:
+    """At the end of a run: the tokenizer, `curves.png` and `summary.txt` (the table, then the
+    `notes` lines); returns the summary with the paths to print (None without any metrics)."""
     out.joinpath("tokenizer").mkdir(exist_ok=True)
     tokenizer.save_pretrained(out / "tokenizer")
     rows = read_metrics(metrics_path)
@@ -325,5 +336,5 @@ def write_outputs(out: Path, tokenizer, metrics_path: Path) -> Optional[str]:
         return None
     plot_curves(rows, out / "curves.png")
     table = summary_table(rows)
-    (out / "summary.txt").write_text(table + "\n")
+    (out / "summary.txt").write_text("\n".join([table, *notes]) + "\n")
     return f"{table}\n\nmetrics: {metrics_path}\ncurves:  {out / 'curves.png'}"
