@@ -73,6 +73,10 @@ ATTACKS = {
     "forged_logprobs": ("nois", "f-tis"),  # rescoring cannot see logprobs
     "flipped_rewards": ("nois", "f-tis", "f-tis+verify"),
     "random_tokens": ("nois", "f-tis", "f-tis+verify"),
+    # random tokens sold as correct, claiming log pi_gen = -30: the receiver's IS weight hits C
+    "random_tokens_max_weight": ("nois", "f-tis", "f-tis+verify"),
+    # last round's samples of a peer, sent again as its own (honest rewards: rescoring passes them)
+    "replay": ("nois", "f-tis"),
 }
 # The metrics (per node and run). A run of R rounds: "late" is rounds R//2 .. R-1 (480 own
 # samples at 4 prompts x 8), "last" the last third; accuracies are the final greedy evaluation of
