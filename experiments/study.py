@@ -340,6 +340,9 @@ def collect(todo: list[Cell], work: Path, extra: tuple[str, ...]):
         if not _finished(out):
             continue
         info = json.loads((out / "cell.json").read_text())
+        env = info.get("environment") or {}
+        if (out / "environment.json").exists():  # the driver's own record (CPU capability...)
+            env = dict(env, run=json.loads((out / "environment.json").read_text()))
         metrics = read_metrics(out / "metrics.jsonl")
         for node in sorted({m["node"] for m in metrics}):
             series = sorted((m for m in metrics if m["node"] == node), key=lambda m: m["round"])
@@ -371,7 +374,7 @@ def collect(todo: list[Cell], work: Path, extra: tuple[str, ...]):
                     seconds=info["seconds"],
                     cpu_seconds=info.get("cpu_seconds"),
                     command=info["command"],
-                    environment=info.get("environment"),
+                    environment=env,
                 )
             )
             curves.append(
