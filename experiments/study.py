@@ -636,6 +636,12 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
     parts = []
     if claims:
         n_max = max(c["n"] for c in claims)
+        if n_max < len(SEEDS):
+            parts.append(
+                f"**Provisional: at most {n_max} of the {len(SEEDS)} seeds have finished every "
+                "cell of a claim.** `python -m experiments.study run` runs the rest (finished "
+                "cells are kept) and rewrites these tables.\n"
+            )
         parts += [
             f"### Claims (up to {n_max} seeds; 95% intervals of the per-seed difference)\n",
             "| id | claim | primary metric | test | seeds | mean diff | 95% t interval "
