@@ -706,7 +706,9 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
             "run of the same mode and seed; what the receiver dropped, and each defence's counters "
             "summed over the run.\n",
             "| attack | mode | seeds | sample acc, 2nd half | Δ vs honest | dropped / received | "
-            "IS weight | truncated | filtered | " + " | ".join(counters) + " | command |",
+            "IS weight | received tokens truncated | filter changed | "
+            + " | ".join(counters)
+            + " | command |",
             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(counters) + "---|",
         ]
         for attack, modes in ATTACKS.items():
@@ -739,8 +741,8 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
                 parts.append(
                     f"| {attack} | {mode} | {len(sel)} | {_stat(sel, 'acc_late')} | {delta} "
                     f"| {drop} / {recv} | {_stat(sel, 'is_weight_mean', True)} | "
-                    f"{_stat(sel, 'is_truncated_frac', True)} | "
-                    f"{_stat(sel, 'filtered_frac', True)} | "
+                    f"{_stat(sel, 'recv_truncated_frac', True)} | "
+                    f"{_stat(sel, 'filter_changed_frac', True)} | "
                     + " | ".join(cols)
                     + f" | {_cmd(f'badpeer/{mode}/{attack}/*', scale)} |"
                 )
