@@ -767,11 +767,13 @@ _PLAIN_KEYS = {
 
 
 # -- plots -----------------------------------------------------------------------------------------
+# Every mode its colour, dash, marker, width and marker offset: curves that coincide (the
+# identical pair's modes do, bit for bit) stay visible, the wider one beneath.
 MODE_STYLE = {
-    "isolated": dict(color="black", linestyle="--", marker="s"),
-    "nois": dict(color="C3", linestyle="-", marker="x"),
-    "f-vis": dict(color="C2", linestyle="-.", marker="^"),
-    "f-tis": dict(color="C0", linestyle="-", marker="o"),
+    "isolated": dict(color="black", linestyle="--", marker="s", lw=2.0, markevery=(0, 5)),
+    "nois": dict(color="C3", linestyle="-", marker="x", lw=4.0, markevery=(1, 5)),
+    "f-vis": dict(color="C2", linestyle="-.", marker="^", lw=2.5, markevery=(2, 5)),
+    "f-tis": dict(color="C0", linestyle=":", marker="o", lw=2.0, markevery=(3, 5)),
 }
 SMOOTH = 5
 
@@ -804,7 +806,7 @@ def plot_rewards(curves: list[dict], path: Path, key: str = "sample_acc") -> boo
                 ax.plot(smooth(c[key], SMOOTH), color=style["color"], lw=0.5, alpha=0.25)
             n = min(len(c[key]) for c in sel)
             mean = [statistics.fmean(smooth(c[key], SMOOTH)[i] for c in sel) for i in range(n)]
-            ax.plot(mean, lw=2, markevery=5, label=f"{mode} (mean of {len(sel)})", **style)
+            ax.plot(mean, label=f"{mode} (mean of {len(sel)})", **style)
         # One round's reward averages 32 samples; a 5-round mean 160: its standard error is at
         # most 0.5 / sqrt(160) = 0.04 (a reward in [0, 1]).
         ax.errorbar([1], [0.9], yerr=[0.5 / math.sqrt(32 * SMOOTH)], color="grey", capsize=3)
@@ -818,10 +820,10 @@ def plot_rewards(curves: list[dict], path: Path, key: str = "sample_acc") -> boo
         ax.set_ylabel(f"{key} ({SMOOTH}-round mean)")
     fig.suptitle(
         "Thin: one seed; thick: mean of seeds. Grey bar: the largest standard error of one "
-        f"{SMOOTH}-round mean (160 samples)",
+        f"{SMOOTH}-round mean (160 samples). Coinciding curves: the wider lies beneath",
         fontsize=9,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     if drawn:
         fig.savefig(path, dpi=100)
     plt.close(fig)
