@@ -166,7 +166,7 @@ def _badpeer_cells(seed: int) -> list[Cell]:
 
 def cells(scale: str) -> list[Cell]:
     """Every cell of the study, seed by seed; the bad-peer cells of BADPEER_SEEDS[i] come after
-    the main cells of seed SEEDS[2 i + 1], so that a study stopped early holds some."""
+    the main cells of seed SEEDS[2 i + 2], so that a study stopped early holds some."""
     if scale == "smoke":
         return [Cell("pairs", "size", "f-tis", 0, "size", ["--loss", "f-tis"])]
     out: list[Cell] = []
@@ -174,8 +174,8 @@ def cells(scale: str) -> list[Cell]:
         out.append(Cell("isolated", "all", "on-policy", seed, "isolated", nodes=4))
         for pair, modes in PAIR_MODES.items():
             out += [Cell("pairs", pair, m, seed, pair, ["--loss", m]) for m in modes]
-        if i % 2 == 1 and i // 2 < len(BADPEER_SEEDS):
-            out += _badpeer_cells(BADPEER_SEEDS[i // 2])
+        if i % 2 == 0 and 0 < i and i // 2 - 1 < len(BADPEER_SEEDS):
+            out += _badpeer_cells(BADPEER_SEEDS[i // 2 - 1])
     return out
 
 
