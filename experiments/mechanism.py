@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -106,8 +107,8 @@ class Scale:
 
 
 FULL = Scale(
-    batches=120,
-    target_batches=360,
+    batches=100,
+    target_batches=300,
     blocks=20,
     prompts=16,
     prompts_per_batch=4,
@@ -519,92 +520,173 @@ def stream_row(stream: Stream, mode: str) -> dict[str, Any]:
     )
 
 
-def run(scale: Scale, cache: Path, threads: int) -> list[dict[str, Any]]:
-    """Every row of the test: the on-policy reference, then each peer x mode."""
-    torch.set_num_threads(threads)
-    t_start = time.time()
+PARTS = ("target", "reference")  # then one per peer but the identical one (reference's batches)
+
+
+def part_names(scale: Scale) -> list[str]:
+    return [*PARTS, *(p.name for p in peers(scale, 1.0) if p.name != "identical")]
+
+
+@dataclass
+class Setup:
+    """The receiver, its parameters, the loss options per mode and the fixed prompts."""
+
+    cfg: RunConfig
+    receiver: Node
+    params: list[torch.Tensor]
+    modes: dict[str, FTISOptions]
+    on_policy: dict[str, FTISOptions]
+    prompts: list[int]
+
+
+def setup(scale: Scale, cache: Path) -> Setup:
     rcfg = node_config(RECEIVER[0], scale, cache)
     receiver = load_node(rcfg, RECEIVER[1])
     params = [p for p in receiver.model.parameters() if p.requires_grad]
-    dim = sum(p.numel() for p in params)
     # The study's loss options (C, g, eps, temperature...) of the receiver's config, per mode.
     loss = {m: node_config(RECEIVER[0], scale, cache, (f"loss={m}",)) for m in (ON_POLICY, *MODES)}
-    modes = {m: loss[m].ftis_options() for m in MODES}
-    on_policy = {ON_POLICY: loss[ON_POLICY].ftis_options()}
-    prompts = receiver.problems.train_ids(range(PROMPT_BASE, PROMPT_BASE + scale.prompts))
-    env = environment()
-    common = dict(
-        receiver=f"{RECEIVER[0]}.yaml node {RECEIVER[1]} ({receiver.spec.name})",
-        prompts=scale.prompts,
-        group_size=rcfg.group_size,
-        batch_samples=scale.prompts_per_batch * rcfg.group_size,
-        batches=scale.batches,
-        target_batches=scale.target_batches,
-        blocks=scale.blocks,
-        params=dim,
-        env=env,
+    return Setup(
+        rcfg,
+        receiver,
+        params,
+        {m: loss[m].ftis_options() for m in MODES},
+        {ON_POLICY: loss[ON_POLICY].ftis_options()},
+        receiver.problems.train_ids(range(PROMPT_BASE, PROMPT_BASE + scale.prompts)),
     )
+
+
+def run_part(name: str, scale: Scale, cache: Path, work: Path) -> Path:
+    """One stream of the test (the target, the on-policy reference with the identical peer's
+    modes, or a peer), saved to `work/<name>.pt` with the scale it ran at."""
+    t0 = time.process_time()
+    s = setup(scale, cache)
+    dim = sum(p.numel() for p in s.params)
 
     def new(names: Sequence[str], batches: int, source: str) -> dict[str, BlockStats]:
         return {n: BlockStats(dim, batches, scale.blocks, source) for n in names}
 
-    log.info("target: %d batches of the receiver's own samples", scale.target_batches)
-    target = new([ON_POLICY], scale.target_batches, "target")
-    run_stream(receiver, receiver, params, prompts, scale, on_policy, target, TARGET_SEED)
-    log.info("on-policy reference and the identical peer: %d batches", scale.batches)
-    reference = new([ON_POLICY, *MODES], scale.batches, "reference")
-    ref_stream = run_stream(
-        receiver,
-        receiver,
-        params,
-        prompts,
-        scale,
-        {**on_policy, **modes},
-        reference,
-        REFERENCE_SEED,
-        compare_to=ON_POLICY,
+    if name == "target":
+        stats = new([ON_POLICY], scale.target_batches, "target")
+        stream = run_stream(
+            s.receiver, s.receiver, s.params, s.prompts, scale, s.on_policy, stats, TARGET_SEED
+        )
+    elif name == "reference":
+        stats = new([ON_POLICY, *MODES], scale.batches, "reference")
+        stream = run_stream(
+            s.receiver,
+            s.receiver,
+            s.params,
+            s.prompts,
+            scale,
+            {**s.on_policy, **s.modes},
+            stats,
+            REFERENCE_SEED,
+            compare_to=ON_POLICY,
+        )
+    else:
+        order = [p.name for p in peers(scale, s.cfg.temperature)]
+        peer = peers(scale, s.cfg.temperature)[order.index(name)]
+        cfg = node_config(peer.config, scale, cache, peer.sets)
+        source = load_node(cfg, peer.node)
+        if peer.lora_rounds:
+            lora_lr = node_config("lora", scale, cache).node(1).lr
+            train_lora(source, peer.lora_rounds, lora_lr, seed=cfg.init_seed(peer.node))
+        stats = new(MODES, scale.batches, peer.name)
+        seed = PEER_SEED + order.index(name)
+        stream = run_stream(source, s.receiver, s.params, s.prompts, scale, s.modes, stats, seed)
+    path = work / f"{name}.pt"
+    work.mkdir(parents=True, exist_ok=True)
+    state = dict(
+        scale=repr(scale),
+        cpu_seconds=time.process_time() - t0,
+        stats={m: vars(st) for m, st in stats.items()},
+        stream={k: v for k, v in vars(stream).items() if k != "stats"},
     )
-    rows = []
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def load_part(path: Path, scale: Scale) -> Optional[tuple[dict[str, BlockStats], Stream, float]]:
+    """A saved part of this scale: (stats per mode, the stream, its CPU seconds), else None."""
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False)
+    if state["scale"] != repr(scale):
+        return None
+    stats = {}
+    for mode, fields_ in state["stats"].items():
+        st = BlockStats.__new__(BlockStats)
+        vars(st).update(fields_)
+        stats[mode] = st
+    return stats, Stream(stats, **state["stream"]), state["cpu_seconds"]
+
+
+def run(
+    scale: Scale, cache: Path, work: Path, jobs: int, threads: int, flags: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Every row of the test: the on-policy reference, then each peer x mode. The parts that
+    `work` does not hold yet run first, `jobs` at a time (each its own process, `threads` torch
+    threads; in this process when jobs is 1)."""
+    torch.set_num_threads(threads)
+    t_start = time.time()
+    todo = [n for n in part_names(scale) if load_part(work / f"{n}.pt", scale) is None]
+    if todo:
+        log.info("running %s (%d at a time); done parts are kept in %s", todo, jobs, work)
+    if jobs == 1:
+        for name in todo:
+            run_part(name, scale, cache, work)
+    else:
+        with ThreadPoolExecutor(jobs) as pool:
+            for name in pool.map(lambda n: _run_part_process(n, work, cache, threads, flags), todo):
+                log.info("part %s done", name)
+    parts = {n: load_part(work / f"{n}.pt", scale) for n in part_names(scale)}
+    s = setup(scale, cache)
+    target, _, _ = parts["target"]
+    reference, ref_stream, _ = parts["reference"]
+    env = environment()
+    common = dict(
+        receiver=f"{RECEIVER[0]}.yaml node {RECEIVER[1]} ({s.receiver.spec.name})",
+        prompts=scale.prompts,
+        group_size=s.cfg.group_size,
+        batch_samples=scale.prompts_per_batch * s.cfg.group_size,
+        batches=scale.batches,
+        target_batches=scale.target_batches,
+        blocks=scale.blocks,
+        params=sum(p.numel() for p in s.params),
+        cpu_seconds_parts=sum(cpu for _, _, cpu in parts.values()),
+        env=env,
+    )
     result = compare(
         target[ON_POLICY],
         reference[ON_POLICY],
         {ON_POLICY: reference[ON_POLICY]},
         n_boot=scale.bootstrap,
     )
-    rows.append(
+    rows = [
         dict(
             peer=ON_POLICY,
             what="the receiver's own samples (fresh batches): the reference",
             mode=ON_POLICY,
-            options=_options_row(on_policy[ON_POLICY]),
+            options=_options_row(s.on_policy[ON_POLICY]),
             **stream_row(ref_stream, ON_POLICY),
             **result[ON_POLICY],
             target=result["_target"],
             **common,
         )
-    )
-    temperature = rcfg.temperature
-    for i, peer in enumerate(peers(scale, temperature)):
-        t0 = time.time()
+    ]
+    for peer in peers(scale, s.cfg.temperature):
         if peer.name == "identical":
             stream, stats = ref_stream, {m: reference[m] for m in MODES}
         else:
-            cfg = node_config(peer.config, scale, cache, peer.sets)
-            source = load_node(cfg, peer.node)
-            if peer.lora_rounds:
-                lora_lr = node_config("lora", scale, cache).node(1).lr
-                train_lora(source, peer.lora_rounds, lora_lr, seed=cfg.init_seed(peer.node))
-            stats = new(MODES, scale.batches, peer.name)
-            stream = run_stream(
-                source, receiver, params, prompts, scale, modes, stats, PEER_SEED + i
-            )
+            stats, stream, _ = parts[peer.name]
         result = compare(target[ON_POLICY], reference[ON_POLICY], stats, n_boot=scale.bootstrap)
         for mode in MODES:
             row = dict(
                 peer=peer.name,
                 what=peer.what,
                 mode=mode,
-                options=_options_row(modes[mode]),
+                options=_options_row(s.modes[mode]),
                 **stream_row(stream, mode),
                 **result[mode],
                 **common,
@@ -612,12 +694,21 @@ def run(scale: Scale, cache: Path, threads: int) -> list[dict[str, Any]]:
             if peer.name == "identical":
                 row["same_samples_max_rel_diff"] = ref_stream.same_samples_diff[mode]
             rows.append(row)
-        log.info(
-            "peer %s: KL %.2f per sample, %.1fs", peer.name, rows[-1]["kl_sample"], time.time() - t0
-        )
     for row in rows:
         row["seconds_total"] = time.time() - t_start
     return rows
+
+
+def _run_part_process(name: str, work: Path, cache: Path, threads: int, flags) -> str:
+    """`run_part` in a fresh process (its log in work/<name>.log); RuntimeError if it fails."""
+    work.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "experiments.mechanism", *flags, "--part", name]
+    argv += ["--work", str(work), "--cache", str(cache), "--threads", str(threads)]
+    with open(work / f"{name}.log", "w") as out:
+        rc = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"part {name} failed (exit {rc}); see {work / f'{name}.log'}")
+    return name
 
 
 OPTION_KEYS = ("is_mode", "filter", "is_cap", "kl_threshold", "kl_estimator", "kl_reduction")
@@ -837,7 +928,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="warm-up cache (default experiments/cache, shared with the study; "
         "experiments/cache-quick with --quick)",
     )
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="finished parts, kept for a rerun (default experiments/runs/mechanism[-quick])",
+    )
+    p.add_argument("--jobs", type=int, default=2, help="parts run at once (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per part (default 1)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # one part, for --jobs > 1
     p.add_argument(
         "--report",
         action="store_true",
@@ -850,11 +949,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     scale = QUICK if args.quick else FULL
     results = args.results or HERE / ("results-quick" if args.quick else "results")
     cache = args.cache or HERE / ("cache-quick" if args.quick else "cache")
+    work = args.work or HERE / "runs" / ("mechanism-quick" if args.quick else "mechanism")
+    if args.part is not None:
+        torch.set_num_threads(args.threads)
+        run_part(args.part, scale, cache, work)
+        return 0
     command = "python -m experiments.mechanism" + (" --quick" if args.quick else "")
     if args.report:
         rows = [json.loads(x) for x in (results / "mechanism.jsonl").read_text().splitlines()]
     else:
-        rows = run(scale, cache, args.threads)
+        flags = ["--quick"] if args.quick else []
+        rows = run(scale, cache, work, args.jobs, args.threads, flags)
         write_jsonl(rows, results / "mechanism.jsonl")
     plot(rows, results / "mechanism.png")
     text = markdown(rows, command)
