@@ -46,6 +46,7 @@ import platform
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -466,6 +467,8 @@ def run_stream(
                 diff = float((g - ref).norm() / ref.norm().clamp_min(1e-30))
                 stream.same_samples_diff[mode] = max(stream.same_samples_diff.get(mode, 0), diff)
         stream.record(out)
+        if (b + 1) % max(1, len(range(next(iter(stats.values())).batches)) // 4) == 0:
+            log.info("%s: batch %d", source.spec.name, b + 1)
     return stream
 
 
@@ -777,13 +780,25 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             lo, hi = ref[ci]
             ax.axhspan(lo, hi, color="0.85", label=f"{ref_label}, 95% interval")
             ax.axhline(ref[key], color="0.4", linewidth=1)
-        ticks = sorted({(r["peer"], r["kl_sample"]) for r in peer_rows}, key=lambda t: t[1])
-        ax.set_xticks([math.log10(k + 1) for _, k in ticks])
-        ax.set_xticklabels([f"{p}\n{k:.3g}" for p, k in ticks], fontsize=7.5)
-        ax.set_xlabel("peer and received KL per sample (k3, summed; axis log(1 + KL))")
+        values = [v for v in (0, 1, 3, 10, 30, 100, 300, 1000) if v <= 2 * kls[-1] + 1]
+        ax.set_xticks([math.log10(v + 1) for v in values])
+        ax.set_xticklabels([f"{v:g}" for v in values])
+        for peer, kl in {(r["peer"], r["kl_sample"]) for r in peer_rows}:
+            ax.annotate(
+                peer,
+                (math.log10(kl + 1), 0.01),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=8,
+                color="0.3",
+                va="bottom",
+                ha="right",
+            )
+        ax.set_xlabel("received KL per sample (k3, summed over the completion)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="lower left")
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
     n = ref["batches"]
     fig.suptitle(
         f"Receiver's gradient on peers' samples against the on-policy gradient g* "
@@ -791,7 +806,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         f"{ref['target_batches']}; 95% intervals)",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -945,6 +960,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
+    warnings.filterwarnings(
+        "ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
     )
     scale = QUICK if args.quick else FULL
     results = args.results or HERE / ("results-quick" if args.quick else "results")
