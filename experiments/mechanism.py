@@ -456,7 +456,8 @@ def run_stream(
     source.sampler = torch.Generator().manual_seed(seed)
     stream = Stream(stats)
     k = scale.prompts_per_batch
-    for b in range(next(iter(stats.values())).batches):
+    n = next(iter(stats.values())).batches
+    for b in range(n):
         first = (b * k) % len(prompts)
         samples = peer_batch(source, prompts[first : first + k], source.cfg.group_size)
         out = batch_gradients(receiver, params, samples, modes)
@@ -467,7 +468,7 @@ def run_stream(
                 diff = float((g - ref).norm() / ref.norm().clamp_min(1e-30))
                 stream.same_samples_diff[mode] = max(stream.same_samples_diff.get(mode, 0), diff)
         stream.record(out)
-        if (b + 1) % max(1, len(range(next(iter(stats.values())).batches)) // 4) == 0:
+        if (b + 1) % max(1, n // 4) == 0:
             log.info("%s: batch %d", source.spec.name, b + 1)
     return stream
 
