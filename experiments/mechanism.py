@@ -826,10 +826,10 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
     lines = [
         "### The mechanism: bias and variance of the off-policy gradient",
         "",
-        f"`{command}` ({ref['seconds_total'] / 60:.1f} min, {env['threads']} threads, "
-        f"{env['cpu']}; torch {env['torch']}, triton {env['triton']}, numpy {env['numpy']}, "
-        f"commit {env['commit'][:10]}). Rows: `results/mechanism.jsonl`; figure: "
-        "`results/mechanism.png`.",
+        f"`{command}`: {ref['cpu_seconds_parts'] / 60:.1f} CPU-minutes over its parts, one "
+        f"torch thread each ({env['cpu']}; torch {env['torch']}, triton {env['triton']}, numpy "
+        f"{env['numpy']}; commit {env['commit'][:10]}). Rows: `results/mechanism.jsonl`; "
+        "figure: `results/mechanism.png`.",
         "",
         f"The receiver is {ref['receiver']}, warmed up as in the study. Each peer sends "
         f"{ref['batches']} batches of {ref['batch_samples']} samples ({ref['batch_samples'] // ref['group_size']} "  # noqa: E501
