@@ -533,7 +533,10 @@ def analyse(rows: list[dict]) -> list[dict]:
     for spec in ready:
         why = None
         if spec.control and control.get(spec.control) != "reproduced":
-            why = f"its positive control {spec.control} showed no harm"
+            why = (
+                f"its positive control {spec.control} has not shown harm "
+                f"({control.get(spec.control, 'pending')})"
+            )
         if spec.floor:
             base = _baseline_mean(rows, spec)
             if base is not None and base < FLOOR:
