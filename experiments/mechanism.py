@@ -627,14 +627,26 @@ def load_part(path: Path, scale: Scale) -> Optional[tuple[dict[str, BlockStats],
 
 
 def run(
-    scale: Scale, cache: Path, work: Path, jobs: int, threads: int, flags: Sequence[str] = ()
+    scale: Scale,
+    cache: Path,
+    work: Path,
+    jobs: int,
+    threads: int,
+    flags: Sequence[str] = (),
+    partial: bool = False,
 ) -> list[dict[str, Any]]:
     """Every row of the test: the on-policy reference, then each peer x mode. The parts that
     `work` does not hold yet run first, `jobs` at a time (each its own process, `threads` torch
-    threads; in this process when jobs is 1)."""
+    threads; in this process when jobs is 1). With `partial`, nothing runs: the rows of the peers
+    whose parts are done (the target and the reference must be), the others named in
+    `missing_parts`."""
     torch.set_num_threads(threads)
     t_start = time.time()
     todo = [n for n in part_names(scale) if load_part(work / f"{n}.pt", scale) is None]
+    missing = todo if partial else []
+    if partial and {"target", "reference"} & set(todo):
+        raise SystemExit(f"--partial: the target and the reference must be done; missing {todo}")
+    todo = [] if partial else todo
     if todo:
         log.info("running %s (%d at a time); done parts are kept in %s", todo, jobs, work)
     if jobs == 1:
@@ -644,7 +656,7 @@ def run(
         with ThreadPoolExecutor(jobs) as pool:
             for name in pool.map(lambda n: _run_part_process(n, work, cache, threads, flags), todo):
                 log.info("part %s done", name)
-    parts = {n: load_part(work / f"{n}.pt", scale) for n in part_names(scale)}
+    parts = {n: load_part(work / f"{n}.pt", scale) for n in part_names(scale) if n not in missing}
     s = setup(scale, cache)
     target, _, _ = parts["target"]
     reference, ref_stream, _ = parts["reference"]
@@ -659,6 +671,7 @@ def run(
         blocks=scale.blocks,
         params=sum(p.numel() for p in s.params),
         cpu_seconds_parts=sum(cpu for _, _, cpu in parts.values()),
+        missing_parts=missing,
         env=env,
     )
     result = compare(
@@ -680,6 +693,8 @@ def run(
         )
     ]
     for peer in peers(scale, s.cfg.temperature):
+        if peer.name in missing:
+            continue
         if peer.name == "identical":
             stream, stats = ref_stream, {m: reference[m] for m in MODES}
         else:
@@ -886,6 +901,12 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
             f"{r['is_truncated_frac']:.3f}",
         ]
         lines.append("| " + " | ".join(cols) + " |")
+    if ref.get("missing_parts"):
+        lines += [
+            "",
+            f"Not measured in this run (their parts had not finished): "
+            f"{', '.join(ref['missing_parts'])}.",
+        ]
     lines += ["", "![mechanism](results/mechanism.png)", "", *findings(rows)]
     return "\n".join(lines) + "\n"
 
@@ -952,6 +973,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     p.add_argument("--jobs", type=int, default=2, help="parts run at once (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per part (default 1)")
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="run nothing: write the rows of the parts done so far, naming the missing ones",
+    )
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # one part, for --jobs > 1
     p.add_argument(
         "--report",
@@ -979,7 +1005,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = [json.loads(x) for x in (results / "mechanism.jsonl").read_text().splitlines()]
     else:
         flags = ["--quick"] if args.quick else []
-        rows = run(scale, cache, work, args.jobs, args.threads, flags)
+        rows = run(scale, cache, work, args.jobs, args.threads, flags, args.partial)
         write_jsonl(rows, results / "mechanism.jsonl")
     plot(rows, results / "mechanism.png")
     text = markdown(rows, command)
