@@ -132,7 +132,7 @@ def test_quick_scale_runs_end_to_end_and_the_identical_peer_gives_on_policys_gra
     for r in rows:
         if r["peer"] == "identical":
             # The same samples: every mode's batch gradient is on-policy's.
-            assert r["same_samples_max_rel_diff"] < 1e-5, r
+            assert r["same_samples_max_rel_diff"] < 1e-4, r  # w = 1 up to float32 rounding
             assert math.isclose(r["grad_norm"], reference["grad_norm"], rel_tol=1e-5)
             assert math.isclose(r["cos_raw"], reference["cos_raw"], rel_tol=1e-5)
             assert r["kl_sample"] < 1e-4 and r["filter_changed_frac"] == 0.0
