@@ -513,7 +513,9 @@ def _fwd_rows(x: torch.Tensor, tau: torch.Tensor, with_entropy: bool):
     shifted_v, with shifted = (x - m) / tau and e = exp2(shifted log2 e); each (rows, 1) fp32.
     tau is a 0-dim fp32 tensor (a float would be compiled in as a constant)."""
     x = x.float()
-    m = x.amax(dim=-1, keepdim=True).clamp(min=FP32_LOWEST)
+    # Clamped before the max, not after: a point-wise clamp after the reduction would be its own
+    # loop over the rows, between the max and the sums, so each row would be read twice.
+    m = x.clamp(min=FP32_LOWEST).amax(dim=-1, keepdim=True)
     shifted = (x - m) / tau
     e = torch.exp2(shifted * LOG2E)
     if not with_entropy:
@@ -529,7 +531,7 @@ def _bwd_rows(x: torch.Tensor, tau: torch.Tensor, k: torch.Tensor, out: torch.Te
     """out = exp2((x - m) / tau log2 e) * k in out's dtype (out (rows, V) may be x itself), as the
     eager backward computes it; k (rows, 1) fp32. Returns m (rows, 1), the row's max."""
     xf = x.float()
-    m = xf.amax(dim=-1, keepdim=True).clamp(min=FP32_LOWEST)
+    m = xf.clamp(min=FP32_LOWEST).amax(dim=-1, keepdim=True)
     out.copy_(torch.exp2((xf - m) / tau * LOG2E) * k)
     return m
 
