@@ -40,10 +40,10 @@ MAX_BLOCK_V = 4096
 # The lowest finite fp32: the start of a running max (tl_utils.NEG_BIG), so that an all -inf row
 # gives log_sum = -inf rather than NaN from -inf - -inf.
 FP32_LOWEST = torch.finfo(torch.float32).min
-# Logits per chunk of the CPU path, and the size of its fp32 scratch buffer (16 MiB): small
-# enough that a chunk mostly stays in cache between its passes, large enough that the parallel
-# loops (~5 per chunk and direction) stay few: on a loaded machine each one waits for both
-# threads to be scheduled (measured: bench/README.md, CPU path).
+# Logits per chunk of the CPU path's eager passes, and the size of its fp32 scratch buffer
+# (16 MiB): large enough that the parallel loops (~5 per chunk and direction) stay few: on a
+# loaded machine each one waits for both threads to be scheduled (measured: bench/README.md, CPU
+# path).
 CPU_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -278,9 +278,10 @@ def triton_is_interpreted() -> bool:
 # --- CPU path: the same two passes in PyTorch, a chunk of rows at a time ------------------------
 #
 # Every pass over a chunk writes into memory allocated once per call (one fp32 scratch chunk, a
-# second one for the entropy's running sum, or the output itself), and the chunk is small enough
-# to stay in cache between its passes, so the logits are read from memory about once per
-# direction. The exponential is torch's exp2 of (x / tau - row_max) * log2(e): on CPU, exp2 runs
+# second one for the entropy's running sum, or the output itself). A 16 MiB chunk does not stay
+# in a 1-2 MiB L2 between its passes (profile: bench/README.md, CPU path): each pass is a
+# parallel loop over L3 or memory, which is why large calls take the fused passes below. The
+# exponential is torch's exp2 of (x / tau - row_max) * log2(e): on CPU, exp2 runs
 # several times faster than exp. Rows are masked only when some row of a chunk is dead.
 # Forward per chunk: [bf16/fp16: up-cast into the scratch], max, shift into the scratch, scale,
 # exp2, sum [entropy: sum of e * shift]. Backward without an entropy term: [up-cast], shift into
