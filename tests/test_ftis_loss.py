@@ -490,7 +490,11 @@ def test_fused_cpu_row_passes_give_the_eager_results(monkeypatch, dtype, tempera
         x, shard_tokens, *eager_fwd[1:3], coef, temperature, out
     ).clone()
     monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
-    plain = {"fwd": logp_lse._fwd_rows, "bwd": logp_lse._bwd_rows}
+    plain = {
+        "fwd": logp_lse._fwd_rows,
+        "bwd": logp_lse._bwd_rows,
+        "bwd_inplace": logp_lse._bwd_rows_inplace,
+    }
     monkeypatch.setattr(logp_lse, "_fused", plain.__getitem__)
     fused_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
     for name, got, want in zip(("logp", "row_max", "log_sum", "entropy"), fused_fwd, eager_fwd):
