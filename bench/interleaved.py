@@ -5,6 +5,11 @@ reversed every other round, so that other work on the machine slows them alike; 
 rounds estimates each one's undisturbed time. No memory is measured here (`bench.run` and
 `bench.compare` do, one process per measurement). Prints and writes, per case, every
 implementation's min and median fwd+bwd time and its min against `ftis_loss`'s.
+
+The copy roofline is timed in the same rounds (`copy`, unless --impls leaves it out): one
+`copy_` of 1.5x the logits' bytes, which reads and writes 3x them, the roofline's bytes for
+fwd+bwd (`measure.work_model`); each implementation's "of roofline" is copy's min over its min,
+so the ceiling is measured under the same load as the work.
 """
 
 from __future__ import annotations
@@ -32,12 +37,32 @@ IMPLS_TIMED = (
 )
 
 
+class _Copy:
+    """The copy roofline as a timed 'implementation': reads and writes 3x the logits' bytes."""
+
+    restore = None
+
+    def __init__(self, logits: torch.Tensor):
+        n = 3 * logits.numel() * logits.element_size() // 2
+        self.src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+
+    def run(self):
+        self.dst.copy_(self.src)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m bench.interleaved", description=__doc__.splitlines()[0]
     )
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--impls",
+        type=lambda v: v.split(","),
+        default=[*IMPLS_TIMED, "copy"],
+        help="a subset, a,b,c (default: all, and the copy roofline)",
+    )
     args = p.parse_args(argv)
     device = torch.device("cpu")
     results = {"meta": measure.metadata(device), "cases": []}
@@ -46,9 +71,14 @@ def main(argv=None) -> None:
         names = [
             n
             for n in IMPLS[case.family]
-            if n in IMPLS_TIMED and unavailable(n, case.family, "fwd+bwd", device) is None
+            if n in IMPLS_TIMED
+            and n in args.impls
+            and unavailable(n, case.family, "fwd+bwd", device) is None
         ]
         preps = {n: prepare(n, case, inputs, "fwd+bwd") for n in names}
+        if "copy" in args.impls and case.family == "logits":
+            names.append("copy")
+            preps["copy"] = _Copy(inputs["logits"])
         for prep in preps.values():  # warm-up: compiles
             if prep.restore is not None:
                 prep.restore()
@@ -69,9 +99,14 @@ def main(argv=None) -> None:
             "loadavg_1min": loads,
             "ms": {n: {"min": min(t), "median": statistics.median(t)} for n, t in times.items()},
         }
+        if "copy" in times:
+            copy = min(times["copy"])
+            row["of_copy_roofline"] = {n: copy / min(t) for n, t in times.items() if n != "copy"}
         results["cases"].append(row)
+        roof = row.get("of_copy_roofline", {})
         cells = "  ".join(
-            f"{n} {min(t):.0f}/{statistics.median(t):.0f} ({min(t) / base:.2f}x)"
+            f"{n} {min(t):.0f}/{statistics.median(t):.0f} ({min(t) / base:.2f}x"
+            + (f", {roof[n]:.0%} of roofline)" if n in roof else ")")
             for n, t in times.items()
         )
         print(

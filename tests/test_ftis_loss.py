@@ -447,3 +447,95 @@ def test_both_sequence_weights_are_offered_the_product_is_the_mean_to_the_power_
         geometric, product = mean_w["is_ratio_max"], prod_w["is_ratio_max"]
         numerics.assert_close("product", product, geometric**T)
         assert (T == 1) == bool(torch.isclose(product, geometric))
+
+
+def _awkward_rows(dtype):
+    """Logits for the CPU row passes: rows of mixed magnitude, runs of masked rows (one with nan,
+    never read), -inf at untaken tokens, a live nan row; coef 0 on some live rows (one holding
+    inf) and tokens of another vocabulary shard."""
+    g = torch.Generator().manual_seed(5)
+    B, T, V = 3, 7, 50
+    scale = torch.tensor([1.0, 1e2, 1e4])[torch.randint(0, 3, (B, T, 1), generator=g)]
+    x = ((torch.randn(B, T, V, generator=g) + 2.0) * scale).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, [2, 5]] = False
+    mask[2] = False
+    x[0, 2] = math.nan
+    x[0, 3, (tokens[0, 3] + 1) % V] = -math.inf
+    x[1, 6] = math.nan
+    coef = torch.randn(B, T, generator=g) * mask
+    coef[0, 0] = 0.0
+    coef[1, 6] = 0.0
+    x[1, 1] = math.inf
+    coef[1, 1] = 0.0
+    shard_tokens = tokens.clone()
+    shard_tokens[1, 2] = V + 5
+    shard_tokens[0, 4] = -3
+    return x, tokens, mask, coef, shard_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fused_cpu_row_passes_give_the_eager_results(monkeypatch, dtype, temperature, inplace):
+    """The fused CPU path (runs of live rows, the element-wise part in one function per direction,
+    here not compiled: bench/test_bench.py checks inductor's build of the same functions) gives
+    the eager passes' statistics and gradient, NaN where they have NaN, zeros at masked rows and
+    rows without gradient, in place or not."""
+    x, tokens, mask, coef, shard_tokens = _awkward_rows(dtype)
+    eager_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
+    out = torch.empty_like(x)
+    eager_grad = logp_lse.logits_bwd_torch(
+        x, shard_tokens, *eager_fwd[1:3], coef, temperature, out
+    ).clone()
+    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
+    plain = {
+        "fwd": logp_lse._fwd_rows,
+        "bwd": logp_lse._bwd_rows,
+        "bwd_inplace": logp_lse._bwd_rows_inplace,
+    }
+    monkeypatch.setattr(logp_lse, "_fused", plain.__getitem__)
+    fused_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
+    for name, got, want in zip(("logp", "row_max", "log_sum", "entropy"), fused_fwd, eager_fwd):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True, msg=name)
+    torch.testing.assert_close(fused_fwd[1], eager_fwd[1], rtol=0, atol=0, equal_nan=True)
+    assert not fused_fwd[0][~mask].any() and not fused_fwd[3][~mask].any()
+    x_in = x.clone()
+    out = x_in if inplace else torch.full_like(x, math.nan)
+    grad = logp_lse.logits_bwd_torch(x_in, shard_tokens, *fused_fwd[1:3], coef, temperature, out)
+    assert grad is out
+    assert not grad[coef == 0].any()
+    tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2.0**-8, "atol": 0}
+    torch.testing.assert_close(grad, eager_grad, **tol)
+
+
+def test_fused_cpu_row_passes_fall_back_to_the_eager_ones_where_inductor_cannot_build(
+    monkeypatch,
+):
+    """Without a working C++ compiler the compiled row functions raise BackendCompilerFailed at
+    their first call: one warning, the eager results, and no second attempt."""
+    import torch._dynamo
+
+    x, tokens, mask, coef, _ = _awkward_rows(torch.float32)
+    want_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)
+    want_grad = logp_lse.logits_bwd_torch(x, tokens, *want_fwd[1:3], coef, 1.0, x.clone())
+    attempts = []
+
+    def cannot_build(name):
+        def fn(*args):
+            attempts.append(name)
+            raise torch._dynamo.exc.BackendCompilerFailed(fn, RuntimeError("no C++ compiler"), None)
+
+        return fn
+
+    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(logp_lse, "_FUSED", {})
+    monkeypatch.setattr(logp_lse, "_fused", cannot_build)
+    with pytest.warns(RuntimeWarning, match="could not be compiled, the eager ones run"):
+        got_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)
+    got_grad = logp_lse.logits_bwd_torch(x, tokens, *got_fwd[1:3], coef, 1.0, x.clone())
+    assert attempts == ["fwd"]
+    for got, want in zip(got_fwd, want_fwd):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0, equal_nan=True)

@@ -24,6 +24,7 @@ logit for them (the caller refuses them after the forward).
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -39,10 +40,10 @@ MAX_BLOCK_V = 4096
 # The lowest finite fp32: the start of a running max (tl_utils.NEG_BIG), so that an all -inf row
 # gives log_sum = -inf rather than NaN from -inf - -inf.
 FP32_LOWEST = torch.finfo(torch.float32).min
-# Logits per chunk of the CPU path, and the size of its fp32 scratch buffer (16 MiB): small
-# enough that a chunk mostly stays in cache between its passes, large enough that the parallel
-# loops (~5 per chunk and direction) stay few: on a loaded machine each one waits for both
-# threads to be scheduled (measured: bench/README.md, CPU path).
+# Logits per chunk of the CPU path's eager passes, and the size of its fp32 scratch buffer
+# (16 MiB): large enough that the parallel loops (~5 per chunk and direction) stay few: on a
+# loaded machine each one waits for both threads to be scheduled (measured: bench/README.md, CPU
+# path).
 CPU_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -277,16 +278,31 @@ def triton_is_interpreted() -> bool:
 # --- CPU path: the same two passes in PyTorch, a chunk of rows at a time ------------------------
 #
 # Every pass over a chunk writes into memory allocated once per call (one fp32 scratch chunk, a
-# second one for the entropy's running sum, or the output itself), and the chunk is small enough
-# to stay in cache between its passes, so the logits are read from memory about once per
-# direction. The exponential is torch's exp2 of (x / tau - row_max) * log2(e): on CPU, exp2 runs
+# second one for the entropy's running sum, or the output itself). A 16 MiB chunk does not stay
+# in a 1-2 MiB L2 between its passes (profile: bench/README.md, CPU path): each pass is a
+# parallel loop over L3 or memory, which is why large calls take the fused passes below. The
+# exponential is torch's exp2 of (x / tau - row_max) * log2(e): on CPU, exp2 runs
 # several times faster than exp. Rows are masked only when some row of a chunk is dead.
 # Forward per chunk: [bf16/fp16: up-cast into the scratch], max, shift into the scratch, scale,
 # exp2, sum [entropy: sum of e * shift]. Backward without an entropy term: [up-cast], shift into
 # the scratch, scale, exp2, one multiply by -coef / sum that writes the output, and the taken
 # tokens' entries; with an entropy term in a chunk, that chunk takes the plain fp32 formula.
+#
+# Calls of at least CPU_FUSED_MIN_ELEMENTS logits run the same arithmetic fused instead: the
+# element-wise part of each direction is one function compiled by torch.compile (inductor's C++
+# backend), which reads each row once from memory (its passes over a row hit the cache) and, in
+# the backward, writes the gradient straight into `out`: one parallel loop per run of live rows
+# and direction, against about 6 per chunk eagerly (measured: bench/README.md, CPU path). The
+# taken tokens' entries and the (rows,) statistics stay eager. The first call in a process
+# compiles (per direction and logits dtype; bench/README.md states the cost); where inductor
+# cannot build (no C++ compiler), a warning says so once and the eager passes run.
 
 LOG2E = 1.4426950408889634
+# Calls with fewer logits take the eager passes, never compiling: small calls (the tests, the
+# driver's small models) would pay more for the compilation than they save.
+CPU_FUSED_MIN_ELEMENTS = 1 << 24
+# torch.compile'd row functions by name; "broken" once inductor failed to build one.
+_FUSED: dict = {}
 
 
 def _row_chunks(B: int, T: int, V: int):
@@ -334,6 +350,11 @@ def logp_lse_fwd_torch(
     entropy = torch.zeros_like(logp) if with_entropy else None
     if mask is not None and bool(mask.all()):
         mask = None
+    out = (logp, row_max, log_sum, entropy)
+    if _fused_wanted(logits) and _fused_call(
+        _logp_lse_fwd_fused, logits, tokens, mask, temperature, out
+    ):
+        return out
     scratch = _scratch(B, T, V, logits.device)
     scratch_e = torch.empty_like(scratch) if with_entropy else None
     for b, t0, t1 in _row_chunks(B, T, V):
@@ -394,6 +415,14 @@ def _logits_bwd_entropy_chunk(x, tokens, row_max, log_sum, c, ec, entropy, tempe
     return grad
 
 
+def _put_taken(o: torch.Tensor, tok: torch.Tensor, taken: torch.Tensor) -> None:
+    """o[r, tok[r, 0]] = taken[r, 0] for o (rows, V). By index_put_, not scatter_: on CPU,
+    scatter_ into bf16 / fp16 up-casts all of o (measured: 135 ms against 0.01 ms for 256 rows of
+    32,000 bf16 logits)."""
+    rows = torch.arange(o.shape[0], device=o.device)
+    o.index_put_((rows, tok[:, 0]), taken[:, 0])
+
+
 def logits_bwd_torch(
     logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -417,6 +446,14 @@ def logits_bwd_torch(
     """
     B, T, V = logits.shape
     f32 = torch.float32
+    no_entropy_grad = entropy_coef is None or not bool((entropy_coef != 0).any())
+    stats = (row_max, log_sum, coef, temperature, out)
+    if (
+        no_entropy_grad
+        and _fused_wanted(logits)
+        and _fused_call(_logits_bwd_fused, logits, tokens, *stats)
+    ):
+        return out
     scratch = _scratch(B, T, V, out.device)
     for b, t0, t1 in _row_chunks(B, T, V):
         c = coef[b, t0:t1, None]
@@ -461,8 +498,163 @@ def logits_bwd_torch(
         taken = logp.expm1_().mul_(c).neg_().to(o.dtype)
         if not bool(owned.all()):
             taken = torch.where(owned, taken, o.gather(-1, tok))
-        o.scatter_(-1, tok, taken)
+        _put_taken(o, tok, taken)
         if bool(dead.any()):
             # Rows without gradient may hold non-finite logits: 0 * nan must stay 0.
             o.masked_fill_(dead, 0.0)
     return out
+
+
+# --- CPU path, fused: the same arithmetic, one compiled loop per run of rows and direction -------
+
+
+def _fwd_rows(x: torch.Tensor, tau: torch.Tensor, with_entropy: bool):
+    """Row statistics of x (rows, V), any float dtype, as the eager forward computes them: m (the
+    max, lowest finite for an all -inf row), s = sum_v e_v and, with the entropy, u = sum_v e_v
+    shifted_v, with shifted = (x - m) / tau and e = exp2(shifted log2 e); each (rows, 1) fp32.
+    tau is a 0-dim fp32 tensor (a float would be compiled in as a constant)."""
+    x = x.float()
+    # Clamped before the max, not after: a point-wise clamp after the reduction would be its own
+    # loop over the rows, between the max and the sums, so each row would be read twice.
+    m = x.clamp(min=FP32_LOWEST).amax(dim=-1, keepdim=True)
+    shifted = (x - m) / tau
+    e = torch.exp2(shifted * LOG2E)
+    if not with_entropy:
+        return m, e.sum(dim=-1, keepdim=True)
+    return (
+        m,
+        e.sum(dim=-1, keepdim=True),
+        (e * shifted.clamp(min=FP32_LOWEST)).sum(-1, keepdim=True),
+    )
+
+
+def _bwd_rows(x: torch.Tensor, tau: torch.Tensor, k: torch.Tensor, out: torch.Tensor):
+    """out = exp2((x - m) / tau log2 e) * k in out's dtype (out (rows, V) may be x itself), as the
+    eager backward computes it; k (rows, 1) fp32. Returns m (rows, 1), the row's max."""
+    xf = x.float()
+    m = xf.clamp(min=FP32_LOWEST).amax(dim=-1, keepdim=True)
+    out.copy_(torch.exp2((xf - m) / tau * LOG2E) * k)
+    return m
+
+
+def _bwd_rows_inplace(x: torch.Tensor, tau: torch.Tensor, k: torch.Tensor):
+    """_bwd_rows with out = x: compiled apart, because inputs that alias each other make the
+    compiled function copy them around its kernel (measured: the in-place backward took 2x the
+    out-of-place one)."""
+    xf = x.float()
+    m = xf.clamp(min=FP32_LOWEST).amax(dim=-1, keepdim=True)
+    x.copy_(torch.exp2((xf - m) / tau * LOG2E) * k)
+    return m
+
+
+def _fused_wanted(logits: torch.Tensor) -> bool:
+    return (
+        logits.device.type == "cpu"
+        and logits.numel() >= CPU_FUSED_MIN_ELEMENTS
+        and not _FUSED.get("broken", False)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _fused(name: str):
+    """The compiled row function `name`; compiled at its first call, with dynamic shapes (one
+    compilation serves every run length and vocabulary)."""
+    if name not in _FUSED:
+        fn = {"fwd": _fwd_rows, "bwd": _bwd_rows, "bwd_inplace": _bwd_rows_inplace}[name]
+        _FUSED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _FUSED[name]
+
+
+def _fused_call(fn, *args) -> bool:
+    """Runs fn(*args); False (after a warning, once) where inductor cannot compile the row
+    functions, e.g. without a C++ compiler: the caller then takes the eager passes."""
+    import torch._dynamo
+
+    try:
+        fn(*args)
+    except torch._dynamo.exc.BackendCompilerFailed as err:
+        _FUSED["broken"] = True
+        warnings.warn(
+            "ftis_kernels: the fused CPU row passes could not be compiled, the eager ones run "
+            f"instead ({type(err).__name__}: {str(err).splitlines()[0]})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def _live_runs(live: Optional[torch.Tensor], T: int) -> list[tuple[int, int]]:
+    """[(t0, t1)]: the maximal runs of True in live (T,) bool; [(0, T)] for None."""
+    if live is None:
+        return [(0, T)]
+    edges = torch.diff(
+        live.to(torch.int8),
+        prepend=live.new_zeros(1, dtype=torch.int8),
+        append=live.new_zeros(1, dtype=torch.int8),
+    )
+    starts = (edges == 1).nonzero()[:, 0].tolist()
+    ends = (edges == -1).nonzero()[:, 0].tolist()
+    return list(zip(starts, ends))
+
+
+def _logp_lse_fwd_fused(logits, tokens, mask, temperature, out) -> None:
+    """logp_lse_fwd_torch's results into out = (logp, row_max, log_sum, entropy or None), zeros
+    at entry, with the element-wise part compiled; rows the mask leaves out are never read."""
+    logp, row_max, log_sum, entropy = out
+    B, T, V = logits.shape
+    tau = torch.tensor(temperature, dtype=torch.float32)
+    rows_fn = _fused("fwd")
+    for b in range(B):
+        for t0, t1 in _live_runs(None if mask is None else mask[b].bool(), T):
+            x = logits[b, t0:t1]
+            stats = rows_fn(x, tau, entropy is not None)
+            m_raw, total = stats[0], stats[1]
+            # As the eager passes: the token's logit shifted in the logits' units, then divided.
+            x_token = x.gather(-1, tokens[b, t0:t1, None].long().clamp(0, V - 1)).float()
+            shifted_token = x_token.sub_(m_raw)
+            m = m_raw
+            if temperature != 1.0:
+                shifted_token.div_(temperature)
+                m = (m_raw / temperature).clamp_(min=FP32_LOWEST)
+            chunk_log_sum = total.log()
+            row_max[b, t0:t1] = m[:, 0]
+            log_sum[b, t0:t1] = chunk_log_sum[:, 0]
+            logp[b, t0:t1] = shifted_token.sub_(chunk_log_sum)[:, 0]
+            if entropy is not None:
+                entropy[b, t0:t1] = (chunk_log_sum - stats[2] / total)[:, 0]
+
+
+def _logits_bwd_fused(logits, tokens, row_max, log_sum, coef, temperature, out) -> None:
+    """logits_bwd_torch's result without an entropy term, into out, with the element-wise part
+    compiled: runs of rows with coef != 0 are computed, the others written as 0."""
+    B, T, V = logits.shape
+    tau = torch.tensor(temperature, dtype=torch.float32)
+    inplace = out.data_ptr() == logits.data_ptr()
+    rows_fn = _fused("bwd_inplace" if inplace else "bwd")
+    for b in range(B):
+        live = coef[b] != 0
+        runs = _live_runs(None if bool(live.all()) else live, T)
+        dead_from = 0
+        for t0, t1 in runs + [(T, T)]:
+            if t0 > dead_from:
+                out[b, dead_from:t0].zero_()
+            dead_from = t1
+        for t0, t1 in runs:
+            x, o = logits[b, t0:t1], out[b, t0:t1]
+            c = coef[b, t0:t1, None]
+            ls = log_sum[b, t0:t1, None]
+            token = tokens[b, t0:t1, None].long()
+            owned = (token >= 0) & (token < V)
+            tok = token.clamp(0, V - 1)
+            # Gathered before o is written: o may be the logits.
+            x_token = x.gather(-1, tok).float()
+            k = ls.neg().exp_().mul_(c).neg_()
+            m_raw = rows_fn(x, tau, k) if inplace else rows_fn(x, tau, k, o)
+            logp = x_token.sub_(m_raw)
+            if temperature != 1.0:
+                logp.div_(temperature)
+            taken = logp.sub_(ls).expm1_().mul_(c).neg_().to(o.dtype)
+            if not bool(owned.all()):
+                taken = torch.where(owned, taken, o.gather(-1, tok))
+            _put_taken(o, tok, taken)
