@@ -539,3 +539,24 @@ def test_fused_cpu_row_passes_fall_back_to_the_eager_ones_where_inductor_cannot_
     for got, want in zip(got_fwd, want_fwd):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fused_cpu_row_passes_are_off_with_ftis_cpu_fused_0(monkeypatch):
+    """FTIS_CPU_FUSED=0: no compilation is attempted however large the call."""
+    x, tokens, mask, coef, _ = _awkward_rows(torch.float32)
+    attempts = []
+
+    def must_not_build(name):
+        attempts.append(name)
+        raise AssertionError("compiled row function requested")
+
+    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(logp_lse, "_FUSED", {})
+    monkeypatch.setattr(logp_lse, "_fused", must_not_build)
+    monkeypatch.setenv("FTIS_CPU_FUSED", "0")
+    stats = logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)
+    logp_lse.logits_bwd_torch(x, tokens, *stats[1:3], coef, 1.0, x.clone())
+    assert attempts == []
+    monkeypatch.setenv("FTIS_CPU_FUSED", "1")
+    with pytest.raises(AssertionError, match="compiled row function requested"):
+        logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)

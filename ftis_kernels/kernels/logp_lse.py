@@ -24,6 +24,7 @@ logit for them (the caller refuses them after the forward).
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Optional
 
@@ -296,6 +297,7 @@ def triton_is_interpreted() -> bool:
 # taken tokens' entries and the (rows,) statistics stay eager. The first call in a process
 # compiles (per direction and logits dtype; bench/README.md states the cost); where inductor
 # cannot build (no C++ compiler), a warning says so once and the eager passes run.
+# FTIS_CPU_FUSED=0 in the environment turns the fused passes off (the eager ones always run).
 
 LOG2E = 1.4426950408889634
 # Calls with fewer logits take the eager passes, never compiling: small calls (the tests, the
@@ -551,6 +553,7 @@ def _fused_wanted(logits: torch.Tensor) -> bool:
     return (
         logits.device.type == "cpu"
         and logits.numel() >= CPU_FUSED_MIN_ELEMENTS
+        and os.environ.get("FTIS_CPU_FUSED", "1") != "0"
         and not _FUSED.get("broken", False)
         and not torch.compiler.is_compiling()
     )
