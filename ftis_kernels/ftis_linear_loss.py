@@ -22,7 +22,8 @@ gradients, and masked rows are never read, so their hidden states may hold anyth
 
 Extra memory is bounded independently of B * T: one chunk of logits, at most
 max(AUTO_CHUNK_ELEMENTS, AUTO_SAMPLE_CHUNK_ELEMENTS) of them with chunk_size=None (c * V in the
-hidden dtype, plus the CPU row passes' fp32 scratch), for bf16/fp16 weights an fp32 grad_weight
+hidden dtype, plus the CPU row passes' fp32 scratch; in the forward order a chunk with rows
+without gradient copies out its other rows, up to a second chunk), for bf16/fp16 weights an fp32 grad_weight
 accumulator and one fp32 partial product of GRAD_WEIGHT_BLOCK_V vocabulary rows, and O(B * T)
 per-token scalars (`bench/linear_memory.py` measures it). In the forward order the gradients
 exist from the forward on instead of from the backward on.
