@@ -23,10 +23,10 @@ gradients, and masked rows are never read, so their hidden states may hold anyth
 Extra memory is bounded independently of B * T: one chunk of logits, at most
 max(AUTO_CHUNK_ELEMENTS, AUTO_SAMPLE_CHUNK_ELEMENTS) of them with chunk_size=None (c * V in the
 hidden dtype, plus the CPU row passes' fp32 scratch; in the forward order a chunk with rows
-without gradient copies out its other rows, up to a second chunk), for bf16/fp16 weights an fp32 grad_weight
-accumulator and one fp32 partial product of GRAD_WEIGHT_BLOCK_V vocabulary rows, and O(B * T)
-per-token scalars (`bench/linear_memory.py` measures it). In the forward order the gradients
-exist from the forward on instead of from the backward on.
+without gradient copies out its other rows, up to a second chunk), for bf16/fp16 weights an fp32
+grad_weight accumulator and one fp32 partial product of GRAD_WEIGHT_BLOCK_V vocabulary rows, and
+O(B * T) per-token scalars (`bench/linear_memory.py` measures it). In the forward order the
+gradients exist from the forward on instead of from the backward on.
 
 This is the "cuBLAS matmul per chunk + the row kernels" design. The matmul itself is torch's
 (cuBLAS on GPU, oneDNN/MKL on CPU); only the row passes are Triton. Fusing the log-sum-exp into a
@@ -539,6 +539,8 @@ def _setup_context(ctx, inputs, output):
     if args["group_name"] is not None:  # this shard's ids; another shard's token is never hit
         tokens = tokens - args["vocab_start"]
     ctx.grad_in_forward = args["grad_in_forward"]
+    # The outputs other than the loss get no gradient: None, not a zero (V, H) grad_weight.
+    ctx.set_materialize_grads(False)
     grads = output[N_OUTPUTS:] if ctx.grad_in_forward else ()
     tensors = (args["hidden"], args["weight"], args["bias"], tokens, *grads)
     save_for_backward(ctx, args, inputs, output[:N_OUTPUTS], *tensors)
@@ -546,6 +548,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, *_):
+    if grad_loss is None:
+        return (None,) * ctx.n_inputs
     hidden, weight, bias, tokens = ctx.saved_tensors[:4]
     needs = ctx.needs_input_grad
     need_bias = bias is not None and needs[2]
