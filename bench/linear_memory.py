@@ -27,6 +27,17 @@ B * T * V * 4 bytes.
                                                    # on 2 cores): bench/results/linear_memory_cpu.json
     python -m bench.linear_memory --device cuda --dtype bfloat16   # on a GPU (in process)
     python -m bench.linear_memory --plot-only      # redraw the PNG from the JSON
+    python -m bench.linear_memory --compare main --tokens 1024 --reps 3
+        # time and peak memory of ftis_linear_loss against the materialised path (hidden @
+        # weight.T, then ftis_loss), at this tree and at the revision main, in one run:
+        # bench/results/linear_compare_cpu.json and .md
+
+`--compare BASE` checks BASE out into a temporary worktree (this tree's bench/ copied over it, so
+both sides run the same harness). Per token count and side, one process times both
+implementations, called in turn (the order reversed every round) with the default allocator:
+their ratio is measured under the same load. The sides run one after the other, the order
+alternating per token count. Peak memory then comes from one `measure_one` process per
+implementation and side, as above.
 
 `measure_one` measures one configuration and is what a benchmark suite imports.
 """  # noqa: E501
@@ -40,6 +51,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -68,9 +80,16 @@ MEASURED_PATHS = (
 CPU_ADDRESS_LIMIT = 16 << 30
 
 
-def _inputs(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+def _inputs(
+    n_tokens: int,
+    vocab: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seq: int = SEQ,
+):
     gen = torch.Generator(device="cpu").manual_seed(0)
-    B, T = max(1, n_tokens // SEQ), min(SEQ, n_tokens)
+    B, T = max(1, n_tokens // seq), min(seq, n_tokens)
     hidden = torch.randn(B, T, hidden_size, generator=gen).to(device=device, dtype=dtype)
     weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.02).to(device=device, dtype=dtype)
     tokens = torch.randint(0, vocab, (B, T), generator=gen).to(device)
@@ -114,11 +133,12 @@ def _measure_here(
     dtype: torch.dtype,
     device: torch.device,
     chunk_size: Optional[int],
+    seq: int = SEQ,
 ) -> dict:
     """Measures in this process: CUDA allocator peak, or the CPU resident-set high-water mark."""
     # Warm up first: imports, kernel libraries and autograd threads must not count as the op's.
     _run(impl, _inputs(8, 64, 16, dtype, device), chunk_size)
-    inputs = _inputs(n_tokens, vocab, hidden_size, dtype, device)
+    inputs = _inputs(n_tokens, vocab, hidden_size, dtype, device, seq)
     hidden, weight = inputs[0], inputs[1]
     grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
     gc.collect()
@@ -140,6 +160,142 @@ def _measure_here(
     return dict(peak_bytes=peak, grad_bytes=grad_bytes, seconds=time.perf_counter() - start)
 
 
+def _time_here(
+    impls: list[str],
+    n_tokens: int,
+    vocab: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    reps: int,
+    seq: int = SEQ,
+) -> dict:
+    """fwd+bwd wall times (ms) of `impls` on CPU, called in turn `reps` times, the order reversed
+    every other round, after a small warm-up of each; the load average after each round."""
+    device = torch.device("cpu")
+    for impl in impls:
+        _run(impl, _inputs(8, 64, 16, dtype, device), None)
+    inputs = _inputs(n_tokens, vocab, hidden_size, dtype, device, seq)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    loads = []
+    for r in range(reps):
+        for impl in impls if r % 2 == 0 else impls[::-1]:
+            inputs[0].grad = inputs[1].grad = (
+                None  # the gradients are new each call, as in training
+            )
+            gc.collect()
+            start = time.perf_counter()
+            _run(impl, inputs, None)
+            times[impl].append((time.perf_counter() - start) * 1e3)
+        loads.append(os.getloadavg()[0])
+    return dict(ms=times, loadavg_1min=loads)
+
+
+def _worker_env(repo: Path) -> dict:
+    """The environment of a CPU worker in `repo`: its code first on the path, no interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    return env
+
+
+def compare(
+    base: str,
+    tokens: list[int],
+    reps: int,
+    dtype: str,
+    vocab: int,
+    hidden_size: int,
+    out: Path,
+    seq: int = SEQ,
+) -> list[dict]:
+    """`--compare BASE` (module docstring): records of time and peak memory per token count,
+    side ("before" = BASE, "after" = this tree) and implementation; written to `out` (JSON) and
+    its .md table as they come."""
+    from bench.compare import _worktree
+
+    impls = ["ftis_linear_loss", "ftis_loss"]
+    run = _metadata("cpu")
+    base_path, base_commit = _worktree(base)
+    sides = [("after", REPO, run["commit"][:12]), ("before", base_path, base_commit)]
+    records: list[dict] = []
+    try:
+        for i, n in enumerate(tokens):
+            for version, repo, commit in sides if i % 2 == 0 else sides[::-1]:
+                job = dict(impls=impls, n_tokens=n, vocab=vocab, hidden=hidden_size, dtype=dtype)
+                job["seq"] = seq
+                args = [sys.executable, "-m", "bench.linear_memory", "--time-worker"]
+                args.append(json.dumps(dict(job, reps=reps)))
+                proc = subprocess.run(
+                    args, cwd=repo, env=_worker_env(repo), capture_output=True, text=True
+                )
+                if proc.returncode != 0:
+                    raise RuntimeError(f"time worker failed for {job}:\n{proc.stderr[-4000:]}")
+                timed = json.loads(proc.stdout.strip().splitlines()[-1])
+                for impl in impls:
+                    peak = measure_one(
+                        impl,
+                        n,
+                        vocab=vocab,
+                        hidden_size=hidden_size,
+                        dtype=dtype,
+                        repo=repo,
+                        seq=seq,
+                    )
+                    ms = timed["ms"][impl]
+                    records.append(
+                        dict(
+                            peak,
+                            version=version,
+                            commit=commit,
+                            time_ms=ms,
+                            min_ms=min(ms),
+                            median_ms=statistics.median(ms),
+                            loadavg_1min=timed["loadavg_1min"],
+                            run=run,
+                        )
+                    )
+                    print(json.dumps(records[-1]), flush=True)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(dict(base=base, records=records), indent=1) + "\n")
+                out.with_suffix(".md").write_text(compare_table(records, base) + "\n")
+    finally:
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", str(base_path)], cwd=REPO, capture_output=True
+        )
+    return records
+
+
+def compare_table(records: list[dict], base: str) -> str:
+    """Markdown: per token count and side, both implementations' min / median fwd+bwd time, the
+    linear op's time over the materialised path's (same process), and the peaks."""
+    by = {(r["n_tokens"], r["version"], r["impl"]): r for r in records}
+    head = (
+        "| tokens | side (commit) | ftis_linear_loss ms min / median | materialised ms min / "
+        "median | linear / materialised (of mins, of medians) | peak MiB linear | extra MiB "
+        "linear | peak MiB materialised | load |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    mib = float(1 << 20)
+    for n in sorted({r["n_tokens"] for r in records}):
+        for version in ("before", "after"):
+            lin, mat = by.get((n, version, "ftis_linear_loss")), by.get((n, version, "ftis_loss"))
+            if lin is None or mat is None:
+                continue
+            loads = lin["loadavg_1min"]
+
+            def peak(r: dict, key: str) -> str:
+                return f"{r[key] / mib:.0f}" if key in r else r["status"]
+
+            lines.append(
+                f"| {n} | {version} ({lin['commit'][:8]}) | {lin['min_ms']:.0f} / "
+                f"{lin['median_ms']:.0f} | {mat['min_ms']:.0f} / {mat['median_ms']:.0f} | "
+                f"{lin['min_ms'] / mat['min_ms']:.2f}x, "
+                f"{lin['median_ms'] / mat['median_ms']:.2f}x | {peak(lin, 'peak_bytes')} | "
+                f"{peak(lin, 'extra_bytes')} | {peak(mat, 'peak_bytes')} | "
+                f"{min(loads):.1f}-{max(loads):.1f} |"
+            )
+    return f"Before = {base}, after = this tree; fwd+bwd, filter=None.\n\n" + "\n".join(lines)
+
+
 def measure_one(
     impl: str,
     n_tokens: int,
@@ -149,13 +305,16 @@ def measure_one(
     dtype: str = "float32",
     device: str = "cpu",
     chunk_size: Optional[int] = None,
+    repo: Path = REPO,
+    seq: int = SEQ,
 ) -> dict:
     """Peak memory of forward + backward of `impl` (one of IMPLS) on `n_tokens` tokens.
 
     Returns a record: impl, n_tokens, vocab, hidden, dtype, device, status ("measured" or "oom"),
     peak_bytes (above the inputs), grad_bytes (grad_hidden + grad_weight), extra_bytes
     (peak - grads), fp32_logits_bytes, extra_pct_of_fp32_logits, seconds (one untimed-quality run).
-    On CPU the measurement runs in a fresh subprocess (Triton's interpreter off: the torch path).
+    On CPU the measurement runs in a fresh subprocess (Triton's interpreter off: the torch path)
+    on the code of `repo`.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
@@ -167,11 +326,19 @@ def measure_one(
         dtype=dtype,
         device=device,
         chunk_size=chunk_size,
+        seq=seq,
     )
     if device.startswith("cuda"):
         try:
             result = _measure_here(
-                impl, n_tokens, vocab, hidden_size, DTYPES[dtype], torch.device(device), chunk_size
+                impl,
+                n_tokens,
+                vocab,
+                hidden_size,
+                DTYPES[dtype],
+                torch.device(device),
+                chunk_size,
+                seq,
             )
         except torch.OutOfMemoryError:
             result = None
@@ -179,14 +346,13 @@ def measure_one(
             gc.collect()
             torch.cuda.empty_cache()
     else:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env = _worker_env(repo)
         # A fixed mmap threshold turns off glibc's adaptive one, under which freed blocks of up to
         # 32 MiB stay in the heap: RSS then follows the live tensors instead of the malloc cache.
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
         job = dict(record, address_limit=CPU_ADDRESS_LIMIT)
         args = [sys.executable, "-m", "bench.linear_memory", "--worker", json.dumps(job)]
-        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+        proc = subprocess.run(args, cwd=repo, env=env, capture_output=True, text=True)
         if proc.returncode == 0:
             result = json.loads(proc.stdout.strip().splitlines()[-1])
         elif "can't allocate memory" in proc.stderr or "MemoryError" in proc.stderr:
@@ -220,6 +386,7 @@ def _worker(record_json: str) -> None:
         DTYPES[record["dtype"]],
         torch.device("cpu"),
         record["chunk_size"],
+        record.get("seq", SEQ),
     )
     print(json.dumps(result))
 
@@ -363,10 +530,29 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--compare", metavar="BASE", help="time and memory against revision BASE")
+    parser.add_argument("--reps", type=int, default=3, help="timed calls per implementation")
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sample (T)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
+        return
+    if args.time_worker:
+        job = json.loads(args.time_worker)
+        dtype = DTYPES[job["dtype"]]
+        sizes = (job["n_tokens"], job["vocab"], job["hidden"], dtype, job["reps"], job["seq"])
+        print(json.dumps(_time_here(job["impls"], *sizes)))
+        return
+    if args.compare:
+        tokens = [int(x) for x in args.tokens.split(",")]
+        out = args.out or RESULTS / "linear_compare_cpu.json"
+        sizes = (args.dtype, args.vocab, args.hidden, out, args.seq)
+        records = compare(args.compare, tokens, args.reps, *sizes)
+        print(compare_table(records, args.compare))
         return
     device_tag = "cpu" if args.device == "cpu" else "cuda"
     out = args.out or RESULTS / f"linear_memory_{device_tag}.json"

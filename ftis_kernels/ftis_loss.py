@@ -43,11 +43,11 @@ SAVED_NAMES = ("row_max", "log_sum", "coef", "entropy_coef")
 N_OUTPUTS = 1 + len(METRIC_NAMES) + len(SAVED_NAMES)
 
 
-def forward_schema(leading: str) -> str:
+def forward_schema(leading: str, extra_outputs: int = 0) -> str:
     """Schema of a forward custom op: `leading` tensor arguments, the row tensors, the options
     (options.option_schema), then `trailing`; returns loss, metrics, row_max, log_sum, coef,
-    entropy_coef."""
-    outputs = ", ".join(["Tensor"] * N_OUTPUTS)
+    entropy_coef, then `extra_outputs` more tensors."""
+    outputs = ", ".join(["Tensor"] * (N_OUTPUTS + extra_outputs))
     return f"({leading}, {option_schema()}, {{trailing}}) -> ({outputs})"
 
 

@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse
 from ftis_kernels.options import FTISOptions, option_args
-from ftis_kernels.per_sample import METRIC_NAMES
+from ftis_kernels.per_sample import METRIC_NAMES, per_sample_loss
 from tests import numerics
 from tests.cases import (
     DTYPES,
@@ -38,6 +44,8 @@ from tests.cases import (
     run_linear_ref,
     seeds,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -297,6 +305,278 @@ def test_strided_hidden_is_read_without_a_copy_of_the_batch(device):
         assert torch.equal(got[2][name], want[2][name])
 
 
+# --- the two gradient orders --------------------------------------------------------------------
+
+# Gradients of the two orders (or two chunkings): the same dlogits, matmuls over other row groups.
+REORDERED = {
+    torch.float32: numerics.Tol(1e-5, 1e-7),
+    torch.bfloat16: numerics.Tol(2**-6, 1e-5),
+    torch.float16: numerics.Tol(2**-8, 1e-6),
+}
+
+
+def _blocker(case, chunk_size, **opts):
+    T = case.tokens.shape[1]
+    chunk = (
+        linear_module.auto_chunk_size(case.weight.shape[0], T) if chunk_size is None else chunk_size
+    )
+    return linear_module.grad_in_forward_blocker(
+        FTISOptions(**opts),
+        with_old=case.old_logprobs is not None,
+        sharded=False,
+        longest=T,
+        chunk_size=chunk,
+    )
+
+
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 5),
+    H=st.sampled_from([1, 5, 12]),
+    V=st.one_of(st.integers(1, 40), st.sampled_from([67])),
+    dtype=dtypes,
+    extra_rows=st.sampled_from([0, 1, 4, None]),
+    mask=masks,
+    gen_spread=gen_spreads,
+    with_old=st.booleans(),
+    seed=seeds,
+    opts=options,
+)
+def test_both_gradient_orders_give_the_same_loss_metrics_and_gradients(
+    B, T, H, V, dtype, extra_rows, mask, gen_spread, with_old, seed, opts
+):
+    """Chunks that hold whole samples (chunk_size >= T): where no option couples samples the
+    forward order is taken and equals the backward order (loss and metrics bitwise: the same
+    chunks, the same logits); where one does, "auto" is the backward order and True is refused."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    case = make_case(
+        B,
+        T,
+        V,
+        H=H,
+        seed=seed,
+        mask=mask,
+        gen_spread=gen_spread,
+        with_old=with_old,
+        with_ref=opts["beta"] > 0,
+        device=device,
+    )
+    chunk_size = None if extra_rows is None else T + extra_rows
+    blocker = _blocker(case, chunk_size, **opts)
+    for impl in implementations(device):
+        loss, metrics, grads = run_linear(
+            case, dtype, impl, chunk_size=chunk_size, grad_in_forward=False, **opts
+        )
+        if blocker is not None:
+            with pytest.raises(ValueError, match="^grad_in_forward: expected 'auto' or False"):
+                run_linear(case, dtype, impl, chunk_size=chunk_size, grad_in_forward=True, **opts)
+        order = "auto" if blocker is not None else True
+        got = run_linear(case, dtype, impl, chunk_size=chunk_size, grad_in_forward=order, **opts)
+        assert torch.equal(got[0], loss)
+        for name in metrics:
+            assert torch.equal(got[1][name], metrics[name]), name
+        for name, grad in grads.items():
+            numerics.assert_close(f"grad_{name}", got[2][name], grad, REORDERED[dtype])
+
+
+def _spy(name: str):
+    return mock.patch.object(linear_module, name, wraps=getattr(linear_module, name))
+
+
+def _orders_taken(case, **kw) -> tuple[bool, bool]:
+    """(gradients computed in the forward, in the backward) of one forward + backward."""
+    with _spy("linear_loss_and_grads") as forward, _spy("linear_grads") as backward:
+        run_linear(case, torch.float32, "torch", **kw)
+    return forward.called, backward.called
+
+
+def _coef_of_sample_0(case, logp, **opts):
+    result = per_sample_loss(logp, *case.inputs[1:], FTISOptions(**opts), entropy=logp.exp())
+    return result.coef[0], result.entropy_coef[0]
+
+
+# Options under which one sample's rejection changes another sample's d loss / d logp.
+COUPLINGS = {
+    "mask_rejection_with_a_batch_normaliser": dict(
+        reject_mode="mask", filter="offpolicy", kl_threshold=0.5, loss_type="dapo"
+    ),
+    "mask_rejection_with_an_entropy_bonus": dict(
+        reject_mode="mask", filter="offpolicy", kl_threshold=0.5, entropy_coef=0.1
+    ),
+}
+
+
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_options_that_couple_samples_take_the_backward_order(coupling):
+    opts = COUPLINGS[coupling]
+    case = make_case(3, 4, 30, H=6, seed=21, mask="none", gen_spread=0.0)
+    # The coupling is real: sample 1 rejected (its logp far from gen) changes sample 0's coef.
+    logp = case.gen_logprobs.clone()
+    far = logp.clone()
+    far[1] -= 3.0
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(_coef_of_sample_0(case, logp, **opts), _coef_of_sample_0(case, far, **opts))
+    )
+    assert _orders_taken(case, chunk_size=4, **opts) == (False, True)
+    with pytest.raises(
+        ValueError, match="^grad_in_forward: expected 'auto' or False with reject_m"
+    ):
+        run_linear(case, torch.float32, "torch", chunk_size=4, grad_in_forward=True, **opts)
+    # The same rejection with a per-sample normaliser, or from pi_old: the forward order.
+    per_sample = dict(opts, loss_type="grpo", entropy_coef=0.0)
+    assert _orders_taken(case, chunk_size=4, **per_sample) == (True, False)
+    assert _orders_taken(case, chunk_size=4, **dict(opts, kl_source="old")) == (True, False)
+
+
+def test_a_sample_longer_than_a_chunk_takes_the_backward_order():
+    case = make_case(3, 4, 30, H=6, seed=22, mask="none")
+    assert _orders_taken(case, chunk_size=3) == (False, True)
+    assert _orders_taken(case, chunk_size=4) == (True, False)
+    with pytest.raises(ValueError, match=r"a sample \(4 rows\) does not fit .* chunk_size=3"):
+        run_linear(case, torch.float32, "torch", chunk_size=3, grad_in_forward=True)
+    # Packed: the longest segment decides, not the packed length.
+    cu_seqlens = torch.tensor([0, 3, 5])
+    N = 5
+    rows = (case.tokens.reshape(-1)[:N], case.gen_logprobs.reshape(-1)[:N], case.advantages[:2])
+    hidden = case.hidden.reshape(-1, 6)[:N].float().requires_grad_()
+    with _spy("linear_loss_and_grads") as forward:
+        loss, _ = ftis_linear_loss(
+            hidden, case.weight.float(), *rows, cu_seqlens=cu_seqlens, chunk_size=3
+        )
+        loss.backward()
+    assert forward.called
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone: a vocabulary "sharded" over one rank."""
+    if dist.is_initialized():
+        pytest.skip("a default process group exists already")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_a_sharded_vocabulary_takes_the_backward_order(one_rank_group):
+    case = make_case(2, 4, 30, H=6, seed=26)
+    assert _orders_taken(case, chunk_size=4, process_group=one_rank_group) == (False, True)
+    with pytest.raises(ValueError, match="^grad_in_forward: expected 'auto' or False with a vocab"):
+        run_linear(
+            case, torch.float32, chunk_size=4, process_group=one_rank_group, grad_in_forward=True
+        )
+
+
+@given(
+    opts=options,
+    with_old=st.booleans(),
+    seed=seeds,
+)
+def test_a_samples_coefficients_ignore_other_samples_wherever_the_forward_order_is_taken(
+    opts, with_old, seed
+):
+    """The premise of the forward order, on the per-sample part itself: where
+    `grad_in_forward_blocker` lets it run, another sample's logp and entropy (what the forward
+    has not computed yet) change nothing in a sample's d loss / d logp and d loss / d entropy."""
+    case = make_case(3, 4, 20, H=4, seed=seed, with_old=with_old, with_ref=opts["beta"] > 0)
+    if _blocker(case, 4, **opts) is not None:
+        return
+    g = torch.Generator().manual_seed(seed)
+    logp = case.gen_logprobs - torch.rand(3, 4, generator=g)
+    other = logp.clone()
+    other[1:] = torch.where(torch.rand(2, 4, generator=g) < 0.5, 0.0, -3 * torch.rand(2, 4))
+    for a, b in zip(_coef_of_sample_0(case, logp, **opts), _coef_of_sample_0(case, other, **opts)):
+        assert torch.equal(a, b)
+
+
+def test_no_gradient_work_without_a_gradient():
+    case = make_case(2, 4, 30, H=6, seed=23)
+    hidden, weight = case.hidden.float(), case.weight.float()
+    with _spy("_chunk_grads") as grads, _spy("linear_loss_and_grads") as forward:
+        with torch.no_grad():
+            ftis_linear_loss(
+                hidden.requires_grad_(), weight, *case.inputs, chunk_size=4, grad_in_forward=True
+            )
+        ftis_linear_loss(hidden.detach(), weight, *case.inputs, chunk_size=4)
+        assert not grads.called and not forward.called
+        # Only the gradients asked for: a frozen weight (as under LoRA) gets no matmul of its own.
+        with _spy("_accumulate_grad_weight") as grad_weight:
+            loss, _ = ftis_linear_loss(hidden.requires_grad_(), weight, *case.inputs, chunk_size=4)
+            loss.backward()
+        assert forward.called and grads.called and not grad_weight.called
+
+
+def test_forward_order_scales_by_the_incoming_gradient():
+    case = make_case(2, 4, 30, H=6, seed=24, exact=False)
+    leaves = [x.float().requires_grad_() for x in (case.hidden, case.weight, case.bias)]
+
+    def grads(order, scale, **kw):
+        loss, _ = ftis_linear_loss(
+            *leaves[:2], *case.inputs, bias=leaves[2], chunk_size=4, grad_in_forward=order
+        )
+        return torch.autograd.grad(loss * scale, leaves, **kw), loss
+
+    for scale in (1.0, -0.375):
+        want, _ = grads(False, scale)
+        got, _ = grads(True, scale)
+        for name, g, w in zip(("hidden", "weight", "bias"), got, want):
+            numerics.assert_close(name, g, w, REORDERED[torch.float32])
+    # The forward's gradients are scaled in place: a second backward through a retained graph is
+    # refused rather than scaled twice (at an incoming gradient of 1 nothing is scaled).
+    loss, _ = ftis_linear_loss(*leaves[:2], *case.inputs, bias=leaves[2], chunk_size=4)
+    torch.autograd.grad(loss * 2.0, leaves, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss * 2.0, leaves)
+
+
+_BACKWARD_PEAK = """
+import torch
+from ftis_kernels import ftis_linear_loss
+
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(2, 8, 512, generator=g).requires_grad_()
+weight = torch.randn(8192, 512, generator=g).requires_grad_()  # 16 MiB
+rows = (torch.randint(0, 8192, (2, 8), generator=g), -torch.rand(2, 8, generator=g), torch.ones(2))
+for _ in range(2):
+    hidden.grad = weight.grad = None
+    loss, _ = ftis_linear_loss(hidden, weight, *rows, grad_in_forward=True)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS")
+    loss.backward()
+print(kib("VmHWM") - before)
+"""
+
+
+def test_forward_order_backward_allocates_nothing_of_the_gradients_size():
+    """The backward of the forward order only scales the saved gradients: no zero gradient is
+    materialised for the op's other outputs (that was a zeroed (V, H) tensor per backward).
+    Measured as the resident-set high-water mark of a fresh process whose allocator maps every
+    block of 64 KiB or more (so that freed memory leaves the resident set)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _BACKWARD_PEAK], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    grad_weight_kib = 8192 * 512 * 4 // 1024
+    assert int(proc.stdout.split()[-1]) < grad_weight_kib // 4
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "Auto"])
+def test_bad_grad_in_forward_is_refused_naming_it(value):
+    case = make_case(2, 3, 20, H=4, seed=25)
+    with pytest.raises(ValueError, match="^grad_in_forward: expected 'auto', True or False"):
+        run_linear(case, torch.float32, "torch", grad_in_forward=value)
+
+
 # --- torch.library registration ---------------------------------------------------------------
 
 
@@ -337,16 +617,23 @@ def test_custom_ops_pass_opcheck(device):
         ref,
         *options,
         *unpacked_unsharded,
-        2,
+        3,  # chunk_size: whole samples
         "torch",
     )
-    torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_fwd.default, fwd_args)
-    outputs = torch.ops.ftis_kernels.ftis_linear_loss_fwd(*fwd_args)
-    *_, row_max, log_sum, coef, entropy_coef = outputs
+    fwd = torch.ops.ftis_kernels.ftis_linear_loss_fwd.default
+    needs = (True, True, True)
+    for grad_in_forward in (False, True):
+        torch.library.opcheck(fwd, (*fwd_args, grad_in_forward, *needs))
+    outputs = fwd(*fwd_args, False, *needs)
+    *_, row_max, log_sum, coef, entropy_coef = outputs[:-3]
     entropy = outputs[1 + METRIC_NAMES.index("entropy")]
     stats = (row_max, log_sum, coef, entropy, entropy_coef)
     bwd_args = (hidden, weight, bias, tokens, *stats, 1.0, 2, "torch", True, True, True)
     torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_bwd.default, bwd_args)
+    grads = fwd(*fwd_args, True, *needs)[-3:]
+    scale = torch.ops.ftis_kernels.ftis_linear_loss_scale_.default
+    for grad_loss in (1.0, 0.5):
+        torch.library.opcheck(scale, (*(g.clone() for g in grads), torch.tensor(grad_loss)))
 
 
 @pytest.mark.cuda
