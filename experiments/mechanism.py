@@ -42,7 +42,6 @@ import argparse
 import json
 import logging
 import math
-import platform
 import subprocess
 import sys
 import time
@@ -57,6 +56,7 @@ import numpy as np
 import torch
 
 from ftis_kernels import ftis_loss
+from ftis_kernels.grpo import provenance
 from ftis_kernels.grpo.config import RunConfig, build_config
 from ftis_kernels.grpo.exchange import Sample
 from ftis_kernels.grpo.models import apply_lora, build_model
@@ -474,35 +474,10 @@ def run_stream(
 
 
 def environment() -> dict[str, Any]:
-    """What a result depends on besides the code: versions, CPU, threads, commit."""
-    import triton
-
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return ""
-
+    """What a result depends on besides the code: the driver's record
+    (`provenance.environment`: versions, CPU, threads, commit), and the date."""
     return dict(
-        torch=torch.__version__,
-        triton=triton.__version__,
-        numpy=np.__version__,
-        python=platform.python_version(),
-        cpu=cpu,
-        threads=torch.get_num_threads(),
-        commit=git("rev-parse", "HEAD"),
-        dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
+        provenance.environment(code=("ftis_kernels", "experiments")),
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
 

@@ -35,7 +35,6 @@ import fnmatch
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 from experiments import stats
+from ftis_kernels.grpo import provenance
 from ftis_kernels.grpo.report import read_metrics, smooth
 
 HERE = Path(__file__).resolve().parent
@@ -190,42 +190,9 @@ def _out(cell: Cell, work: Path, extra: tuple[str, ...]) -> Path:
 
 
 def environment() -> dict:
-    """What a result depends on beyond its command: versions, CPU, commit."""
-    import numpy
-    import torch
-    import triton
-
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    commit = git("rev-parse", "HEAD")
-    # what a run depends on: the driver and the configs (not this script or the README)
-    dirty = git(
-        "status", "--porcelain", "--untracked-files=no", "--", "ftis_kernels", "experiments/configs"
-    )
-    return dict(
-        python=platform.python_version(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        numpy=numpy.__version__,
-        cpu=cpu,
-        cores=os.cpu_count(),
-        commit=commit + ("+dirty" if dirty and commit != "unknown" else ""),
-    )
+    """What a result depends on beyond its command: the driver's own record
+    (`provenance.environment`), its commit marked dirty when experiments/configs differ too."""
+    return provenance.environment(code=("ftis_kernels", "experiments/configs"))
 
 
 def run_cell(cell: Cell, work: Path, extra: tuple[str, ...]):

@@ -125,7 +125,7 @@ def test_quick_scale_runs_end_to_end_and_the_identical_peer_gives_on_policys_gra
         (p, m) for p in peers for m in mechanism.MODES
     ]
     for r in rows:
-        assert {"torch", "triton", "numpy", "cpu", "threads", "commit"} <= set(r["env"])
+        assert {"torch", "triton", "numpy", "cpu", "threads_per_node", "commit"} <= set(r["env"])
         assert r["clip_frac"] == 0.0  # one update per batch: the ratio is 1
     reference = rows[0]
     assert reference["grad_norm"] > 0  # some group had a reward: the check below is not 0 == 0

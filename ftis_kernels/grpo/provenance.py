@@ -54,13 +54,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(nodes: int) -> dict[str, Any]:
+def environment(
+    nodes: Optional[int] = None, code: tuple[str, ...] = ("ftis_kernels",)
+) -> dict[str, Any]:
     """The run's environment, as this process sees it: versions (`torch` is torch.__version__,
     the others their installed distributions), python, the CPU, torch's vector capability and
     threads per node, the GPU if any, and the commit of the package's source tree ("unknown"
-    outside a git checkout; "-dirty" when its tracked files under ftis_kernels/ differ)."""
+    outside a git checkout; "-dirty" when its tracked files under the `code` paths differ).
+    `nodes` (the processes of a run) is recorded as given. The experiments record the same."""
     commit = _git("rev-parse", "HEAD")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", "ftis_kernels"))
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", *code))
     return {
         **{name: _version(name) for name in _LIBRARIES},
         "torch": torch.__version__,
