@@ -47,6 +47,7 @@ from typing import Optional
 
 from experiments import stats
 from ftis_kernels.grpo import provenance
+from ftis_kernels.grpo.exchange import DROP_KINDS
 from ftis_kernels.grpo.report import read_metrics, smooth
 
 HERE = Path(__file__).resolve().parent
@@ -669,7 +670,12 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
         parts.append("")
     bad = _select(rows, study="badpeer", name=RECEIVER)
     if bad:
-        counters = sorted({k for r in bad for k in r["metrics"]} - set(FILTER_KEYS) - _PLAIN_KEYS)
+        # each parser check's and verify_rewards' drops, as the driver names them
+        counters = [
+            k
+            for k in (f"dropped_{kind}" for kind in DROP_KINDS)
+            if any(k in r["metrics"] for r in bad)
+        ]
         parts += [
             "### Bad peers: the receiver (small) with tiny turned hostile\n",
             "Sample accuracy over the second half and its difference from the honest size pair's "
@@ -718,22 +724,6 @@ def tables(rows: list[dict], claims: list[dict], scale: str) -> str:
                 )
         parts.append("")
     return "\n".join(parts)
-
-
-# Run metrics that are not a defence's counter.
-_PLAIN_KEYS = {
-    "zero_adv_groups",
-    "loss",
-    "tokens_sent",
-    "bytes_sent",
-    "bytes_per_token",
-    "samples_trained",
-    "samples_received",
-    "dropped",
-    "seconds",
-    "grad_norm",
-    "skipped",
-}
 
 
 # -- plots -----------------------------------------------------------------------------------------
