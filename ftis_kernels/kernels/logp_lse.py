@@ -2,7 +2,9 @@
 (backward), in Triton, with the chunked PyTorch equivalents used on CPU without the interpreter.
 
 Row statistics are two fp32 numbers per row r = (b, t), kept apart so that no digit is lost:
-    row_max_r = max_v x[r, v] / tau,    log_sum_r = log sum_v exp(x[r, v] / tau - row_max_r).
+    row_max_r = max_v x[r, v] / tau,    log_sum_r = log sum_v exp(x[r, v] / tau - row_max_r)
+(the Triton kernels form x * (1 / tau), within an ulp of x / tau: a division per logit costs three
+instructions on a GPU).
 Forward, per row with mask[r] set:  logp_r = (x[r, token_r] / tau - row_max_r) - log_sum_r, as
 `torch.log_softmax` computes it: folding the two into one lse = row_max + log_sum first would round
 log_sum away at large |x| (|x| = 1e8 in fp32 has a spacing of 8). The same pass also gives the
@@ -99,6 +101,9 @@ def _logp_lse_fwd_kernel(
     row_ptr = logits_ptr + b * stride_lb.to(tl.int64) + t * stride_lt.to(tl.int64)
     # A masked row runs no iteration: its logits may be anything, even nan, and are never read.
     v_end = tl.where(active, V, 0)
+    # x * (1 / tau), not x / tau: compiled Triton divides by a runtime scalar with a reciprocal and
+    # two range fix-ups per element (bench/hopper_asm.py counted 3 instructions a logit).
+    inv_t = tl.math.div_rn(1.0, temperature)
     m = NEG_BIG
     s = 0.0
     u = 0.0
@@ -106,9 +111,9 @@ def _logp_lse_fwd_kernel(
         offs = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
         if WITH_ENTROPY:
-            m, s, u = online_lse_entropy_update(m, s, u, x.to(tl.float32) / temperature)
+            m, s, u = online_lse_entropy_update(m, s, u, x.to(tl.float32) * inv_t)
         else:
-            m, s = online_lse_update(m, s, x.to(tl.float32) / temperature)
+            m, s = online_lse_update(m, s, x.to(tl.float32) * inv_t)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
     # A bad token id is refused by the caller after the forward: until then it reads nothing.
     token_ok = (token >= 0) & (token < V)
@@ -210,13 +215,14 @@ def _logits_bwd_kernel(
     drow_ptr = dlogits_ptr + b * stride_db.to(tl.int64) + t * stride_dt.to(tl.int64)
     # Rows without gradient (masked, filtered, zero advantage) read nothing and write zeros.
     v_read = tl.where(live, V, 0)
+    inv_t = tl.math.div_rn(1.0, temperature)  # as in the forward
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         in_row = offs < V
         x = tl.load(
             row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf")
         )
-        log_p = (x.to(tl.float32) / temperature - row_max) - log_sum
+        log_p = (x.to(tl.float32) * inv_t - row_max) - log_sum
         p = tl.exp(log_p)
         grad = coef * (tl.where(offs == token, 1.0, 0.0) - p)
         if HAS_ENTROPY_GRAD:
