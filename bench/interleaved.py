@@ -9,7 +9,11 @@ implementation's min and median fwd+bwd time and its min against `ftis_loss`'s.
 The copy roofline is timed in the same rounds (`copy`, unless --impls leaves it out): one
 `copy_` of 1.5x the logits' bytes, which reads and writes 3x them, the roofline's bytes for
 fwd+bwd (`measure.work_model`); each implementation's "of roofline" is copy's min over its min,
-so the ceiling is measured under the same load as the work.
+so the ceiling is measured under the same load as the work. `copy_fresh` moves the same bytes with
+the backward's share written to a new allocation, as an out-of-place gradient must be: its page
+faults (one per 4 KiB page with the default allocator, unless PyTorch's THP_MEM_ALLOC_ENABLE=1
+asks for huge pages) are part of that ceiling; "of fresh roofline" is copy_fresh's min over each
+implementation's.
 """
 
 from __future__ import annotations
@@ -51,6 +55,22 @@ class _Copy:
         self.dst.copy_(self.src)
 
 
+class _CopyFresh:
+    """The first-touch roofline: the forward's read (N bytes, into a preallocated buffer with
+    half of them), then the backward's read and write of N bytes into a fresh allocation."""
+
+    restore = None
+
+    def __init__(self, logits: torch.Tensor):
+        n = logits.numel() * logits.element_size()
+        self.src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        self.dst = torch.empty(n // 2, dtype=torch.uint8)
+
+    def run(self):
+        self.dst.copy_(self.src[: self.dst.numel()])
+        torch.empty_like(self.src).copy_(self.src)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m bench.interleaved", description=__doc__.splitlines()[0]
@@ -60,12 +80,16 @@ def main(argv=None) -> None:
     p.add_argument(
         "--impls",
         type=lambda v: v.split(","),
-        default=[*IMPLS_TIMED, "copy"],
-        help="a subset, a,b,c (default: all, and the copy roofline)",
+        default=[*IMPLS_TIMED, "copy", "copy_fresh"],
+        help="a subset, a,b,c (default: all, and both copy rooflines)",
     )
     args = p.parse_args(argv)
     device = torch.device("cpu")
-    results = {"meta": measure.metadata(device), "cases": []}
+    results = {
+        "meta": measure.metadata(device),
+        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        "cases": [],
+    }
     for case in CPU_CASES:
         inputs = make_inputs(case, device)
         names = [
@@ -76,9 +100,10 @@ def main(argv=None) -> None:
             and unavailable(n, case.family, "fwd+bwd", device) is None
         ]
         preps = {n: prepare(n, case, inputs, "fwd+bwd") for n in names}
-        if "copy" in args.impls and case.family == "logits":
-            names.append("copy")
-            preps["copy"] = _Copy(inputs["logits"])
+        for name, roofline in (("copy", _Copy), ("copy_fresh", _CopyFresh)):
+            if name in args.impls and case.family == "logits":
+                names.append(name)
+                preps[name] = roofline(inputs["logits"])
         for prep in preps.values():  # warm-up: compiles
             if prep.restore is not None:
                 prep.restore()
@@ -99,14 +124,17 @@ def main(argv=None) -> None:
             "loadavg_1min": loads,
             "ms": {n: {"min": min(t), "median": statistics.median(t)} for n, t in times.items()},
         }
-        if "copy" in times:
-            copy = min(times["copy"])
-            row["of_copy_roofline"] = {n: copy / min(t) for n, t in times.items() if n != "copy"}
+        work = [n for n in times if not n.startswith("copy")]
+        for roofline, key in (("copy", "of_copy_roofline"), ("copy_fresh", "of_fresh_roofline")):
+            if roofline in times:
+                row[key] = {n: min(times[roofline]) / min(times[n]) for n in work}
         results["cases"].append(row)
-        roof = row.get("of_copy_roofline", {})
+        roof, fresh = row.get("of_copy_roofline", {}), row.get("of_fresh_roofline", {})
         cells = "  ".join(
             f"{n} {min(t):.0f}/{statistics.median(t):.0f} ({min(t) / base:.2f}x"
-            + (f", {roof[n]:.0%} of roofline)" if n in roof else ")")
+            + (f", {roof[n]:.0%} of roofline" if n in roof else "")
+            + (f", {fresh[n]:.0%} of fresh" if n in fresh else "")
+            + ")"
             for n, t in times.items()
         )
         print(

@@ -36,17 +36,18 @@ def _batch(V: int) -> dict:
     }
 
 
-def _worker(model_dir: str, out: str) -> None:
+def _trainer(model_dir: str, out: str, world: int, **engine):
+    """The FTISGRPOTrainer both multi-process tests drive: the tiny model in model_dir, B // world
+    samples per process, the filter on; `engine` overrides config fields (DeepSpeed's)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
     from ftis_kernels.integrations.trl import FTISGRPOConfig, FTISGRPOTrainer
     from tests.test_trl_integration import CHECKPOINTING, PROMPTS, _vowel_reward
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     args = FTISGRPOConfig(
         output_dir=os.path.dirname(out),
-        use_cpu=True,
+        **{"use_cpu": True, **engine},
         report_to="none",
         bf16=False,
         per_device_train_batch_size=B // world,
@@ -57,13 +58,18 @@ def _worker(model_dir: str, out: str) -> None:
         kl_threshold=0.5,
         **{CHECKPOINTING: False},
     )
-    trainer = FTISGRPOTrainer(
+    return FTISGRPOTrainer(
         model=model_dir,
         reward_funcs=_vowel_reward,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
+
+
+def _worker(model_dir: str, out: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = _trainer(model_dir, out, world)
     accelerator = trainer.accelerator
     assert accelerator.num_processes == world
     model = accelerator.prepare_model(trainer.model)

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_trl_ddp import COMPLETION, LR, B, _batch
+from tests.test_trl_ddp import LR, B, _batch, _trainer
 
 SHARDED_MODES = ("fsdp2", "fsdp2-accelerate", "zero3")
 MODES = (*SHARDED_MODES, "zero2")  # ZeRO-2 keeps whole parameters and partitions the gradients
@@ -87,11 +87,6 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def _worker(mode: str, model_dir: str, out: str) -> None:
     from accelerate import PartialState
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-
-    from ftis_kernels.integrations.trl import FTISGRPOConfig, FTISGRPOTrainer
-    from tests.test_trl_integration import CHECKPOINTING, PROMPTS, _vowel_reward
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     engine = {}
@@ -108,26 +103,7 @@ def _worker(mode: str, model_dir: str, out: str) -> None:
                 "zero_allow_untested_optimizer": True,
             },
         )
-    args = FTISGRPOConfig(
-        output_dir=os.path.dirname(out),
-        **{"use_cpu": True, **engine},
-        report_to="none",
-        bf16=False,
-        per_device_train_batch_size=B // world,
-        num_generations=2,
-        max_completion_length=COMPLETION,
-        seed=0,
-        filter="negative_offpolicy",
-        kl_threshold=0.5,
-        **{CHECKPOINTING: False},
-    )
-    trainer = FTISGRPOTrainer(
-        model=model_dir,
-        reward_funcs=_vowel_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-    )
+    trainer = _trainer(model_dir, out, world, **engine)
     accelerator = trainer.accelerator
     assert accelerator.num_processes == world
     model = trainer.model
