@@ -510,6 +510,46 @@ def test_fused_cpu_row_passes_give_the_eager_results(monkeypatch, dtype, tempera
     torch.testing.assert_close(grad, eager_grad, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("fused", [False, True])
+def test_cpu_backward_of_a_vocabulary_shard_takes_the_whole_vocabularys_statistics(
+    monkeypatch, dtype, temperature, fused
+):
+    """A vocabulary shard's CPU backward gets the row statistics of the whole vocabulary (what
+    `sharded.combine_row_stats` gives it) and writes its columns of the whole gradient, whether
+    it holds the row's maximum or not. (Before, it recomputed its own maximum and read log_sum
+    as relative to it: a shard without the maximum got p times exp(gap / tau).)"""
+    g = torch.Generator().manual_seed(0)
+    B, T, V, split = 2, 3, 40, 17
+    x = torch.randn(B, T, V, generator=g) * 3
+    x[0, :, split:] += 8  # the second shard holds these rows' maxima, the first the others'
+    x[1, :, :split] += 8
+    x = x.to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    coef = torch.randn(B, T, generator=g)
+    coef[1, 2] = 0.0
+    if fused:
+        monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
+        plain = {
+            "fwd": logp_lse._fwd_rows,
+            "bwd": logp_lse._bwd_rows,
+            "bwd_inplace": logp_lse._bwd_rows_inplace,
+        }
+        monkeypatch.setattr(logp_lse, "_fused", plain.__getitem__)
+    whole = logp_lse.logp_lse_fwd_torch(x, tokens, None, temperature)
+    want = logp_lse.logits_bwd_torch(x, tokens, *whole[1:3], coef, temperature, x.clone())
+    f32 = dtype == torch.float32
+    tol = {"rtol": 1e-5, "atol": 1e-6} if f32 else {"rtol": 2.0**-7, "atol": 1e-5}
+    for cols in (slice(0, split), slice(split, V)):
+        shard = x[..., cols].contiguous()
+        local = tokens - cols.start  # outside [0, shard width) where another shard owns it
+        got = logp_lse.logits_bwd_torch(
+            shard, local, *whole[1:3], coef, temperature, torch.empty_like(shard)
+        )
+        torch.testing.assert_close(got, want[..., cols], **tol)
+
+
 def test_fused_cpu_row_passes_fall_back_to_the_eager_ones_where_inductor_cannot_build(
     monkeypatch,
 ):

@@ -298,7 +298,8 @@ def triton_is_interpreted() -> bool:
 # Calls of at least CPU_FUSED_MIN_ELEMENTS logits run the same arithmetic fused instead: the
 # element-wise part of each direction is one function compiled by torch.compile (inductor's C++
 # backend), which reads each row once from memory (its passes over a row hit the cache) and, in
-# the backward, writes the gradient straight into `out`: one parallel loop per run of live rows
+# the backward (which takes the forward's row max at temperature 1, and one eager max pass
+# otherwise), writes the gradient straight into `out`: one parallel loop per run of live rows
 # and direction, against about 6 per chunk eagerly (measured: bench/README.md, CPU path). The
 # taken tokens' entries and the (rows,) statistics stay eager. The first call in a process
 # compiles (per direction and logits dtype; bench/README.md states the cost); where inductor
@@ -493,6 +494,7 @@ def logits_bwd_torch(
         # exp2 always runs on the contiguous scratch: its vectorised and scalar (tail) results
         # differ in the last bit, and where the tail falls must not depend on the layout of out.
         shifted, m_raw = _shifted(x, temperature, s)
+        ls = _local_log_sum(ls, row_max[b, t0:t1, None], m_raw, temperature)
         logp = x_token.sub_(m_raw)
         if temperature != 1.0:
             logp.div_(temperature)
@@ -536,23 +538,30 @@ def _fwd_rows(x: torch.Tensor, tau: torch.Tensor, with_entropy: bool):
     )
 
 
-def _bwd_rows(x: torch.Tensor, tau: torch.Tensor, k: torch.Tensor, out: torch.Tensor):
+def _bwd_rows(x: torch.Tensor, m: torch.Tensor, tau: torch.Tensor, k: torch.Tensor, out):
     """out = exp2((x - m) / tau log2 e) * k in out's dtype (out (rows, V) may be x itself), as the
-    eager backward computes it; k (rows, 1) fp32. Returns m (rows, 1), the row's max."""
-    xf = x.float()
-    m = xf.clamp(min=FP32_LOWEST).amax(dim=-1, keepdim=True)
-    out.copy_(torch.exp2((xf - m) / tau * LOG2E) * k)
-    return m
+    eager backward computes it; m, k (rows, 1) fp32, m in the logits' units."""
+    out.copy_(torch.exp2((x.float() - m) / tau * LOG2E) * k)
 
 
-def _bwd_rows_inplace(x: torch.Tensor, tau: torch.Tensor, k: torch.Tensor):
+def _bwd_rows_inplace(x: torch.Tensor, m: torch.Tensor, tau: torch.Tensor, k: torch.Tensor):
     """_bwd_rows with out = x: compiled apart, because inputs that alias each other make the
     compiled function copy them around its kernel (measured: the in-place backward took 2x the
     out-of-place one)."""
-    xf = x.float()
-    m = xf.clamp(min=FP32_LOWEST).amax(dim=-1, keepdim=True)
-    x.copy_(torch.exp2((xf - m) / tau * LOG2E) * k)
-    return m
+    x.copy_(torch.exp2((x.float() - m) / tau * LOG2E) * k)
+
+
+def _local_log_sum(
+    log_sum: torch.Tensor, row_max: torch.Tensor, m_raw: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """log_sum relative to m_raw / tau, the maximum of the rows this call holds (m_raw in the
+    logits' units), from the forward's row_max and log_sum, all (rows, 1) fp32. Where row_max is
+    m_raw / tau as the forward formed it, the difference is exactly 0 and log_sum comes back
+    unchanged; where row_max is the larger maximum of the whole vocabulary (a shard's statistics
+    after `sharded.combine_row_stats`), log_sum grows by the gap, so that
+    exp((x - m_raw) / tau - result) = exp(x / tau - row_max - log_sum)."""
+    local = m_raw if temperature == 1.0 else (m_raw / temperature).clamp_(min=FP32_LOWEST)
+    return log_sum + (row_max - local)
 
 
 def _fused_wanted(logits: torch.Tensor) -> bool:
@@ -658,8 +667,16 @@ def _logits_bwd_fused(logits, tokens, row_max, log_sum, coef, temperature, out) 
             tok = token.clamp(0, V - 1)
             # Gathered before o is written: o may be the logits.
             x_token = x.gather(-1, tok).float()
+            if temperature == 1.0:
+                # The forward's row max is the one a second pass would find (or, for a vocabulary
+                # shard, the global one the statistics are relative to): no pass to recompute it.
+                m_raw = row_max[b, t0:t1, None]
+            else:
+                # The shift is redone in the logits' units (the forward keeps max / tau).
+                m_raw = x.amax(dim=-1, keepdim=True).float().clamp_(min=FP32_LOWEST)
+                ls = _local_log_sum(ls, row_max[b, t0:t1, None], m_raw, temperature)
             k = ls.neg().exp_().mul_(c).neg_()
-            m_raw = rows_fn(x, tau, k) if inplace else rows_fn(x, tau, k, o)
+            rows_fn(x, m_raw, tau, k) if inplace else rows_fn(x, m_raw, tau, k, o)
             logp = x_token.sub_(m_raw)
             if temperature != 1.0:
                 logp.div_(temperature)
