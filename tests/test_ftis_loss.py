@@ -475,6 +475,18 @@ def _awkward_rows(dtype):
     return x, tokens, mask, coef, shard_tokens
 
 
+def _fused_uncompiled(monkeypatch) -> None:
+    """Every CPU call takes the fused path, with its row functions uncompiled (the test suite
+    never compiles; bench/test_bench.py checks inductor's build of the same functions)."""
+    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
+    plain = {
+        "fwd": logp_lse._fwd_rows,
+        "bwd": logp_lse._bwd_rows,
+        "bwd_inplace": logp_lse._bwd_rows_inplace,
+    }
+    monkeypatch.setattr(logp_lse, "_fused", plain.__getitem__)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("inplace", [False, True])
@@ -489,13 +501,7 @@ def test_fused_cpu_row_passes_give_the_eager_results(monkeypatch, dtype, tempera
     eager_grad = logp_lse.logits_bwd_torch(
         x, shard_tokens, *eager_fwd[1:3], coef, temperature, out
     ).clone()
-    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
-    plain = {
-        "fwd": logp_lse._fwd_rows,
-        "bwd": logp_lse._bwd_rows,
-        "bwd_inplace": logp_lse._bwd_rows_inplace,
-    }
-    monkeypatch.setattr(logp_lse, "_fused", plain.__getitem__)
+    _fused_uncompiled(monkeypatch)
     fused_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
     for name, got, want in zip(("logp", "row_max", "log_sum", "entropy"), fused_fwd, eager_fwd):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True, msg=name)
@@ -530,13 +536,7 @@ def test_cpu_backward_of_a_vocabulary_shard_takes_the_whole_vocabularys_statisti
     coef = torch.randn(B, T, generator=g)
     coef[1, 2] = 0.0
     if fused:
-        monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
-        plain = {
-            "fwd": logp_lse._fwd_rows,
-            "bwd": logp_lse._bwd_rows,
-            "bwd_inplace": logp_lse._bwd_rows_inplace,
-        }
-        monkeypatch.setattr(logp_lse, "_fused", plain.__getitem__)
+        _fused_uncompiled(monkeypatch)
     whole = logp_lse.logp_lse_fwd_torch(x, tokens, None, temperature)
     want = logp_lse.logits_bwd_torch(x, tokens, *whole[1:3], coef, temperature, x.clone())
     f32 = dtype == torch.float32
