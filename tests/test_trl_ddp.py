@@ -67,6 +67,16 @@ def _trainer(model_dir: str, out: str, world: int, **engine):
     )
 
 
+def _close_process_group() -> None:
+    """Destroys the process group before the worker exits: left to the interpreter's exit, gloo's
+    threads were once torn down mid-flight ("terminate called without an active exception",
+    SIGABRT on one rank after its results were written)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _worker(model_dir: str, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = _trainer(model_dir, out, world)
@@ -88,6 +98,7 @@ def _worker(model_dir: str, out: str) -> None:
     if accelerator.is_main_process:
         torch.save({"loss": losses.mean(), "weights": updated}, out)
     accelerator.wait_for_everyone()
+    _close_process_group()
 
 
 def _launch(P: int, model_dir: str, out: str) -> dict:

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_trl_ddp import LR, B, _batch, _trainer
+from tests.test_trl_ddp import LR, B, _batch, _close_process_group, _trainer
 
 SHARDED_MODES = ("fsdp2", "fsdp2-accelerate", "zero3")
 MODES = (*SHARDED_MODES, "zero2")  # ZeRO-2 keeps whole parameters and partitions the gradients
@@ -149,6 +149,7 @@ def _worker(mode: str, model_dir: str, out: str) -> None:
     if accelerator.is_main_process:
         torch.save(result, out)
     accelerator.wait_for_everyone()
+    _close_process_group()
 
 
 def _launch(mode: str, model_dir: str, out: str) -> dict:
