@@ -487,6 +487,11 @@ def _baseline_mean(rows: list[dict], spec: ClaimSpec) -> Optional[float]:
     return _mean(vals)
 
 
+def _claim_fields(spec) -> dict:
+    """The fields of a claim's row that its spec fixes: id, text, kind of test and metric."""
+    return dict(id=spec.id, claim=spec.text, kind=spec.test.kind, metric=spec.test.metric)
+
+
 def analyse(rows: list[dict]) -> list[dict]:
     """Every claim's per-seed pooled differences, interval, p-values and verdict (rows of
     `results/claims.jsonl`). Claims with fewer than 2 complete seeds are "pending"; Holm runs
@@ -516,10 +521,7 @@ def analyse(rows: list[dict]) -> list[dict]:
         ci90 = stats.t_interval(d, 0.90)
         out.append(
             dict(
-                id=spec.id,
-                claim=spec.text,
-                kind=spec.test.kind,
-                metric=spec.test.metric,
+                **_claim_fields(spec),
                 margin=spec.test.margin,
                 sign=spec.test.sign,
                 n=res.ci.n,
@@ -538,10 +540,7 @@ def analyse(rows: list[dict]) -> list[dict]:
         if spec not in ready:
             out.append(
                 dict(
-                    id=spec.id,
-                    claim=spec.text,
-                    kind=spec.test.kind,
-                    metric=spec.test.metric,
+                    **_claim_fields(spec),
                     n=len(pooled[spec.id]),
                     verdict="pending",
                     why="fewer than 2 seeds with every cell of the claim finished",

@@ -77,6 +77,17 @@ def _close_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _local_batch(trainer, world: int) -> dict:
+    """Puts the trainer in training mode (one micro-batch per step) and returns this process's
+    rows of the fixed global batch."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    rank = trainer.accelerator.process_index
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    V = trainer.model.config.vocab_size
+    return {k: (v[rows] if v.dim() else v) for k, v in _batch(V).items()}
+
+
 def _worker(model_dir: str, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = _trainer(model_dir, out, world)
@@ -84,12 +95,7 @@ def _worker(model_dir: str, out: str) -> None:
     assert accelerator.num_processes == world
     model = accelerator.prepare_model(trainer.model)
     assert (world > 1) == (model is not accelerator.unwrap_model(model))
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    rank = accelerator.process_index
-    rows = slice(rank * B // world, (rank + 1) * B // world)
-    V = trainer.model.config.vocab_size
-    inputs = {k: (v[rows] if v.dim() else v) for k, v in _batch(V).items()}
+    inputs = _local_batch(trainer, world)
     loss = trainer.compute_loss(model, inputs)
     accelerator.backward(loss)
     losses = accelerator.gather(loss.detach()[None])

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_trl_ddp import LR, B, _batch, _close_process_group, _trainer
+from tests.test_trl_ddp import LR, _close_process_group, _local_batch, _trainer
 
 SHARDED_MODES = ("fsdp2", "fsdp2-accelerate", "zero3")
 MODES = (*SHARDED_MODES, "zero2")  # ZeRO-2 keeps whole parameters and partitions the gradients
@@ -117,12 +117,7 @@ def _worker(mode: str, model_dir: str, out: str) -> None:
     head = trainer.model.get_output_embeddings().weight  # this process's shard
     assert hasattr(head, "placements") == mode.startswith("fsdp2")  # a DTensor
     assert (head.numel() == 0) == (mode == "zero3")  # a ZeRO-3 partition lives in head.ds_tensor
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    rank = accelerator.process_index
-    rows = slice(rank * B // world, (rank + 1) * B // world)
-    V = trainer.model.config.vocab_size
-    inputs = {k: (v[rows] if v.dim() else v) for k, v in _batch(V).items()}
+    inputs = _local_batch(trainer, world)
     T = inputs["completion_ids"].shape[1]
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
