@@ -487,15 +487,29 @@ def _fused_uncompiled(monkeypatch) -> None:
     monkeypatch.setattr(logp_lse, "_fused", plain.__getitem__)
 
 
+def _samples_apart(x: torch.Tensor) -> torch.Tensor:
+    """x (B, T, V) as a view whose samples lie T + 2 rows apart (no (B * T, V) view of it)."""
+    B, T, V = x.shape
+    big = torch.full((B, T + 2, V), math.nan, dtype=x.dtype)
+    big[:, 1 : T + 1] = x
+    return big[:, 1 : T + 1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_fused_cpu_row_passes_give_the_eager_results(monkeypatch, dtype, temperature, inplace):
+@pytest.mark.parametrize("layout", ["contiguous", "samples_apart"])
+def test_fused_cpu_row_passes_give_the_eager_results(
+    monkeypatch, dtype, temperature, inplace, layout
+):
     """The fused CPU path (runs of live rows, the element-wise part in one function per direction,
     here not compiled: bench/test_bench.py checks inductor's build of the same functions) gives
     the eager passes' statistics and gradient, NaN where they have NaN, zeros at masked rows and
-    rows without gradient, in place or not."""
+    rows without gradient, in place or not, whether its runs may cross samples (a (B * T, V) view
+    exists) or not."""
     x, tokens, mask, coef, shard_tokens = _awkward_rows(dtype)
+    if layout == "samples_apart":
+        x = _samples_apart(x)
     eager_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
     out = torch.empty_like(x)
     eager_grad = logp_lse.logits_bwd_torch(
@@ -507,7 +521,7 @@ def test_fused_cpu_row_passes_give_the_eager_results(monkeypatch, dtype, tempera
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True, msg=name)
     torch.testing.assert_close(fused_fwd[1], eager_fwd[1], rtol=0, atol=0, equal_nan=True)
     assert not fused_fwd[0][~mask].any() and not fused_fwd[3][~mask].any()
-    x_in = x.clone()
+    x_in = _samples_apart(x) if layout == "samples_apart" else x.clone()
     out = x_in if inplace else torch.full_like(x, math.nan)
     grad = logp_lse.logits_bwd_torch(x_in, shard_tokens, *fused_fwd[1:3], coef, temperature, out)
     assert grad is out

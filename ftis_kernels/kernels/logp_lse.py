@@ -329,17 +329,21 @@ def _scratch(B: int, T: int, V: int, device) -> torch.Tensor:
     return torch.empty(rows, V, dtype=torch.float32, device=device)
 
 
-def _shifted(x: torch.Tensor, temperature: float, out: torch.Tensor):
-    """(out, max_v x) with out = (x - max_v x) / tau in fp32. The subtraction comes first, in the
-    logits' own units, where it is exact near the max (Sterbenz), so only the division rounds:
-    dividing first would round every x / tau at |x| ~ 1e4 to ~1e-3. An all -inf row gets the
-    lowest finite max (out = -inf, not NaN from -inf - -inf); NaN and +inf stay non-finite.
-    x may be out itself."""
+def _shifted(x: torch.Tensor, out: torch.Tensor):
+    """(out, max_v x) with out = x - max_v x in fp32, the logits' own units. The subtraction comes
+    first, where it is exact near the max (Sterbenz), so that only the one multiply by
+    log2(e) / tau (`_exp2_scale`) rounds: scaling first would round every x / tau at |x| ~ 1e4 to
+    ~1e-3. An all -inf row gets the lowest finite max (out = -inf, not NaN from -inf - -inf); NaN
+    and +inf stay non-finite. x may be out itself."""
     m = x.amax(dim=-1, keepdim=True).clamp_(min=FP32_LOWEST)
-    out = torch.sub(x, m, out=out)
-    if temperature != 1.0:
-        out.div_(temperature)
-    return out, m
+    return torch.sub(x, m, out=out), m
+
+
+def _exp2_scale(temperature: float) -> float:
+    """log2(e) / tau: exp((x - m) / tau) = exp2((x - m) * this), one multiply per logit (a
+    division per logit cost the compiled passes more than the exp2; measured: bench/README.md,
+    CPU path). Rounded to fp32 where it multiplies fp32."""
+    return LOG2E / temperature
 
 
 def logp_lse_fwd_torch(
@@ -380,21 +384,24 @@ def logp_lse_fwd_torch(
             x = s.copy_(x)
         # A bad token id is refused by the caller after the forward: until then, read a valid one.
         x_token = x.gather(-1, tokens[b, t0:t1, None].long().clamp(0, V - 1))
-        shifted, m_raw = _shifted(x, temperature, s)
+        shifted, m_raw = _shifted(x, s)
         shifted_token = x_token.sub_(m_raw)
         m = m_raw
         if temperature != 1.0:
             shifted_token.div_(temperature)
             m = (m_raw / temperature).clamp_(min=FP32_LOWEST)
+        scale = _exp2_scale(temperature)
         if with_entropy:
-            e = torch.mul(shifted, LOG2E, out=scratch_e[: t1 - t0]).exp2_()
+            e = torch.mul(shifted, scale, out=scratch_e[: t1 - t0]).exp2_()
             total = e.sum(dim=-1, keepdim=True)
-            # H = log s - sum e * shifted / s; a -inf logit adds 0 (not 0 * -inf = nan).
+            # H = log s - sum e * shifted / (tau s); a -inf logit adds 0 (not 0 * -inf = nan).
             u = e.mul_(shifted.clamp_(min=FP32_LOWEST)).sum(dim=-1, keepdim=True)
+            if temperature != 1.0:
+                u.div_(temperature)
             chunk_log_sum = total.log()
             parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum), chunk_log_sum - u / total]
         else:
-            chunk_log_sum = shifted.mul_(LOG2E).exp2_().sum(dim=-1, keepdim=True).log_()
+            chunk_log_sum = shifted.mul_(scale).exp2_().sum(dim=-1, keepdim=True).log_()
             parts = [m, chunk_log_sum, shifted_token.sub_(chunk_log_sum)]
         chunk = torch.cat(parts, dim=1)
         if live is not None:
@@ -493,13 +500,13 @@ def logits_bwd_torch(
         # The shift is redone in the logits' units (the forward keeps max / tau): see _shifted.
         # exp2 always runs on the contiguous scratch: its vectorised and scalar (tail) results
         # differ in the last bit, and where the tail falls must not depend on the layout of out.
-        shifted, m_raw = _shifted(x, temperature, s)
+        shifted, m_raw = _shifted(x, s)
         ls = _local_log_sum(ls, row_max[b, t0:t1, None], m_raw, temperature)
         logp = x_token.sub_(m_raw)
         if temperature != 1.0:
             logp.div_(temperature)
         logp.sub_(ls)
-        e = shifted.mul_(LOG2E).exp2_()
+        e = shifted.mul_(_exp2_scale(temperature)).exp2_()
         k = ls.neg().exp_().mul_(c).neg_()
         if o.dtype == f32:
             torch.mul(e, k, out=o)
@@ -518,17 +525,18 @@ def logits_bwd_torch(
 # --- CPU path, fused: the same arithmetic, one compiled loop per run of rows and direction -------
 
 
-def _fwd_rows(x: torch.Tensor, tau: torch.Tensor, with_entropy: bool):
+def _fwd_rows(x: torch.Tensor, scale: torch.Tensor, with_entropy: bool):
     """Row statistics of x (rows, V), any float dtype, as the eager forward computes them: m (the
     max, lowest finite for an all -inf row), s = sum_v e_v and, with the entropy, u = sum_v e_v
-    shifted_v, with shifted = (x - m) / tau and e = exp2(shifted log2 e); each (rows, 1) fp32.
-    tau is a 0-dim fp32 tensor (a float would be compiled in as a constant)."""
+    shifted_v (the caller divides it by tau), with shifted = x - m and e = exp2(shifted scale);
+    each (rows, 1) fp32. scale is `_exp2_scale` as a 0-dim fp32 tensor (a float would be compiled
+    in as a constant)."""
     x = x.float()
     # Clamped before the max, not after: a point-wise clamp after the reduction would be its own
     # loop over the rows, between the max and the sums, so each row would be read twice.
     m = x.clamp(min=FP32_LOWEST).amax(dim=-1, keepdim=True)
-    shifted = (x - m) / tau
-    e = torch.exp2(shifted * LOG2E)
+    shifted = x - m
+    e = torch.exp2(shifted * scale)
     if not with_entropy:
         return m, e.sum(dim=-1, keepdim=True)
     return (
@@ -538,17 +546,17 @@ def _fwd_rows(x: torch.Tensor, tau: torch.Tensor, with_entropy: bool):
     )
 
 
-def _bwd_rows(x: torch.Tensor, m: torch.Tensor, tau: torch.Tensor, k: torch.Tensor, out):
-    """out = exp2((x - m) / tau log2 e) * k in out's dtype (out (rows, V) may be x itself), as the
-    eager backward computes it; m, k (rows, 1) fp32, m in the logits' units."""
-    out.copy_(torch.exp2((x.float() - m) / tau * LOG2E) * k)
+def _bwd_rows(x: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, out):
+    """out = exp2((x - m) scale) * k in out's dtype (out (rows, V) may be x itself), as the eager
+    backward computes it; m, k (rows, 1) fp32, m in the logits' units; scale as `_fwd_rows`."""
+    out.copy_(torch.exp2((x.float() - m) * scale) * k)
 
 
-def _bwd_rows_inplace(x: torch.Tensor, m: torch.Tensor, tau: torch.Tensor, k: torch.Tensor):
+def _bwd_rows_inplace(x: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, k: torch.Tensor):
     """_bwd_rows with out = x: compiled apart, because inputs that alias each other make the
     compiled function copy them around its kernel (measured: the in-place backward took 2x the
     out-of-place one)."""
-    x.copy_(torch.exp2((x.float() - m) / tau * LOG2E) * k)
+    x.copy_(torch.exp2((x.float() - m) * scale) * k)
 
 
 def _local_log_sum(
@@ -616,71 +624,116 @@ def _live_runs(live: Optional[torch.Tensor], T: int) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
+def _flat_rows(*tensors: torch.Tensor) -> Optional[list[torch.Tensor]]:
+    """Each (B, T, V) tensor as a (B * T, V) view, or None where one of them has no such view (a
+    sample stride that is not T rows): then the fused passes go one sample at a time."""
+    try:
+        return [t.view(-1, t.shape[-1]) for t in tensors]
+    except RuntimeError:
+        return None
+
+
+class _Rows:
+    """The rows r = b * T + t of (B, T, V) tensors in runs [r0, r1): one run per maximal run of
+    live rows, across samples where every tensor has a (B * T, V) view (one compiled call for a
+    whole batch without dead rows), else within a sample."""
+
+    def __init__(self, live: Optional[torch.Tensor], B: int, T: int, *tensors: torch.Tensor):
+        self.T, self.tensors = T, tensors
+        self.flat = _flat_rows(*tensors)
+        if self.flat is not None:
+            self.runs = _live_runs(None if live is None else live.reshape(-1), B * T)
+        else:
+            self.runs = [
+                (b * T + t0, b * T + t1)
+                for b in range(B)
+                for t0, t1 in _live_runs(None if live is None else live[b], T)
+            ]
+        self.n = B * T
+
+    def slices(self, r0: int, r1: int) -> list[torch.Tensor]:
+        """Rows r0 : r1 of each tensor, (r1 - r0, V); within one sample unless flat."""
+        if self.flat is not None:
+            return [t[r0:r1] for t in self.flat]
+        b, t0 = divmod(r0, self.T)
+        return [t[b, t0 : t0 + r1 - r0] for t in self.tensors]
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The runs of rows outside self.runs, each within one sample unless flat."""
+        edges = [0] + [r for run in self.runs for r in run] + [self.n]
+        out = []
+        for g0, g1 in zip(edges[::2], edges[1::2]):
+            while g0 < g1:
+                end = g1 if self.flat is not None else min(g1, (g0 // self.T + 1) * self.T)
+                out.append((g0, end))
+                g0 = end
+        return out
+
+
 def _logp_lse_fwd_fused(logits, tokens, mask, temperature, out) -> None:
     """logp_lse_fwd_torch's results into out = (logp, row_max, log_sum, entropy or None), zeros
     at entry, with the element-wise part compiled; rows the mask leaves out are never read."""
-    logp, row_max, log_sum, entropy = out
     B, T, V = logits.shape
-    tau = torch.tensor(temperature, dtype=torch.float32)
+    logp, row_max, log_sum, entropy = (None if o is None else o.view(-1) for o in out)
+    tokens = tokens.reshape(-1)
+    scale = torch.tensor(_exp2_scale(temperature), dtype=torch.float32)
     rows_fn = _fused("fwd")
-    for b in range(B):
-        for t0, t1 in _live_runs(None if mask is None else mask[b].bool(), T):
-            x = logits[b, t0:t1]
-            stats = rows_fn(x, tau, entropy is not None)
-            m_raw, total = stats[0], stats[1]
-            # As the eager passes: the token's logit shifted in the logits' units, then divided.
-            x_token = x.gather(-1, tokens[b, t0:t1, None].long().clamp(0, V - 1)).float()
-            shifted_token = x_token.sub_(m_raw)
-            m = m_raw
-            if temperature != 1.0:
-                shifted_token.div_(temperature)
-                m = (m_raw / temperature).clamp_(min=FP32_LOWEST)
-            chunk_log_sum = total.log()
-            row_max[b, t0:t1] = m[:, 0]
-            log_sum[b, t0:t1] = chunk_log_sum[:, 0]
-            logp[b, t0:t1] = shifted_token.sub_(chunk_log_sum)[:, 0]
-            if entropy is not None:
-                entropy[b, t0:t1] = (chunk_log_sum - stats[2] / total)[:, 0]
+    rows = _Rows(None if mask is None else mask.bool(), B, T, logits)
+    for r0, r1 in rows.runs:
+        (x,) = rows.slices(r0, r1)
+        stats = rows_fn(x, scale, entropy is not None)
+        m_raw, total = stats[0], stats[1]
+        # As the eager passes: the token's logit shifted in the logits' units, then divided.
+        x_token = x.gather(-1, tokens[r0:r1, None].long().clamp(0, V - 1)).float()
+        shifted_token = x_token.sub_(m_raw)
+        m = m_raw
+        if temperature != 1.0:
+            shifted_token.div_(temperature)
+            m = (m_raw / temperature).clamp_(min=FP32_LOWEST)
+        chunk_log_sum = total.log()
+        row_max[r0:r1] = m[:, 0]
+        log_sum[r0:r1] = chunk_log_sum[:, 0]
+        logp[r0:r1] = shifted_token.sub_(chunk_log_sum)[:, 0]
+        if entropy is not None:
+            u = stats[2] if temperature == 1.0 else stats[2] / temperature
+            entropy[r0:r1] = (chunk_log_sum - u / total)[:, 0]
 
 
 def _logits_bwd_fused(logits, tokens, row_max, log_sum, coef, temperature, out) -> None:
     """logits_bwd_torch's result without an entropy term, into out, with the element-wise part
     compiled: runs of rows with coef != 0 are computed, the others written as 0."""
     B, T, V = logits.shape
-    tau = torch.tensor(temperature, dtype=torch.float32)
+    tokens, row_max, log_sum, coef = (t.reshape(-1) for t in (tokens, row_max, log_sum, coef))
+    scale = torch.tensor(_exp2_scale(temperature), dtype=torch.float32)
     inplace = out.data_ptr() == logits.data_ptr()
     rows_fn = _fused("bwd_inplace" if inplace else "bwd")
-    for b in range(B):
-        live = coef[b] != 0
-        runs = _live_runs(None if bool(live.all()) else live, T)
-        dead_from = 0
-        for t0, t1 in runs + [(T, T)]:
-            if t0 > dead_from:
-                out[b, dead_from:t0].zero_()
-            dead_from = t1
-        for t0, t1 in runs:
-            x, o = logits[b, t0:t1], out[b, t0:t1]
-            c = coef[b, t0:t1, None]
-            ls = log_sum[b, t0:t1, None]
-            token = tokens[b, t0:t1, None].long()
-            owned = (token >= 0) & (token < V)
-            tok = token.clamp(0, V - 1)
-            # Gathered before o is written: o may be the logits.
-            x_token = x.gather(-1, tok).float()
-            if temperature == 1.0:
-                # The forward's row max is the one a second pass would find (or, for a vocabulary
-                # shard, the global one the statistics are relative to): no pass to recompute it.
-                m_raw = row_max[b, t0:t1, None]
-            else:
-                # The shift is redone in the logits' units (the forward keeps max / tau).
-                m_raw = x.amax(dim=-1, keepdim=True).float().clamp_(min=FP32_LOWEST)
-                ls = _local_log_sum(ls, row_max[b, t0:t1, None], m_raw, temperature)
-            k = ls.neg().exp_().mul_(c).neg_()
-            rows_fn(x, m_raw, tau, k) if inplace else rows_fn(x, m_raw, tau, k, o)
-            logp = x_token.sub_(m_raw)
-            if temperature != 1.0:
-                logp.div_(temperature)
-            taken = logp.sub_(ls).expm1_().mul_(c).neg_().to(o.dtype)
-            if not bool(owned.all()):
-                taken = torch.where(owned, taken, o.gather(-1, tok))
-            _put_taken(o, tok, taken)
+    live = coef != 0
+    rows = _Rows(None if bool(live.all()) else live.view(B, T), B, T, logits, out)
+    for g0, g1 in rows.gaps():
+        rows.slices(g0, g1)[1].zero_()
+    for r0, r1 in rows.runs:
+        x, o = rows.slices(r0, r1)
+        c = coef[r0:r1, None]
+        ls = log_sum[r0:r1, None]
+        token = tokens[r0:r1, None].long()
+        owned = (token >= 0) & (token < V)
+        tok = token.clamp(0, V - 1)
+        # Gathered before o is written: o may be the logits.
+        x_token = x.gather(-1, tok).float()
+        if temperature == 1.0:
+            # The forward's row max is the one a second pass would find (or, for a vocabulary
+            # shard, the global one the statistics are relative to): no pass to recompute it.
+            m_raw = row_max[r0:r1, None]
+        else:
+            # The shift is redone in the logits' units (the forward keeps max / tau).
+            m_raw = x.amax(dim=-1, keepdim=True).float().clamp_(min=FP32_LOWEST)
+            ls = _local_log_sum(ls, row_max[r0:r1, None], m_raw, temperature)
+        k = ls.neg().exp_().mul_(c).neg_()
+        rows_fn(x, m_raw, scale, k) if inplace else rows_fn(x, m_raw, scale, k, o)
+        logp = x_token.sub_(m_raw)
+        if temperature != 1.0:
+            logp.div_(temperature)
+        taken = logp.sub_(ls).expm1_().mul_(c).neg_().to(o.dtype)
+        if not bool(owned.all()):
+            taken = torch.where(owned, taken, o.gather(-1, tok))
+        _put_taken(o, tok, taken)
