@@ -38,8 +38,7 @@ def test_empty_like_keeps_shape_dtype_and_strides_and_gives_an_ordinary_tensor()
 
 def test_small_or_non_cpu_buffers_are_left_alone():
     assert not host_memory.advise_huge_pages(torch.empty(1024))
-    meta = torch.empty(64 << 20, dtype=torch.uint8, device="meta")
-    assert not host_memory.advise_huge_pages(meta)
+    assert not host_memory.advise_huge_pages(torch.empty(64 << 20, dtype=torch.uint8, device="meta"))
 
 
 @pytest.mark.skipif(
