@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from ftis_kernels.kernels import BACKWARD, FORWARD, host_memory, select_backend
+from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.options import (
     FTISOptions,
     option_args,
@@ -155,7 +155,7 @@ def _ftis_loss_bwd(
 ) -> torch.Tensor:
     """d loss / d logits (B, T, V) in a new buffer; coef and entropy_coef already scaled by the
     incoming gradient and 1 / temperature."""
-    out = host_memory.empty_like(logits)
+    out = torch.empty_like(logits)
     stats = (row_max, log_sum, coef, temperature, out, entropy, entropy_coef)
     return BACKWARD[backend](logits, tokens, *stats)
 
