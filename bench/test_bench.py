@@ -12,6 +12,7 @@ plots drawn from records.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -375,18 +376,24 @@ def test_ceilings_are_measured_on_this_device():
     assert c["copy_GBps"] > 0.1 and c["matmul_TFLOPs"]["float32"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_fused_cpu_row_passes_compile_to_the_eager_results(monkeypatch, inplace):
-    """The CPU path's fused row functions as inductor builds them (C++; the library's tests run
-    them uncompiled, to keep compilation out of the test suite) give the eager passes' results
-    on bf16 rows of mixed magnitude, with masked runs, a live nan row and a row without gradient
-    holding inf: row maxima exact, the rest within the rounding of a reordered sum."""
-    from ftis_kernels.kernels import logp_lse
+@pytest.mark.parametrize("build", ["cpp", "inductor"])
+def test_fused_cpu_row_passes_compile_to_the_eager_results(monkeypatch, dtype, inplace, build):
+    """The CPU path's fused row functions as built (C++: `cpu_rows.py`'s hand-vectorised loops,
+    or the torch.compile'd functions that serve what those do not; the library's tests run the
+    plain functions uncompiled, to keep compilation out of the test suite) give the eager passes'
+    results on rows of mixed magnitude, with masked runs, a live nan row and a row without
+    gradient holding inf: row maxima exact, the rest within the rounding of a reordered sum and,
+    for C++, of its polynomial exp2 (1.7e-7 relative)."""
+    from ftis_kernels.kernels import cpu_rows, logp_lse
 
+    if build == "inductor":
+        monkeypatch.setattr(cpu_rows, "usable", lambda direction, *tensors: False)
     g = torch.Generator().manual_seed(0)
     B, T, V, tau = 2, 6, 300, 0.7
     scale = torch.tensor([1.0, 1e2, 1e4])[torch.randint(0, 3, (B, T, 1), generator=g)]
-    x = ((torch.randn(B, T, V, generator=g) + 2.0) * scale).bfloat16()
+    x = ((torch.randn(B, T, V, generator=g) + 2.0) * scale).to(dtype)
     tokens = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, [1, 4]] = False
@@ -400,12 +407,67 @@ def test_fused_cpu_row_passes_compile_to_the_eager_results(monkeypatch, inplace)
     want_grad = logp_lse.logits_bwd_torch(x, tokens, *want[1:3], coef, tau, torch.empty_like(x))
     monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
     got = logp_lse.logp_lse_fwd_torch(x, tokens, mask, tau)
-    if logp_lse._FUSED.get("broken"):
+    if build == "inductor" and logp_lse._FUSED.get("broken"):
         pytest.skip("inductor cannot build C++ here (the eager passes ran)")
+    if build == "cpp":
+        assert cpu_rows.usable("bwd", x.view(-1, V)), "the C++ row functions did not build"
     for name, a, b in zip(("logp", "row_max", "log_sum", "entropy"), got, want):
         exact = name == "row_max"
         tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 1e-6}
         torch.testing.assert_close(a, b, equal_nan=True, msg=name, **tol)
     out = x.clone() if inplace else torch.empty_like(x)
     grad = logp_lse.logits_bwd_torch(out if inplace else x, tokens, *got[1:3], coef, tau, out)
-    torch.testing.assert_close(grad, want_grad, rtol=2.0**-8, atol=0)
+    tol = {"rtol": 2.0**-8, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-7}
+    torch.testing.assert_close(grad, want_grad, **tol)
+
+
+def test_cpp_row_functions_exp2_is_within_two_units_in_the_last_place():
+    """`cpu_rows.bwd_rows` with m = 0, k = 1 and scale 1 is its exp2 alone: against float64, at
+    most 2.1e-7 relative error (the fp32 spacing near 1 is 1.2e-7) over [-126, 0], exactly 1 at
+    0, 0 below 2^-127 and at -inf, NaN at NaN; in fp32 and through bf16 inputs."""
+    from ftis_kernels.kernels import cpu_rows
+
+    y = torch.cat(
+        [
+            -torch.rand(200_000, dtype=torch.float64) * 126,
+            torch.tensor([0.0, -1.0, -0.5, -126.0, -127.5, -200.0, -math.inf, math.nan]).double(),
+        ]
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        x = y.to(dtype)[:, None]
+        if not cpu_rows.usable("bwd", x):
+            pytest.skip("the C++ row functions cannot be built here")
+        one = torch.ones(x.shape[0], 1)
+        got = cpu_rows.bwd_rows(x, torch.zeros_like(one), 1.0, one, torch.empty_like(x)).double()
+        want = torch.exp2(x.double())
+        normal = want >= 2.0**-126
+        rel = ((got - want).abs() / want)[normal]
+        assert float(rel.max()) <= (2.1e-7 if dtype == torch.float32 else 2.0**-8)
+        tail = {0.0: 1.0, -127.5: 0.0, -200.0: 0.0, -math.inf: 0.0}
+        for v, expected in tail.items():
+            assert got[(x.double() == v)[:, 0]].unique().tolist() == [expected]
+        assert bool(got[x.isnan()].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_forward_rows_give_the_plain_functions_statistics(dtype):
+    """`cpu_rows.fwd_rows` (the fused forward takes it for bf16; fp32 is measured slower there
+    and takes inductor's, but the function serves both) against `logp_lse._fwd_rows` run plainly:
+    row maxima exact (NaN for a row holding one, +inf, the lowest float for an all -inf row), the
+    sums within the rounding of a reordered sum and of the polynomial exp2."""
+    from ftis_kernels.kernels import cpu_rows, logp_lse
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(9, 5000, generator=g) * torch.logspace(0, 4, 9)[:, None]).to(dtype)
+    x[1, 7], x[2] = math.nan, -math.inf
+    x[3, 11], x[4, 13] = math.inf, -math.inf
+    if not cpu_rows.usable("bwd", x):
+        pytest.skip("the C++ row functions cannot be built here")
+    scale = 1.4426950408889634 / 0.7
+    want = logp_lse._fwd_rows(x, torch.tensor(scale, dtype=torch.float32), True)
+    got = cpu_rows.fwd_rows(x, scale, True)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)
+    # atol: below 2^-126 the polynomial exp2 gives 0 where Sleef's gives a subnormal.
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-30, equal_nan=True)
+    assert cpu_rows.fwd_rows(x, scale, False)[2] is None

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from ftis_kernels.kernels import cpu_rows
 from ftis_kernels.kernels.tl_utils import NEG_BIG, online_lse_entropy_update, online_lse_update
 
 # Largest vocabulary block one program holds in registers at once (the tests lower it to cover
@@ -297,16 +298,19 @@ def triton_is_interpreted() -> bool:
 # taken tokens' entries; with an entropy term in a chunk, that chunk takes the plain fp32 formula.
 #
 # Calls of at least CPU_FUSED_MIN_ELEMENTS logits run the same arithmetic fused instead: the
-# element-wise part of each direction is one function compiled by torch.compile (inductor's C++
-# backend), which reads each row once from memory (its passes over a row hit the cache) and, in
-# the backward (which takes the forward's row max at temperature 1, and one eager max pass
-# otherwise), writes the gradient straight into `out`: one parallel loop per run of live rows
-# and direction, against about 6 per chunk eagerly (measured: bench/README.md, CPU path). A run
-# crosses samples where the tensors have a (B * T, V) view: a batch without dead rows is one
-# call per direction (the call's fixed cost is ~0.3 ms, and larger loops share out better). The
-# taken tokens' entries and the (rows,) statistics stay eager. The first call in a process
-# compiles (per direction and logits dtype; bench/README.md states the cost); where inductor
-# cannot build (no C++ compiler), a warning says so once and the eager passes run.
+# element-wise part of each direction is one function that reads each row once from memory (its
+# passes over a row hit the cache) and, in the backward (which takes the forward's row max at
+# temperature 1, and one eager max pass otherwise), writes the gradient straight into `out`: one
+# parallel loop per run of live rows and direction, against about 6 per chunk eagerly (measured:
+# bench/README.md, CPU path). Rows with unit stride along V take hand-vectorised C++ loops
+# (`cpu_rows.py`: a polynomial exp2) where they were measured faster: the backward in fp32 and
+# bf16, the forward in bf16; the rest (the fp32 forward, fp16, other strides, or where the C++
+# cannot be built) the same functions compiled by torch.compile (inductor's C++ backend, Sleef's
+# exp2). A run crosses samples where the tensors have a (B * T, V) view: a batch
+# without dead rows is one call per direction (each call costs ~0.5 ms of dispatch, and larger
+# loops share out better). The taken tokens' entries and the (rows,) statistics stay eager. The
+# first call in a process builds or loads its functions (bench/README.md states the cost); where
+# neither can be built (no C++ compiler), a warning says so once and the eager passes run.
 # FTIS_CPU_FUSED=0 in the environment turns the fused passes off (the eager ones always run).
 
 LOG2E = 1.4426950408889634
@@ -585,13 +589,44 @@ def _fused_wanted(logits: torch.Tensor) -> bool:
     )
 
 
-def _fused(name: str):
-    """The compiled row function `name`; compiled at its first call, with dynamic shapes (one
-    compilation serves every run length and vocabulary)."""
+def _compiled(name: str):
+    """The torch.compile'd row function `name`; compiled at its first call, with dynamic shapes
+    (one compilation serves every run length and vocabulary)."""
     if name not in _FUSED:
         fn = {"fwd": _fwd_rows, "bwd": _bwd_rows, "bwd_inplace": _bwd_rows_inplace}[name]
         _FUSED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
     return _FUSED[name]
+
+
+def _fwd_rows_fused(x: torch.Tensor, scale: torch.Tensor, with_entropy: bool):
+    """`_fwd_rows`, by the C++ row functions (`cpu_rows.py`) where they serve x, else compiled."""
+    if cpu_rows.usable("fwd", x):
+        m, s, u = cpu_rows.fwd_rows(x, float(scale), with_entropy)
+        return (m, s) if u is None else (m, s, u)
+    return _compiled("fwd")(x, scale, with_entropy)
+
+
+def _bwd_rows_fused(x: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, out):
+    """`_bwd_rows`, by the C++ row functions where they serve x and out, else compiled."""
+    if cpu_rows.usable("bwd", x, out):
+        cpu_rows.bwd_rows(x, m, float(scale), k, out)
+    else:
+        _compiled("bwd")(x, m, scale, k, out)
+
+
+def _bwd_rows_inplace_fused(x: torch.Tensor, m: torch.Tensor, scale: torch.Tensor, k: torch.Tensor):
+    """`_bwd_rows_inplace`, by the C++ row functions where they serve x, else compiled."""
+    if cpu_rows.usable("bwd", x):
+        cpu_rows.bwd_rows(x, m, float(scale), k, x)
+    else:
+        _compiled("bwd_inplace")(x, m, scale, k)
+
+
+def _fused(name: str):
+    """The fused row function `name` ("fwd", "bwd", "bwd_inplace")."""
+    return {"fwd": _fwd_rows_fused, "bwd": _bwd_rows_fused, "bwd_inplace": _bwd_rows_inplace_fused}[
+        name
+    ]
 
 
 def _fused_call(fn, *args) -> bool:
