@@ -410,7 +410,7 @@ def test_fused_cpu_row_passes_compile_to_the_eager_results(monkeypatch, dtype, i
     if build == "inductor" and logp_lse._FUSED.get("broken"):
         pytest.skip("inductor cannot build C++ here (the eager passes ran)")
     if build == "cpp":
-        assert cpu_rows.usable("bwd", x.view(-1, V)), "the C++ row functions did not build"
+        assert cpu_rows.usable("fwd", x.view(-1, V)), "the C++ row functions did not build"
     for name, a, b in zip(("logp", "row_max", "log_sum", "entropy"), got, want):
         exact = name == "row_max"
         tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 1e-6}
@@ -451,8 +451,7 @@ def test_cpp_row_functions_exp2_is_within_two_units_in_the_last_place():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_forward_rows_give_the_plain_functions_statistics(dtype):
-    """`cpu_rows.fwd_rows` (the fused forward takes it for bf16; fp32 is measured slower there
-    and takes inductor's, but the function serves both) against `logp_lse._fwd_rows` run plainly:
+    """`cpu_rows.fwd_rows` against `logp_lse._fwd_rows` run plainly:
     row maxima exact (NaN for a row holding one, +inf, the lowest float for an all -inf row), the
     sums within the rounding of a reordered sum and of the polynomial exp2."""
     from ftis_kernels.kernels import cpu_rows, logp_lse

@@ -302,15 +302,15 @@ def triton_is_interpreted() -> bool:
 # passes over a row hit the cache) and, in the backward (which takes the forward's row max at
 # temperature 1, and one eager max pass otherwise), writes the gradient straight into `out`: one
 # parallel loop per run of live rows and direction, against about 6 per chunk eagerly (measured:
-# bench/README.md, CPU path). Rows with unit stride along V take hand-vectorised C++ loops
-# (`cpu_rows.py`: a polynomial exp2) where they were measured faster: the backward in fp32 and
-# bf16, the forward in bf16; the rest (the fp32 forward, fp16, other strides, or where the C++
-# cannot be built) the same functions compiled by torch.compile (inductor's C++ backend, Sleef's
-# exp2). A run crosses samples where the tensors have a (B * T, V) view: a batch
-# without dead rows is one call per direction (each call costs ~0.5 ms of dispatch, and larger
-# loops share out better). The taken tokens' entries and the (rows,) statistics stay eager. The
-# first call in a process builds or loads its functions (bench/README.md states the cost); where
-# neither can be built (no C++ compiler), a warning says so once and the eager passes run.
+# bench/README.md, CPU path). fp32 and bf16 rows with unit stride along V take hand-vectorised
+# C++ loops (`cpu_rows.py`: a polynomial exp2; 1.2-1.8x the speed); the rest (fp16, other
+# strides, or where the C++ cannot be built) the same functions compiled by torch.compile
+# (inductor's C++ backend, Sleef's exp2). A run crosses samples where the tensors have a
+# (B * T, V) view: a batch without dead rows is one call per direction (each call costs ~0.5 ms
+# of dispatch, and larger loops share out better). The taken tokens' entries and the (rows,)
+# statistics stay eager. The first call in a process builds or loads its functions
+# (bench/README.md states the cost); where neither can be built (no C++ compiler), a warning
+# says so once and the eager passes run.
 # FTIS_CPU_FUSED=0 in the environment turns the fused passes off (the eager ones always run).
 
 LOG2E = 1.4426950408889634
