@@ -614,3 +614,31 @@ def test_fused_cpu_row_passes_are_off_with_ftis_cpu_fused_0(monkeypatch):
     monkeypatch.setenv("FTIS_CPU_FUSED", "1")
     with pytest.raises(AssertionError, match="compiled row function requested"):
         logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)
+
+
+def test_cpu_row_functions_fall_back_to_the_compiled_ones_where_the_cpp_cannot_build(monkeypatch):
+    """Where `cpu_rows`' C++ cannot be built (here: the build raises), one warning, then every
+    fused call takes the torch.compile'd functions (here run uncompiled), with their results."""
+    import torch.utils.cpp_extension
+
+    from ftis_kernels.kernels import cpu_rows
+
+    builds = []
+
+    def cannot_build(*args, **kwargs):
+        builds.append(args)
+        raise RuntimeError("no ninja")
+
+    plain = {"fwd": logp_lse._fwd_rows, "bwd": logp_lse._bwd_rows}
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", cannot_build)
+    monkeypatch.setattr(cpu_rows, "_MODULE", {})
+    monkeypatch.setattr(logp_lse, "_compiled", plain.__getitem__)
+    x = torch.randn(5, 300)
+    scale = torch.tensor(logp_lse._exp2_scale(1.0), dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU row functions could not be built"):
+        got = logp_lse._fwd_rows_fused(x, scale, True)
+    for a, b in zip(got, logp_lse._fwd_rows(x, scale, True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    out = torch.empty_like(x)
+    logp_lse._bwd_rows_fused(x, got[0], scale, torch.ones(5, 1), out)
+    assert len(builds) == 1 and not cpu_rows.usable("bwd", x)

@@ -197,10 +197,11 @@ def _cpu_key() -> str:
 
 def _module():
     if "mod" not in _MODULE:
-        from torch.utils.cpp_extension import load_inline
-
         key = hashlib.sha256("\n".join([_SOURCE, *_FLAGS, _cpu_key()]).encode()).hexdigest()
         try:
+            # Imported here: torch.utils.cpp_extension needs setuptools (not a core dependency).
+            from torch.utils.cpp_extension import load_inline
+
             _MODULE["mod"] = load_inline(
                 f"ftis_cpu_rows_{key[:16]}",
                 cpp_sources=[_SOURCE],
@@ -208,7 +209,7 @@ def _module():
                 extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"],
             )
-        except Exception as err:  # no compiler, no ninja, an unsupported flag: fall back
+        except Exception as err:  # no setuptools, compiler or ninja, a bad flag: fall back
             _MODULE["mod"] = None
             warnings.warn(
                 "ftis_kernels: the C++ CPU row functions could not be built, the torch.compile'd "
