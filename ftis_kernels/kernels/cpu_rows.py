@@ -66,11 +66,13 @@ inline void store(uint16_t* p, int64_t i, float g) {
   p[i] = g != g ? uint16_t(0x7FC0) : uint16_t(r);
 }
 
-// 2^y for y <= 0 (x <= the row max) or NaN: 2^floor(y) from its exponent bits times a degree-5
-// polynomial in the fraction (fitted in relative error, 1.7e-7); y < -127 gives 0 (no
-// subnormals), y = 0 gives exactly 1, NaN gives NaN.
+// 2^y, for y <= 0 in the row passes (x <= the row max): 2^floor(y) from its exponent bits times a
+// degree-5 polynomial in the fraction (fitted in relative error, 1.7e-7); y < -126 gives 0 (no
+// subnormals), y = 0 exactly 1, y >= 128 inf, NaN NaN. The clamps keep the float -> int
+// conversion defined whatever y is.
 inline float exp2_nonpos(float y) {
   y = y < -127.0f ? -127.0f : y;
+  y = y > 128.0f ? 128.0f : y;
   const float n = std::floor(y);
   const float f = y - n;
   float p = 0.0018671829020604491f;
@@ -79,7 +81,7 @@ inline float exp2_nonpos(float y) {
   p = p * f + 0.2401641607284546f;
   p = p * f + 0.6931513547897339f;
   p = p * f + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
+  const int32_t bits = (int32_t(n == n ? n : 0.0f) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
