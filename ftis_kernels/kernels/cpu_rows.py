@@ -5,8 +5,9 @@ torch.compile's C++ code calls a 1-ulp vectorised exp2 for each; this module's l
 degree-5 polynomial with an exponent built from bits instead (1.7e-7 relative error, the spacing
 of fp32 near 1 is 1.2e-7), and let the compiler vectorise whole rows. Measured against the
 torch.compile'd functions on a 2-core AVX-512 machine (bench/README.md, CPU path): the forward
-1.4-1.6x their speed, the backward 1.2x (fp32) and 1.6-1.8x (bf16). The same arithmetic otherwise,
-with the same non-finite semantics:
+at 1.3x their speed (fp32) and 1.7-1.8x (bf16), the backward at 1.7-1.9x in bf16 and the same in
+fp32, where both run at copy speed. The same arithmetic otherwise, with the same non-finite
+semantics:
 
     fwd_rows: m = max_v max(x_v, lowest) (NaN if a NaN is read), s = sum_v e_v and
               u = sum_v e_v max(x_v - m, lowest), e_v = 2^((x_v - m) scale)
@@ -14,8 +15,7 @@ with the same non-finite semantics:
 
 Sums go by blocks of 2048 logits (the block's exponentials into a buffer, summed with vector
 accumulators, the block sums added in turn), so rounding error grows with the block, not the
-row. Rows run in parallel with
-`at::parallel_for`, under torch's thread settings.
+row. Rows run in parallel with `at::parallel_for`, under torch's thread settings.
 
 Built on first use with torch.utils.cpp_extension (C++ compiler and ninja; tens of seconds once,
 cached per source, flags and CPU), for the CPU it runs on (-march=native). Where it cannot be

@@ -303,7 +303,7 @@ def triton_is_interpreted() -> bool:
 # temperature 1, and one eager max pass otherwise), writes the gradient straight into `out`: one
 # parallel loop per run of live rows and direction, against about 6 per chunk eagerly (measured:
 # bench/README.md, CPU path). fp32 and bf16 rows with unit stride along V take hand-vectorised
-# C++ loops (`cpu_rows.py`: a polynomial exp2; 1.2-1.8x the speed); the rest (fp16, other
+# C++ loops (`cpu_rows.py`: a polynomial exp2; up to 1.9x the speed); the rest (fp16, other
 # strides, or where the C++ cannot be built) the same functions compiled by torch.compile
 # (inductor's C++ backend, Sleef's exp2). A run crosses samples where the tensors have a
 # (B * T, V) view: a batch without dead rows is one call per direction (each call costs ~0.5 ms
@@ -622,11 +622,16 @@ def _bwd_rows_inplace_fused(x: torch.Tensor, m: torch.Tensor, scale: torch.Tenso
         _compiled("bwd_inplace")(x, m, scale, k)
 
 
+_FUSED_ROWS = {
+    "fwd": _fwd_rows_fused,
+    "bwd": _bwd_rows_fused,
+    "bwd_inplace": _bwd_rows_inplace_fused,
+}
+
+
 def _fused(name: str):
     """The fused row function `name` ("fwd", "bwd", "bwd_inplace")."""
-    return {"fwd": _fwd_rows_fused, "bwd": _bwd_rows_fused, "bwd_inplace": _bwd_rows_inplace_fused}[
-        name
-    ]
+    return _FUSED_ROWS[name]
 
 
 def _fused_call(fn, *args) -> bool:
