@@ -3,7 +3,15 @@
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
+from ftis_kernels.grad_buffer import release_cpu_grad_buffer, reuse_cpu_grad_buffer
 from ftis_kernels.options import FTISOptions
 
-__all__ = ["FTISOptions", "ftis_linear_loss", "ftis_logprobs", "ftis_loss"]
+__all__ = [
+    "FTISOptions",
+    "ftis_linear_loss",
+    "ftis_logprobs",
+    "ftis_loss",
+    "release_cpu_grad_buffer",
+    "reuse_cpu_grad_buffer",
+]
 __version__ = "0.1.0"

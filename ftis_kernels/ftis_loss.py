@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from ftis_kernels.grad_buffer import grad_buffer
 from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.options import (
     FTISOptions,
@@ -153,9 +154,10 @@ def _ftis_loss_bwd(
     temperature: float,
     backend: str,
 ) -> torch.Tensor:
-    """d loss / d logits (B, T, V) in a new buffer; coef and entropy_coef already scaled by the
-    incoming gradient and 1 / temperature."""
-    out = torch.empty_like(logits)
+    """d loss / d logits (B, T, V) in a buffer no one else holds (on the CPU, one reused across
+    calls: grad_buffer.py); coef and entropy_coef already scaled by the incoming gradient and
+    1 / temperature."""
+    out = grad_buffer(logits)
     stats = (row_max, log_sum, coef, temperature, out, entropy, entropy_coef)
     return BACKWARD[backend](logits, tokens, *stats)
 

@@ -1,0 +1,79 @@
+"""The buffer the CPU backward writes d loss / d logits into, reused across calls.
+
+Out of place, the backward returns the gradient in a new (B, T, V) buffer. On CUDA, PyTorch's
+caching allocator hands it memory an earlier step freed. On the CPU, glibc serves every block of
+32 MiB or more with a fresh mmap and unmaps it on free, so each step's gradient faults its pages
+in anew, one fault per 4 KiB page; on the 2-core machine of bench/README.md that costs more than
+computing the gradient (fwd+bwd of 1k x 32,000 fp32 logits: 66 against 21 ms; 512 x 151,936:
+163 against 52 ms). So the CPU path keeps the buffer of its last gradient and hands it out again
+once nobody else holds it: the caching allocator's behaviour, for one buffer.
+
+A buffer is handed out only when this module holds the sole reference to its storage: a gradient
+still held anywhere (a leaf's `.grad`, a hook's copy, a view, the autograd engine) is never
+written. The price is memory between steps: the largest gradient since the last release stays
+allocated, as the CUDA allocator keeps its blocks. `release_cpu_grad_buffer()` frees it;
+`reuse_cpu_grad_buffer(False)` turns the reuse off (each gradient is then a new allocation).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Optional
+
+import torch
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _holders(t: torch.Tensor) -> tuple[int, int]:
+    """(C++ references to t's storage, Python references to its storage object). A tensor or view
+    holds a C++ reference; a storage object, which PyTorch keeps one of per storage, holds one C++
+    reference while alive, whoever holds it in Python: its Python count tells them apart."""
+    storage = t.untyped_storage()
+    return _use_count(storage._cdata), sys.getrefcount(storage)
+
+
+# What _holders gives for a tensor that nothing else holds, measured here rather than assumed.
+_ALONE = None if _use_count is None else _holders(torch.empty(1))
+_lock = threading.Lock()
+_held: Optional[torch.Tensor] = None  # flat, uint8
+_enabled = _use_count is not None
+
+
+def reuse_cpu_grad_buffer(enabled: bool = True) -> None:
+    """Whether the out-of-place CPU backward reuses one gradient buffer across calls (the
+    default). Turning it off also releases the buffer held."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {enabled!r}")
+    with _lock:
+        _enabled = enabled and _use_count is not None
+    if not enabled:
+        release_cpu_grad_buffer()
+
+
+def release_cpu_grad_buffer() -> int:
+    """Drops the gradient buffer held for reuse; returns its size in bytes (0 if none). Its
+    memory is freed once no gradient handed out from it is alive."""
+    global _held
+    with _lock:
+        nbytes = 0 if _held is None else _held.numel()
+        _held = None
+    return nbytes
+
+
+def grad_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of like's shape and dtype, for a gradient that the caller writes
+    whole. On the CPU with reuse on: a contiguous view of the held buffer when no one else holds
+    it and it is large enough, else a new allocation that becomes the held buffer. Otherwise
+    `torch.empty_like(like)`."""
+    global _held
+    if like.device.type != "cpu" or not _enabled:
+        return torch.empty_like(like)
+    nbytes = like.numel() * like.element_size()
+    with _lock:
+        if _held is None or _held.numel() < nbytes or _holders(_held) != _ALONE:
+            _held = torch.empty(nbytes, dtype=torch.uint8)
+        # A tensor of its own on the held storage, not a view: nothing points back at _held.
+        return torch.empty(0, dtype=like.dtype).set_(_held.untyped_storage(), 0, like.shape)
