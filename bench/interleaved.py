@@ -10,10 +10,11 @@ The copy roofline is timed in the same rounds (`copy`, unless --impls leaves it 
 `copy_` of 1.5x the logits' bytes, which reads and writes 3x them, the roofline's bytes for
 fwd+bwd (`measure.work_model`); each implementation's "of roofline" is copy's min over its min,
 so the ceiling is measured under the same load as the work. `copy_fresh` moves the same bytes with
-the backward's share written to a new allocation, as an out-of-place gradient must be: its page
-faults (one per 4 KiB page with the default allocator, unless PyTorch's THP_MEM_ALLOC_ENABLE=1
-asks for huge pages) are part of that ceiling; "of fresh roofline" is copy_fresh's min over each
-implementation's.
+the backward's share written to a new allocation, as an out-of-place gradient in a new buffer is
+(TRL's, the reference's; `ftis_loss` reuses its buffer on the CPU, ftis_kernels/grad_buffer.py):
+its page faults (one per 4 KiB page with the default allocator, unless PyTorch's
+THP_MEM_ALLOC_ENABLE=1 asks for huge pages) are part of that ceiling; "of fresh roofline" is
+copy_fresh's min over each implementation's.
 """
 
 from __future__ import annotations
