@@ -10,6 +10,7 @@ import torch
 import ftis_kernels
 from ftis_kernels import ftis_loss, grad_buffer
 from tests.cases import backend, implementations, make_case, run_op
+from tests.test_ftis_loss import _fused_uncompiled
 
 CPU = torch.device("cpu")
 
@@ -34,13 +35,20 @@ def _grad(case, impl, logits=None):
     return grad
 
 
-@pytest.mark.parametrize("impl", implementations(CPU))
-def test_a_dropped_gradient_buffer_is_reused_with_the_same_values(impl):
-    case = make_case(2, 5, 97, torch.bfloat16, seed=40, device=CPU)
-    want = run_op(case, impl)[2]
+@pytest.mark.parametrize("mask", ["random", "empty_row"])
+@pytest.mark.parametrize("impl", [*implementations(CPU), "torch-fused"])
+def test_a_dropped_gradient_buffer_is_reused_and_written_whole(impl, mask, monkeypatch):
+    """The reused buffer is poisoned with NaN first: every element of the gradient, masked rows
+    and filtered samples included, must be written (by Triton, the eager and the fused passes)."""
+    if impl == "torch-fused":
+        _fused_uncompiled(monkeypatch)
+        impl = "torch"
+    case = make_case(3, 5, 97, torch.bfloat16, seed=40, mask=mask, device=CPU)
+    want = run_op(case, impl)[2].clone()
     first = _grad(case, impl)
     ptr = first.data_ptr()
     assert torch.equal(first, want)
+    first.fill_(float("nan"))
     del first
     second = _grad(case, impl)
     assert second.data_ptr() == ptr, "the buffer of the dropped gradient is handed out again"
