@@ -72,6 +72,24 @@ def test_a_gradient_still_held_is_never_written(hold):
     assert torch.equal(held, want[1, 2:] if hold == "view" else want)
 
 
+@pytest.mark.parametrize("how", ["share_memory_", "resize"])
+def test_a_buffer_moved_to_shared_memory_or_resized_is_not_reused(how):
+    """A gradient moved to shared memory may be read by another process after it is dropped
+    here; one whose storage was resized is no longer the allocation made."""
+    case = make_case(2, 5, 97, seed=46, device=CPU)
+    want = run_op(case, "torch")[2].clone()
+    first = _grad(case, "torch")
+    if how == "share_memory_":
+        first.share_memory_()
+    else:
+        first.untyped_storage().resize_(2 * first.untyped_storage().nbytes())
+    ptr = first.data_ptr()
+    del first
+    second = _grad(case, "torch")
+    assert second.data_ptr() != ptr and not second.untyped_storage().is_shared()
+    assert torch.equal(second, want)
+
+
 def test_a_leaf_accumulates_its_gradients_over_backward_calls():
     """A kept .grad holds the first buffer: the second call writes another one, which autograd
     adds into .grad."""
