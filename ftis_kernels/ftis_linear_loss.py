@@ -74,7 +74,7 @@ from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor,
 
 # With chunk_size=None, a chunk holds at most this many logits (2^27: 256 MiB in bf16, 512 MiB in
 # fp32, i.e. 883 rows of Qwen2.5's 151,936-token vocabulary): CPU GEMMs run about 1.3x faster at
-# 1,024 rows than at 220 (issue 16), and no chunk grows with B * T...
+# 1,024 rows than at 220, and no chunk grows with B * T...
 AUTO_CHUNK_ELEMENTS = 1 << 27
 # ...or the longest sample, when its logits are at most this many (2^28: 1 GiB in fp32, 1,766 rows
 # of 151,936): chunks of whole samples let the forward compute the gradients (6 N H V FLOPs).

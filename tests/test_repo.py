@@ -31,6 +31,20 @@ def test_nothing_points_outside_the_repository():
     assert not hits, f"references to files a clone does not have: {hits}"
 
 
+def test_nothing_cites_a_tracker_the_repository_does_not_have():
+    # Users have no issue tracker or work log: a comment or document says what happened instead
+    # of citing an issue, session or stop number. The changelog and stored results are history.
+    cited = re.compile(r"\b(issue|stop|session)s? [0-9]+(\.[0-9]+)?\b", re.I)
+    hits = [
+        f"{f.relative_to(ROOT)}:{i}"
+        for f in _tracked_text_files()
+        if f.name != "CHANGELOG.md" and "results" not in f.relative_to(ROOT).parts
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if cited.search(line)
+    ]
+    assert not hits, f"lines that cite an issue, session or stop by number: {hits}"
+
+
 def test_every_method_section_reference_resolves():
     sections = set(re.findall(r"^## (\d+)\. ", METHOD.read_text(), re.M))
     refs = [
