@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -541,10 +542,67 @@ def test_genrl_game_manager_drives_two_peers_of_different_sizes_for_rounds():
         assert moved, name
 
 
+def _torch_comm_peer(rank: int, port: int, out: str) -> None:
+    """One peer of a two-process swarm over GenRL's `torch_comm` backend (gloo): one round."""
+    import json
+
+    import torch.distributed as dist
+    from genrl.communication.distributed.torch_comm import TorchBackend
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    trainer = _trainer(hidden=(32, 48)[rank], layers=(2, 3)[rank], seed=rank)
+    gm = BaseGameManager(
+        max_stage=1,
+        max_round=1,
+        game_state=GameState(0, 0),
+        reward_manager=_rewards(),
+        trainer=trainer,
+        data_manager=TransplantDataManager(),
+        communication=TorchBackend(),
+    )
+    gm.run_game()
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps({k: v for k, v in trainer._metrics["train"].items()}))
+
+
+def test_two_peer_processes_exchange_records_through_genrls_torch_comm_backend(tmp_path):
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "import sys; sys.path.insert(0, 'tests'); import test_genrl_integration as t; "
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                code + f"t._torch_comm_peer({r}, {port}, {str(tmp_path / str(r))!r})",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, logs[r][-3000:]
+        m = json.loads((tmp_path / str(r)).read_text())
+        # Its own rollouts and the other process's, unpickled with their records.
+        assert m["ftis/recorded"] == [2 * len(QUESTIONS) * G], (r, m, logs[r][-2000:])
+        assert m["ftis/kl_mean"][0] > 0
+
+
 def test_genrl_example_runs_as_written():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the user's CPU path
     out = subprocess.run(
         [sys.executable, "examples/genrl_ftis.py"],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
