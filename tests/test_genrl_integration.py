@@ -4,9 +4,11 @@ Two tiny Qwen2 models of different sizes, built from a config, share the project
 tokenizer (with a chat template). GenRL's `BaseGameManager`, `GameState`,
 `SimpleTextDataManager` (with the transplanting of peers' rollouts that RL Swarm's data manager
 does), `DefaultRewardManager` and its communication classes drive them; the stock
-`GRPOLanguageTrainerModule` runs beside the F-TIS trainer on the same rollouts. GenRL's hivemind
-backend is not exercised: with hivemind 1.1.12 it does not import (`from hivemind import
-get_dht_time`; 1.1.12 has it in `hivemind.utils`).
+`GRPOLanguageTrainerModule` runs beside the F-TIS trainer on the same rollouts. Communication:
+threads exchanging through GenRL's `Communication` interface, two processes over its `torch_comm`
+backend (gloo), and its hivemind backend with two local peers: with hivemind 1.1.12 that module
+does not import (`from hivemind import DHT, get_dht_time`; 1.1.12 has get_dht_time in
+`hivemind.utils` only), so its test gives `hivemind` that name first (`_hivemind_backend`).
 """
 
 from __future__ import annotations
@@ -112,7 +114,13 @@ class TransplantDataManager(SimpleTextDataManager):
     reasoning-gym data manager does (`genrl.examples.rgym.data`, less its reward ranking)."""
 
     def __init__(self):
-        super().__init__(train_dataset=None, data_generator=_data, num_train_samples=None)
+        # Batch items keyed by the question's hash, as RL Swarm's (msgpack refuses int map keys).
+        super().__init__(
+            train_dataset=None,
+            data_generator=_data,
+            num_train_samples=None,
+            batch_item_id_column="question",
+        )
 
     def prepare_states(self, current_state, swarm_states):
         trees = current_state.trees
@@ -595,6 +603,66 @@ def test_two_peer_processes_exchange_records_through_genrls_torch_comm_backend(t
         # Its own rollouts and the other process's, unpickled with their records.
         assert m["ftis/recorded"] == [2 * len(QUESTIONS) * G], (r, m, logs[r][-2000:])
         assert m["ftis/kl_mean"][0] > 0
+
+
+def _hivemind_backend():
+    """GenRL's HivemindBackend class. With hivemind 1.1.12 its module does not import
+    (`from hivemind import DHT, get_dht_time`: 1.1.12 has get_dht_time in hivemind.utils only);
+    the shim gives the name the module expects, the same function, and changes nothing else."""
+    hivemind = pytest.importorskip("hivemind")
+    if not hasattr(hivemind, "get_dht_time"):
+        hivemind.get_dht_time = hivemind.utils.get_dht_time
+    from genrl.communication.hivemind import hivemind_backend
+
+    return hivemind_backend
+
+
+def test_over_genrls_hivemind_backend_records_are_lost_and_the_policy_applies(monkeypatch):
+    # msgpack writes a str subclass as a plain str: the peer's completions arrive as text only,
+    # so the receiver trains them by its `unrecorded` policy (NoIS here) and counts them.
+    backend = _hivemind_backend()
+    monkeypatch.setenv("HIVEMIND_WORLD_SIZE", "2")
+    monkeypatch.setattr(backend.HivemindRendezvouz, "_IS_MASTER", True)
+    first = backend.HivemindBackend(timeout=60)
+    second = backend.HivemindBackend(
+        initial_peers=[str(a) for a in first.dht.get_visible_maddrs()], timeout=60
+    )
+    try:
+        a = _manager(_trainer(seed=0), "A", communication=first)
+        b = _manager(_trainer(hidden=48, layers=3, seed=1), "B", communication=second)
+        for gm in (a, b):
+            gm.run_game_stage()
+        gathered = {}
+
+        def gather(gm):
+            gathered[gm.rank] = gm.communication.all_gather_object(
+                gm.state.get_latest_communication()[gm.rank]
+            )
+
+        threads = [threading.Thread(target=gather, args=(gm,)) for gm in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        received = gathered["A"]
+        assert len(received) == 2  # keyed by hivemind peer id
+        peer = {k: v for k, v in received.items() if k != str(first.dht.peer_id)}
+        (payloads,) = peer.values()
+        swarm = {"A": a.state.get_latest_communication()["A"], "B": payloads}
+        a.state.advance_stage(a.data_manager.prepare_states(a.state, swarm))
+        a.rewards.update_rewards(a.state)
+        own = len(QUESTIONS) * G
+        assert all(type(c) is str for _, c, _ in _stage_samples(a)[own:])
+        a.trainer.train(a.state, a.data_manager, a.rewards)
+        m = a.trainer._metrics["train"]
+        assert (m["ftis/recorded"], m["ftis/unrecorded"], m["ftis/dropped"]) == (
+            [own],
+            [own],
+            [0],
+        )
+    finally:
+        first.dht.shutdown()
+        second.dht.shutdown()
 
 
 def test_genrl_example_runs_as_written():

@@ -28,7 +28,9 @@ peer's rollout is trained on as if it were on-policy (the paper's NoIS). This tr
 The record travels wherever GenRL's payload travels as a Python object: in process (the local null
 backend) and pickled (the `torch_comm` backend, `all_gather_object`). GenRL's hivemind backend
 packs payloads with msgpack, which writes a `str` subclass as a plain string: there the record is
-lost and a receiver counts the rollout as unrecorded.
+lost and a receiver trains the rollout by its `unrecorded` policy, counted (carrying it would take
+the payload's `metadata`, which GenRL's game manager fills from the game tree, not the trainer).
+With hivemind 1.1.12 that backend does not import at all (`from hivemind import get_dht_time`).
 
 Differences from GenRL's loss with `preset="grpo"` (no IS weight, no filter): GenRL clamps each
 token's loss to [-10, 10] (it zeroes the gradient of a token past it), the op does not; GenRL runs
