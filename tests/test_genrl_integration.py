@@ -401,6 +401,7 @@ def _malformed(record: dict) -> list[tuple[str, dict]]:
     return [
         ("expected a dict", {k: v for k, v in record.items() if k != "logprobs"}),
         ("must be bytes", {**record, "logprobs": list(logp)}),
+        ("no tokens", {**record, "token_ids": b"", "logprobs": b""}),
         ("bytes of token ids", {**record, "logprobs": logp[:-4]}),
         ("outside", {**record, "token_ids": packed("token_ids", ids=torch.full((n,), 10**6))}),
         ("not finite", {**record, "logprobs": packed("logprobs", logp=torch.full((n,), math.nan))}),

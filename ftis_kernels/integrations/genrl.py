@@ -118,11 +118,13 @@ def read_record(
     raw_ids, raw_logp = record["token_ids"], record["logprobs"]
     if not isinstance(raw_ids, bytes) or not isinstance(raw_logp, bytes):
         return "malformed", "token_ids and logprobs must be bytes"
+    if not raw_ids:
+        return "malformed", "no tokens"
     if len(raw_ids) % 4 or len(raw_ids) != len(raw_logp):
         return "malformed", f"{len(raw_ids)} bytes of token ids for {len(raw_logp)} of logprobs"
     ids = torch.frombuffer(bytearray(raw_ids), dtype=torch.int32).long()
     logp = torch.frombuffer(bytearray(raw_logp), dtype=torch.float32).clone()
-    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+    if ids.min() < 0 or ids.max() >= vocab_size:
         return "malformed", f"a token id outside [0, {vocab_size})"
     if not bool(torch.isfinite(logp).all()) or bool((logp > 0).any()):
         return "malformed", "a log-probability that is not finite and <= 0"
