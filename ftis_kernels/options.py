@@ -157,7 +157,9 @@ class FTISOptions:
     ratio_level: str = _option(
         "token",
         "PPO ratio R = pi_theta / pi_old per 'token' or per 'sequence' (GSPO: exp of "
-        "the mean log ratio, TRL's importance_sampling_level).",
+        "the mean log ratio, TRL's importance_sampling_level), for every loss type as TRL: "
+        "cispo caps and sapo gates the sequence R; vespo's gamma weight is its own, the "
+        "sequence R reaching only the bias-corrected KL term.",
         choices=RATIO_LEVELS,
     )
     epsilon: float = _option(0.2, "Lower clip: R >= 1 - epsilon.", check="unit_open")
@@ -224,13 +226,6 @@ class FTISOptions:
     def _check_combinations(self) -> None:
         """Combinations the peers refuse or that have no meaning; the error names both options."""
         lt = self.loss_type
-        if self.ratio_level == "sequence" and lt in ("cispo", "sapo", "vespo"):
-            _fail(
-                "ratio_level",
-                f"'token' with loss_type={lt!r} (Liger refuses it; VESPO builds "
-                "its own sequence weight)",
-                self.ratio_level,
-            )
         if self.delta is not None and lt not in CLIPPED_LOSS_TYPES:
             _fail(
                 "delta",

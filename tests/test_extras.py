@@ -99,10 +99,11 @@ def test_ftis_grpo_without_its_extra_says_so_in_one_line_and_exits_2():
     ]
 
 
-def test_importing_the_driver_or_trl_without_the_extra_names_it():
+def test_importing_the_driver_or_an_integration_without_the_extra_names_it():
     for module, hidden, extra, named in (
         ("ftis_kernels.grpo.cli", "transformers", "grpo", "ftis_kernels.grpo"),
         ("ftis_kernels.integrations.trl", "trl", "trl", "ftis_kernels.integrations.trl"),
+        ("ftis_kernels.integrations.genrl", "genrl", "genrl", "ftis_kernels.integrations.genrl"),
     ):
         code = _hide(hidden) + (
             "try:\n"
