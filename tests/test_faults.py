@@ -474,6 +474,91 @@ def test_improbable_logprobs_peer_sends_the_issues_sample_and_the_parser_accepts
     assert len(got) == 3 and drops == []
 
 
+# -- a peer's claims are checked: its advantage, its prompts ------------------------------------
+@pytest.mark.parametrize("claim", [1e6, 1e20, 1e30, "negated"])
+def test_a_peers_advantage_field_is_checked_against_its_groups_rewards(tmp_path, claim):
+    """The receiver recomputes each peer group's advantages from its rewards: a claimed 1e6,
+    1e20 or 1e30, or advantages negated next to true rewards, are dropped and the sender named."""
+    from tests.test_grpo_units import _bare_node, _group
+
+    for verify in (False, True):
+        node = _bare_node(tmp_path, verify_rewards=verify)
+        honest = _group(node, make_prompt_id("train", 5), (True, False, True, False))
+        other = _group(node, make_prompt_id("train", 6), (False, True, False, False))
+        tampered = [Sample(**vars(s)) for s in honest]
+        if claim == "negated":
+            for s in tampered:
+                s.advantage = -s.advantage
+        else:
+            tampered[0].advantage = claim
+        kept, drops = node.check_advantages(tampered + other)
+        wrong = 4 if claim == "negated" else 1
+        assert [(d.kind, d.sender) for d in drops] == [("advantage", 1)] * wrong, drops
+        assert [_key(s) for s in kept] == [_key(s) for s in honest[wrong:] + other]
+
+
+def _key(s: Sample) -> tuple:
+    return s.prompt_id, s.source, s.tokens.tolist(), s.logprobs.tolist(), s.reward, s.advantage
+
+
+def test_a_peer_group_of_the_wrong_size_is_dropped(tmp_path):
+    from tests.test_grpo_units import _bare_node, _group
+
+    node = _bare_node(tmp_path)
+    group = _group(node, make_prompt_id("train", 5), (True, False, True, False))
+    kept, drops = node.check_advantages(group[:3])
+    assert kept == [] and [d.kind for d in drops] == ["advantage"] * 3
+    assert "3 samples for prompt" in drops[0] and "a group is 4" in drops[0]
+
+
+def test_horizontal_advantages_are_checked_against_the_reward_exchange(tmp_path):
+    from ftis_kernels.grpo.rollout import horizontal_advantages
+    from tests.test_grpo_units import _bare_node, _group
+
+    node = _bare_node(tmp_path, collab="horizontal")
+    pids = [make_prompt_id("train", i) for i in (0, 1)]
+    swarm = torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[0.0, 1.0], [1.0, 1.0]]])  # (N, P, G/N)
+    node.swarm_rewards, node.shared_prompts = swarm, {pid: p for p, pid in enumerate(pids)}
+    advantages = horizontal_advantages(swarm)[1]
+    share = []
+    for p, pid in enumerate(pids):
+        group = _group(node, pid, tuple(bool(r) for r in swarm[1, p].tolist()))
+        for s, adv in zip(group, advantages[p].tolist()):
+            s.advantage = adv
+            share.append(s)
+    kept, drops = node.check_advantages(share)
+    assert [_key(s) for s in kept] == [_key(s) for s in share] and drops == []
+    share[0].advantage, share[2].reward = 1e20, 0.0  # a false advantage; a reward not reported
+    kept, drops = node.check_advantages(share)
+    assert [_key(s) for s in kept] == [_key(share[1])]
+    assert [d.kind for d in drops] == ["advantage"] * 3
+    assert "it reported [1.0, 1.0] in the reward exchange" in drops[-1]
+
+
+def test_a_peer_may_send_training_prompts_only(tmp_path):
+    """Correct answers to the receiver's own test and OOD problems are dropped by the parser."""
+    from ftis_kernels.grpo.task import Problems
+
+    problems = Problems(0)
+    splits = ("train", "test", "ood")
+    tokens = torch.tensor([4, 5], dtype=torch.int32)
+    samples = [Sample(make_prompt_id(sp, 3), 1, tokens, -torch.ones(2), 1.0, 0.5) for sp in splits]
+    got, drops = unpack(
+        pack(samples), sender=1, vocab_size=100, max_tokens=8, prompt_ok=problems.is_train
+    )
+    assert [_key(s) for s in got] == [_key(samples[0])]
+    assert [d.kind for d in drops] == ["prompt", "prompt"]
+    assert "is not a training problem" in drops[0]
+    data = {}
+    for split in splits:
+        data[split] = str(tmp_path / f"{split}.jsonl")
+        lines = [json.dumps({"question": f"{split} {i}", "answer": f"#### {i}"}) for i in range(2)]
+        Path(data[split]).write_text("\n".join(lines))
+    files = Problems(0, "jsonl", data)
+    ids = [p.prompt_id for split in splits for p in files.files.split(split)]
+    assert [files.is_train(pid) for pid in ids] == [True, True] + [False] * 4
+
+
 def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(tmp_path):
     """Under --loss vis every round brings node 0 the -100 sample: each step is skipped, logged
     and counted, the swarm stops after the third, and node 0's weights never changed."""

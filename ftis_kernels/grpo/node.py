@@ -387,7 +387,10 @@ class Node:
         if horizontal:
             swarm = [torch.empty_like(rewards) for _ in range(N)]
             collective("the reward exchange", dist.all_gather, swarm, rewards)
-            advantages = horizontal_advantages(torch.stack(swarm))[self.rank]
+            # What a receiver checks each peer's samples against (`check_advantages`).
+            self.swarm_rewards = torch.stack(swarm)
+            self.shared_prompts = {pid: p for p, pid in enumerate(prompts)}
+            advantages = horizontal_advantages(self.swarm_rewards)[self.rank]
         else:
             advantages = vertical_advantages(rewards)
         return [
@@ -417,12 +420,12 @@ class Node:
                 vocab_size=self.vocab_size,
                 max_tokens=cfg.max_new_tokens,
                 max_samples=len(own),
-                prompt_ok=self.problems.known,
+                prompt_ok=self.problems.is_train,
             )
             self.last_received = received  # what a "replay" node sends next round
-        if cfg.verify_rewards and received:
-            received, lies = self.verify(received)
-            drops += lies
+        if received:
+            received, refused = self.check_advantages(received)
+            drops += refused
         per_sample: dict[str, list[float]] = {}
         stats = grpo_update(
             self.model,
@@ -465,27 +468,84 @@ class Node:
             **defence_metrics(own, received, per_sample, drops),
         )
 
-    def verify(self, received: list[Sample]) -> tuple[list[Sample], list[Drop]]:
-        """Rescore each received completion with the task's reward; drop the ones whose claimed
-        reward differs (a peer lying about rewards). Logprobs cannot be checked this way."""
-        kept, drops = [], []
+    def check_advantages(self, received: list[Sample]) -> tuple[list[Sample], list[Drop]]:
+        """Check each received sample's claims; returns (the samples to train on, with the
+        advantages this node computed, and one `Drop` per refused sample).
+
+        A peer's advantage field never reaches the loss. Vertical collaboration: a peer sends
+        whole groups, so the group advantages of its claimed rewards must give its claimed
+        advantages; a sample whose group is not `group_size` samples, or whose advantage differs,
+        is dropped ("advantage"). Horizontal: each (peer, prompt) share must be one of this
+        round's shared prompts, with the rewards the peer reported in the reward exchange, and
+        each advantage the one the swarm group gives its reward. With `verify_rewards`, each
+        completion is rescored and a false reward dropped ("verify"); in vertical mode the kept
+        samples' advantages are then recomputed from the rescored rewards of their whole group.
+        """
+        horizontal = self.cfg.collab == "horizontal"
+        groups: dict[tuple[int, int], list[Sample]] = {}
         for s in received:
-            true = self.score(s.prompt_id, s.tokens)
-            if true != s.reward:
-                drops.append(
-                    Drop(
-                        f"node {s.source}: claimed reward {s.reward:g}, completion scores {true:g}",
-                        "verify",
-                        s.source,
-                    )
-                )
+            groups.setdefault((s.source, s.prompt_id), []).append(s)
+        kept, drops = [], []
+        for (source, prompt_id), group in groups.items():
+            if horizontal:
+                expected, problem = self._swarm_advantages(source, prompt_id, group)
             else:
-                kept.append(s)
+                expected, problem = self._group_advantages(group, [s.reward for s in group])
+            if problem is not None:
+                drops += [Drop(f"node {source}: {problem}", "advantage", source) for _ in group]
+                continue
+            true = [s.reward for s in group]
+            if self.cfg.verify_rewards:
+                true = [self.score(prompt_id, s.tokens) for s in group]
+                rescored, _ = self._group_advantages(group, true)
+            for i, s in enumerate(group):
+                if not math.isclose(s.advantage, expected[i], rel_tol=1e-5, abs_tol=1e-5):
+                    why = (
+                        f"claimed advantage {s.advantage:g} for prompt {prompt_id}, its group's "
+                        f"rewards give {expected[i]:g}"
+                    )
+                    drops.append(Drop(f"node {source}: {why}", "advantage", source))
+                elif true[i] != s.reward:
+                    why = f"claimed reward {s.reward:g}, completion scores {true[i]:g}"
+                    drops.append(Drop(f"node {source}: {why}", "verify", source))
+                else:
+                    adv = rescored[i] if self.cfg.verify_rewards and not horizontal else expected[i]
+                    kept.append(Sample(s.prompt_id, s.source, s.tokens, s.logprobs, s.reward, adv))
         for reason in drops[:3]:
             log.warning("dropped peer sample: %s", reason)
         if len(drops) > 3:
-            log.warning("dropped %d more peer samples with false rewards", len(drops) - 3)
+            log.warning("dropped %d more peer samples whose claims failed", len(drops) - 3)
         return kept, drops
+
+    def _group_advantages(
+        self, group: list[Sample], rewards: list[float]
+    ) -> tuple[list[float], Optional[str]]:
+        """Vertical mode: (the group advantages of `rewards`, None), or ([], why not) when the
+        group is not `group_size` samples."""
+        if len(group) != self.cfg.group_size:
+            return [], (
+                f"{len(group)} samples for prompt {group[0].prompt_id}, a group is "
+                f"{self.cfg.group_size}"
+            )
+        return vertical_advantages(torch.tensor([rewards])).flatten().tolist(), None
+
+    def _swarm_advantages(
+        self, source: int, prompt_id: int, share: list[Sample]
+    ) -> tuple[list[float], Optional[str]]:
+        """Horizontal mode: (the advantage of each sample of node `source`'s `share` of prompt
+        `prompt_id`'s swarm group, None), or ([], why not)."""
+        p = self.shared_prompts.get(prompt_id)
+        if p is None:
+            return [], f"prompt {prompt_id} is not one of this round's shared prompts"
+        reported = self.swarm_rewards[source, p]
+        if sorted(s.reward for s in share) != sorted(reported.tolist()):
+            return [], (
+                f"rewards {sorted(s.reward for s in share)} for prompt {prompt_id}, it reported "
+                f"{sorted(reported.tolist())} in the reward exchange"
+            )
+        advantages = horizontal_advantages(self.swarm_rewards)[source, p]
+        by_reward = dict(zip(reported.tolist(), advantages.tolist()))
+        return [by_reward[s.reward] for s in share], None
 
     # -- bookkeeping --------------------------------------------------------------------------
     def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict]:
