@@ -28,6 +28,7 @@ import yaml
 
 from ftis_kernels.grpo import checkpoint, cli
 from ftis_kernels.grpo.config import (
+    ConfigError,
     NodeSpec,
     RunConfig,
     build_config,
@@ -334,6 +335,114 @@ def test_signal_to_the_launcher_alone_stops_every_process(tmp_path):
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def _launch(out: Path, log_file: Path, *args: str) -> subprocess.Popen:
+    """The launcher of a smoke run of 50 rounds into `out`, its output into `log_file`."""
+    with open(log_file, "w") as log_out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ftis_kernels.grpo", "--preset", "smoke", "--no-progress"]
+            + ["--rounds", "50", "--out", str(out), *args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=log_out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_for(log_file: Path, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log_file.read_text() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert text in log_file.read_text(), log_file.read_text()[-3000:]
+
+
+def test_a_launcher_killed_by_sigkill_takes_its_swarm_and_the_lock_with_it(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop anything: torchrun dies with it, the nodes
+    see their parent gone and stop within seconds, and until the last has stopped the folder
+    stays locked."""
+    log_file, out = tmp_path / "log.txt", tmp_path / "run"
+    proc = _launch(out, log_file)
+    launcher = psutil.Process(proc.pid)
+    tree: list[psutil.Process] = []
+    try:
+        _wait_for(log_file, "vocabulary of")
+        tree = launcher.children(recursive=True)
+        assert len(tree) >= 3, log_file.read_text()[-3000:]  # torchrun and its 2 nodes
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match="locked by ftis-grpo PID"):
+            OutLock(out).acquire()  # the nodes hold it
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert alive == [], [p.cmdline() for p in alive]
+        assert time.monotonic() - t0 < 5
+        assert "is gone; stopping" in log_file.read_text()
+        with OutLock(out):  # free again
+            pass
+    finally:
+        for p in [launcher, *tree]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_a_nodes_share_of_the_lock_outlives_the_process_that_checked_the_folder(tmp_path):
+    first = OutLock(tmp_path)
+    first.acquire()
+    first.share()
+    node = OutLock(tmp_path)
+    node.join()
+    first.release()
+    with pytest.raises(ConfigError, match="no other run is writing to"):
+        OutLock(tmp_path).acquire()
+    node.release()
+    with OutLock(tmp_path):
+        pass
+
+
+def _torchrun(out: Path, *args: str, nodes: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun ... -m ftis_kernels.grpo --preset smoke ARGS`, the mode the launcher's docstring
+    gives for runs across hosts."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nodes}"]
+        + ["--master-addr=127.0.0.1", f"--master-port={_port()}", "-m", "ftis_kernels.grpo"]
+        + ["--preset", "smoke", "--no-progress", "--out", str(out), *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_by_hand_refuses_a_folder_holding_a_run_and_a_locked_one(tmp_path):
+    cfg = build_config("smoke", overrides={"out": str(tmp_path)})
+    _fake_run(tmp_path, cfg, rounds_done=4)
+    (tmp_path / "metrics.jsonl").write_text('{"round": 0}\n' * 8)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = _torchrun(tmp_path)
+    assert proc.returncode != 0
+    assert (
+        f"ftis-grpo: --out: expected an empty or new folder (--resume continues the run there, "
+        f"--overwrite replaces it), got {str(tmp_path)!r}, which holds a run" in proc.stderr
+    ), proc.stderr[-3000:]
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_FILE}
+    assert after == {p: b for p, b in before.items() if p.name != LOCK_FILE}
+    other = tmp_path / "other"
+    other.mkdir()
+    with OutLock(other) as lock:
+        lock.share()
+        proc = _torchrun(other)
+    assert proc.returncode != 0 and "expected a folder no other run is writing to" in proc.stderr
+    assert sorted(p.name for p in other.iterdir()) == [LOCK_FILE]
 
 
 def test_a_long_warm_up_does_not_trip_a_peers_timeout(tmp_path):

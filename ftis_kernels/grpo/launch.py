@@ -1,13 +1,18 @@
 """Starting a local swarm: the output folder (lock, checks, clean-up), torchrun, and signals.
 
 Every check here runs before any node starts, so a bad `--out` or `--resume` costs no warm-up.
-The launcher holds an exclusive lock on `--out` for the run's lifetime, starts torchrun in a
-session of its own, and forwards SIGINT, SIGTERM and SIGHUP to every node (and kills torchrun);
-nodes still alive `STOP_GRACE_S` seconds later are killed, so nothing outlives the launcher.
+The launcher takes an exclusive lock on `--out`, checks the folder, then holds the lock shared
+with the nodes, each of which takes it too (`hold_out`): the lock lasts as long as any process of
+the swarm, and a second run is refused until the last has exited. It starts torchrun in a
+session of its own, set to die with the launcher, and forwards SIGINT, SIGTERM and SIGHUP to
+every node (and kills torchrun); nodes still alive `STOP_GRACE_S` seconds later are killed. A node
+whose launcher or torchrun is gone stops by itself (`node.watch_parent`), so nothing outlives the
+launcher, even one killed by SIGKILL.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import fcntl
 import json
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 import psutil
+import torch.distributed as torch_dist
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.config import ConfigError, RunConfig, Verbatim, resume_changes, show
@@ -46,6 +52,9 @@ RUN_OUTPUTS = (
     "environment.json",
 )
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Set by the launcher for the nodes: its PID. Without it (torchrun by hand) rank 0 checks --out.
+LAUNCHER_ENV = "FTIS_GRPO_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 STOP_GRACE_S = 20.0  # how long the nodes get to stop after a forwarded signal before SIGKILL
 _POLL_S = 0.2
 
@@ -61,18 +70,19 @@ def threads_per_node(threads: int, local_nodes: int) -> int:
 
 # -- the output folder ----------------------------------------------------------------------------
 class OutLock:
-    """An exclusive lock on the output folder: `<out>/.ftis-grpo.lock`, holding the holder's PID,
-    host and start time. The kernel releases it when the holder exits, however it exits."""
+    """A lock on the output folder: `<out>/.ftis-grpo.lock`, holding the PID, host and start time
+    of the process that checked the folder. One run's processes hold it shared (`share`, `join`);
+    a run that starts needs it exclusive (`acquire`), so it is refused while any process of
+    another run is alive. The kernel releases a holder's share when it exits, however it exits."""
 
     def __init__(self, out: Path):
         self.path = out / LOCK_FILE
         self._file: Optional[IO[str]] = None
 
-    def acquire(self) -> None:
-        """Take the lock, or ConfigError naming the run that holds it."""
+    def _take(self, mode: int) -> IO[str]:
         f = open(self.path, "a+", encoding="utf-8")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "a process that has not written its name yet"
@@ -84,12 +94,26 @@ class OutLock:
                     Verbatim(f"{str(self.path.parent)!r}, locked by {holder}"),
                 )
             ) from None
+        return f
+
+    def acquire(self) -> None:
+        """Take the lock exclusively, or ConfigError naming the run that holds it."""
+        f = self._take(fcntl.LOCK_EX)
         f.seek(0)
         f.truncate()
         since = datetime.datetime.now().isoformat(timespec="seconds")
         f.write(f"ftis-grpo PID {os.getpid()} on host {socket.gethostname()} since {since}\n")
         f.flush()
         self._file = f
+
+    def share(self) -> None:
+        """Hold the exclusive lock taken by `acquire` shared, for the nodes of this run to join."""
+        fcntl.flock(self._file, fcntl.LOCK_SH)
+
+    def join(self) -> None:
+        """Take a share of the lock (a node of the run that holds it), or ConfigError naming the
+        run that holds it exclusively."""
+        self._file = self._take(fcntl.LOCK_SH)
 
     def release(self) -> None:
         if self._file is not None:
@@ -252,8 +276,12 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
             env["OMP_NUM_THREADS"] = str(threads_per_node(cfg.threads, n))
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env[LAUNCHER_ENV] = str(os.getpid())
+        lock.share()
         log.info("starting a local swarm of %d nodes: %s", n, " ".join(cmd[1:]))
-        rc = supervise(subprocess.Popen(cmd, env=env, start_new_session=True))
+        rc = supervise(
+            subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        )
     if rc != 0:
         log.error(
             "the swarm stopped with exit code %d: a node failed or was stopped (see the "
@@ -262,6 +290,42 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
             _resume_hint(argv, cfg),
         )
     return rc
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the launcher dies, however it dies; its
+    nodes then see torchrun gone and stop (`node.watch_parent`)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def hold_out(cfg: RunConfig, rank: int, overwrite: bool, group=None) -> OutLock:
+    """A node's share of the lock on `cfg.out`, held until it exits. Under the launcher, which
+    has checked the folder, each node joins its lock. Under torchrun by hand, rank 0 does what the
+    launcher does (the lock, then `check_out`) while the others wait on `group`'s broadcast; a
+    refusal stops every node with ConfigError (rank 0's carries the lines, the others' none)."""
+    out, lock = Path(cfg.out), OutLock(Path(cfg.out))
+    if os.environ.get(LAUNCHER_ENV):
+        make_out(out)
+        lock.join()
+        return lock
+    refusal: list[Optional[list[str]]] = [None]
+    if rank == 0:
+        try:
+            make_out(out)
+            lock.acquire()
+            check_out(cfg, overwrite)
+            lock.share()
+        except ConfigError as exc:
+            lock.release()
+            refusal = [exc.lines]
+    torch_dist.broadcast_object_list(refusal, src=0, group=group)
+    if refusal[0] is not None:
+        raise ConfigError(*refusal[0]) if rank == 0 else ConfigError()
+    if rank != 0:
+        make_out(out)
+        lock.join()
+    return lock
 
 
 def _resume_hint(argv: Sequence[str], cfg: RunConfig) -> str:

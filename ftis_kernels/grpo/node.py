@@ -14,12 +14,14 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn, Optional
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -40,7 +42,7 @@ from ftis_kernels.grpo.exchange import (
     exchange,
     make_hostile,
 )
-from ftis_kernels.grpo.launch import threads_per_node
+from ftis_kernels.grpo.launch import LAUNCHER_ENV, hold_out, threads_per_node
 from ftis_kernels.grpo.models import (
     apply_lora,
     build_model,
@@ -684,6 +686,35 @@ def stop_on_signals(rank: int) -> None:
         signal.signal(sig, stop)
 
 
+def watch_parent(rank: int, poll_s: float = 0.5) -> None:
+    """Stop the node within `poll_s` seconds of its torchrun, or of the launcher that started
+    torchrun, being gone (killed by SIGKILL, say), with one log line and exit code 128 + SIGHUP:
+    the lock on --out it holds is then released, and no orphan keeps writing into a folder
+    another run may take."""
+    torchrun = os.getppid()
+    launcher_pid = os.environ.get(LAUNCHER_ENV)
+    try:
+        launcher = psutil.Process(int(launcher_pid)) if launcher_pid else None
+    except (ValueError, psutil.NoSuchProcess):
+        launcher = None
+        log.error("node %d: its launcher (PID %s) is gone; stopping", rank, launcher_pid)
+        _leave(128 + signal.SIGHUP)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != torchrun:
+                gone = f"its torchrun (PID {torchrun})"
+            elif launcher is not None and not launcher.is_running():
+                gone = f"its launcher (PID {launcher.pid})"
+            else:
+                continue
+            log.error("node %d: %s is gone; stopping", rank, gone)
+            _leave(128 + signal.SIGHUP)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
 def setup_logging(rank: int) -> None:
     """Log lines tagged with the node; third-party advisories a user cannot act on silenced."""
     # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
@@ -697,13 +728,15 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def run_worker(cfg: RunConfig) -> int:
-    """Entry point of one torchrun worker; returns the process exit code."""
+def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
+    """Entry point of one torchrun worker; returns the process exit code. `overwrite`: torchrun by
+    hand with --overwrite (under the launcher, the launcher has done it)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     setup_logging(rank)
     stop_on_signals(rank)
+    watch_parent(rank)
     cfg.validate(world)
     torch.set_num_threads(threads_per_node(cfg.threads, local_world))
     use_cuda = torch.cuda.is_available()
@@ -717,7 +750,7 @@ def run_worker(cfg: RunConfig) -> int:
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     setup_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.setup_timeout_s))
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    lock = hold_out(cfg, rank, overwrite, setup_group)
     try:
         Node(cfg, rank, world, device, setup_group).run()
         collective("the final barrier", dist.barrier)
@@ -734,5 +767,7 @@ def run_worker(cfg: RunConfig) -> int:
     except Diverged:  # rank 0 logged why
         dist.destroy_process_group()
         return EXIT_DIVERGED
+    finally:  # the ways out through _leave release it as the process ends
+        lock.release()
     dist.destroy_process_group()
     return 0
