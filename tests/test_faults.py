@@ -575,7 +575,8 @@ def test_skipped_in_a_row_counts_each_nodes_trailing_skipped_rounds():
 
 
 def test_improbable_logprobs_peer_sends_the_issues_sample_and_the_parser_accepts_it():
-    honest = _batch(poisoned=False)
+    pid = make_prompt_id("train", 0)  # one group of three
+    honest = [Sample(pid, 1, s.tokens, s.logprobs, 0.0, 0.0) for s in _batch(poisoned=False)]
     sent = make_hostile(honest, "improbable_logprobs", len(TOKENIZER), torch.Generator())
     assert sent[0].logprobs[0] == IMPROBABLE_LOGPROB == -100.0 and sent[0].advantage > 0
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(sent[1:], honest[1:]))
@@ -683,7 +684,10 @@ def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(t
         "--set",
         "nodes.1.hostile=improbable_logprobs",
     )
-    assert rc != 0
+    assert rc == 4, log[-3000:]  # the swarm's own exit code, not torchrun's 1
+    (line,) = [x for x in log.splitlines() if "the swarm stopped" in x]
+    assert "the swarm stopped with exit code 4: node 0 (tiny-full) skipped its optimizer" in line
+    assert "Traceback" not in log and "ChildFailedError" not in log and "SIGTERM" not in log
     for round_ in range(3):
         assert f"node 0 (tiny-full) round {round_}: optimizer step skipped, non-finite loss" in log
     assert "node 0 (tiny-full) skipped its optimizer step 3 rounds in a row" in log

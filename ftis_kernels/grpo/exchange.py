@@ -266,8 +266,9 @@ def make_hostile(
     "flipped_rewards" (reward 1 - r, advantage negated) | "random_tokens" (uniform token ids, the
     first of each prompt's group sold as correct: `claim_first_correct`) | "malformed" (each
     record broken in one of the ways `unpack` checks, in turn) | "improbable_logprobs" (the
-    round's first sample with a positive advantage claims log pi_gen = `IMPROBABLE_LOGPROB` at its
-    first token: its untruncated IS weight overflows, and it weighs in the update) |
+    round's first sample claims log pi_gen = `IMPROBABLE_LOGPROB` at its first token, and its
+    group the rewards of `claim_first_correct`: its untruncated IS weight overflows, and it weighs
+    in the update) |
     "random_tokens_max_weight" (random tokens sold as "random_tokens" sells them, claiming
     log pi_gen = `MAX_WEIGHT_LOGPROB` at every token, so that the receiver's IS weight is the
     cap C, or huge without one) | "replay" (the honest samples the node received last round from
@@ -289,7 +290,6 @@ def make_hostile(
             if victims and s.source == min(victims)
         ][: len(samples)]
     claims = claim_first_correct(samples)
-    poisoned = next((i for i, s in enumerate(samples) if s.advantage > 0), 0)
     out = []
     for i, s in enumerate(samples):
         tokens, logprobs, rew, adv = s.tokens, s.logprobs, s.reward, s.advantage
@@ -301,7 +301,9 @@ def make_hostile(
             out.append(_malformed(s, len(out), vocab_size))
             continue
         elif kind == "improbable_logprobs":
-            if i == poisoned:
+            if s.prompt_id == samples[0].prompt_id:
+                rew, adv = claims[i]
+            if i == 0:
                 logprobs = logprobs.clone()
                 logprobs[0] = IMPROBABLE_LOGPROB
         else:

@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ import psutil
 import torch.distributed as torch_dist
 
 from ftis_kernels.grpo import checkpoint
+from ftis_kernels.grpo.cli import EXIT_USAGE
 from ftis_kernels.grpo.config import ConfigError, RunConfig, Verbatim, resume_changes, show
 from ftis_kernels.grpo.report import read_metrics, skipped_in_a_row
 
@@ -54,6 +56,15 @@ RUN_OUTPUTS = (
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Set by the launcher for the nodes: its PID. Without it (torchrun by hand) rank 0 checks --out.
 LAUNCHER_ENV = "FTIS_GRPO_LAUNCHER_PID"
+# Set by the launcher for the nodes: a folder where each node leaves `node<rank>.json`, its exit
+# code and why (`report_exit`), for the launcher to report the swarm's own.
+EXIT_REPORTS_ENV = "FTIS_GRPO_EXIT_REPORTS"
+# Exit codes of a node and of the launcher (ftis-grpo's 2 is cli.EXIT_USAGE).
+EXIT_REFUSED = 1  # a node refused to start (vocabulary or configuration mismatch, bad --resume)
+EXIT_SWARM = 3  # a peer died or stopped answering
+EXIT_DIVERGED = 4  # a node skipped max_skipped_steps non-finite optimizer steps in a row
+EXIT_WRITE = 5  # a node could not write its output (a full disk, say)
+EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 STOP_GRACE_S = 20.0  # how long the nodes get to stop after a forwarded signal before SIGKILL
 _POLL_S = 0.2
@@ -259,7 +270,7 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "ftis_kernels.grpo.launch",  # torchrun, without its traceback (`_torchrun`)
             "--nnodes=1",
             f"--nproc-per-node={n}",
             "--max-restarts=0",
@@ -279,17 +290,76 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
         env[LAUNCHER_ENV] = str(os.getpid())
         lock.share()
         log.info("starting a local swarm of %d nodes: %s", n, " ".join(cmd[1:]))
-        rc = supervise(
-            subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        )
-    if rc != 0:
-        log.error(
-            "the swarm stopped with exit code %d: a node failed or was stopped (see the "
-            "log lines above); the others were stopped.%s",
-            rc,
-            _resume_hint(argv, cfg),
-        )
-    return rc
+        with tempfile.TemporaryDirectory(prefix="ftis-grpo-exit-") as reports:
+            env[EXIT_REPORTS_ENV] = reports
+            rc = supervise(
+                subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            )
+            code, reason = swarm_exit(rc, read_exit_reports(Path(reports)))
+    if code != 0:
+        hint = "" if code in (EXIT_REFUSED, EXIT_USAGE) else _resume_hint(argv, cfg)
+        log.error("the swarm stopped with exit code %d: %s%s", code, reason, hint)
+    return code
+
+
+def read_exit_reports(folder: Path) -> dict[int, tuple[int, str]]:
+    """{rank: (exit code, why)} of the nodes that left a report in `folder` (`report_exit`)."""
+    reports = {}
+    for path in folder.glob("node*.json"):
+        try:
+            got = json.loads(path.read_text())
+            reports[int(path.stem[len("node") :])] = (int(got["code"]), str(got["reason"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a node killed while writing it: as if it had left none
+    return reports
+
+
+def report_exit(rank: int, code: int, reason: str) -> None:
+    """A node's exit code and why, for its launcher (nothing under torchrun by hand)."""
+    folder = os.environ.get(EXIT_REPORTS_ENV)
+    if folder:
+        try:
+            tmp = Path(folder) / f"node{rank}.json.tmp"
+            tmp.write_text(json.dumps({"code": code, "reason": reason}))
+            os.replace(tmp, tmp.with_suffix(""))
+        except OSError:
+            pass  # the launcher is gone, or its temporary folder: nobody to tell
+
+
+def swarm_exit(rc: int, reports: dict[int, tuple[int, str]]) -> tuple[int, str]:
+    """The swarm's exit code and why, from torchrun's `rc` and the nodes' reports: a stop by a
+    signal to the launcher (rc >= 128) first, then the cause before its effects: a divergence, a
+    node's own failure, then a lost peer, then a node stopped by a signal."""
+    if rc == 0 or rc >= 128:
+        return rc, "stopped by a signal; the nodes were stopped" if rc else ""
+
+    def rank_of(code: int) -> int:
+        if code == EXIT_DIVERGED:
+            return 0
+        if code == EXIT_SWARM:
+            return 2
+        return 3 if code >= 128 else 1
+
+    failed = sorted((rank_of(c), rank, c, why) for rank, (c, why) in reports.items() if c != 0)
+    if not failed:
+        return rc, "a node failed without saying why (see the log lines above)"
+    _, _, code, why = failed[0]
+    return code, why
+
+
+def _torchrun(argv: Sequence[str]) -> int:
+    """torchrun (`torch.distributed.run`) for the launcher: a node's failure is the node's to
+    report (and the launcher's, in one line), so torchrun's traceback, failure table and notices
+    of stopping the other nodes are left out; returns 1 when a node failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(list(argv)))
+    except ChildFailedError:
+        return 1
+    return 0
 
 
 def _die_with_parent() -> None:
@@ -419,3 +489,7 @@ def _send(p: psutil.Process, sig: int) -> None:
         p.send_signal(sig)
     except psutil.NoSuchProcess:
         pass
+
+
+if __name__ == "__main__":
+    sys.exit(_torchrun(sys.argv[1:]))

@@ -42,7 +42,17 @@ from ftis_kernels.grpo.exchange import (
     exchange,
     make_hostile,
 )
-from ftis_kernels.grpo.launch import LAUNCHER_ENV, hold_out, threads_per_node
+from ftis_kernels.grpo.launch import (
+    EXIT_DIVERGED,
+    EXIT_FAULT_INJECTION,
+    EXIT_REFUSED,
+    EXIT_SWARM,
+    EXIT_WRITE,
+    LAUNCHER_ENV,
+    hold_out,
+    report_exit,
+    threads_per_node,
+)
 from ftis_kernels.grpo.models import (
     apply_lora,
     build_model,
@@ -67,9 +77,6 @@ from ftis_kernels.grpo.train import grpo_update, packing_keeps_sequences_apart, 
 
 log = logging.getLogger("ftis_kernels.grpo")
 
-EXIT_SWARM = 3  # a peer died or stopped answering
-EXIT_DIVERGED = 4  # a node skipped max_skipped_steps non-finite optimizer steps in a row
-EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
 # Primes that mix the run seed with the rank (and round) into independent generator seeds.
 SAMPLER_SEED_MIX = 7919
 HOSTILE_SEED_MIX, HOSTILE_ROUND_MIX = 104729, 31
@@ -403,8 +410,9 @@ class Node:
     def run_round(self, round_: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
         if self.spec.fail_at_round == round_:
-            log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank, round_)
-            _leave(EXIT_FAULT_INJECTION)
+            why = f"node {self.rank}: fault injection (fail_at_round={round_}): exiting now"
+            log.error("%s", why)
+            _leave(EXIT_FAULT_INJECTION, self.rank, why)
         evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
@@ -664,9 +672,11 @@ def _barrier(timeout_s: float) -> None:
         dist.barrier()
 
 
-def _leave(code: int) -> NoReturn:
-    """Exit now with `code`, the log flushed, without running destructors: a gloo group whose peer
-    is gone can abort in its C++ teardown, which would replace `code` by SIGABRT."""
+def _leave(code: int, rank: int, why: str) -> NoReturn:
+    """Exit now with `code`, reported with `why` to the launcher, the log flushed, without running
+    destructors: a gloo group whose peer is gone can abort in its C++ teardown, which would
+    replace `code` by SIGABRT."""
+    report_exit(rank, code, why)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -679,8 +689,9 @@ def stop_on_signals(rank: int) -> None:
     that the next --resume removes."""
 
     def stop(signum: int, _frame) -> None:
-        log.warning("node %d: stopped by %s", rank, signal.Signals(signum).name)
-        _leave(128 + signum)
+        why = f"node {rank}: stopped by {signal.Signals(signum).name}"
+        log.warning("%s", why)
+        _leave(128 + signum, rank, why)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
@@ -696,9 +707,8 @@ def watch_parent(rank: int, poll_s: float = 0.5) -> None:
     try:
         launcher = psutil.Process(int(launcher_pid)) if launcher_pid else None
     except (ValueError, psutil.NoSuchProcess):
-        launcher = None
         log.error("node %d: its launcher (PID %s) is gone; stopping", rank, launcher_pid)
-        _leave(128 + signal.SIGHUP)
+        _leave(128 + signal.SIGHUP, rank, f"node {rank}: its launcher is gone")
 
     def watch() -> None:
         while True:
@@ -710,7 +720,7 @@ def watch_parent(rank: int, poll_s: float = 0.5) -> None:
             else:
                 continue
             log.error("node %d: %s is gone; stopping", rank, gone)
-            _leave(128 + signal.SIGHUP)
+            _leave(128 + signal.SIGHUP, rank, f"node {rank}: {gone} is gone")
 
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
@@ -756,17 +766,28 @@ def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
         collective("the final barrier", dist.barrier)
     except SwarmError as exc:
         resumable = checkpoint.latest_round(Path(cfg.out) / "ckpt") is not None
-        log.error(
-            "node %d: lost contact with the swarm %s. A peer node died or stopped "
-            "answering; stopping.%s",
-            rank,
-            exc,
-            " Continue from the last checkpoint with --resume." if resumable else "",
+        why = (
+            f"node {rank}: lost contact with the swarm {exc}. A peer node died or stopped "
+            "answering; stopping."
         )
-        _leave(EXIT_SWARM)
-    except Diverged:  # rank 0 logged why
+        log.error(
+            "%s%s", why, " Continue from the last checkpoint with --resume." if resumable else ""
+        )
+        _leave(EXIT_SWARM, rank, why)
+    except Diverged as exc:  # rank 0 logged why
+        report_exit(rank, EXIT_DIVERGED, str(exc))
         dist.destroy_process_group()
         return EXIT_DIVERGED
+    except SystemExit as exc:  # a refusal to start: the same line on every node, said once
+        if not isinstance(exc.code, str):
+            raise
+        if rank == 0:
+            log.error("%s", exc.code)
+        _leave(EXIT_REFUSED, rank, exc.code)
+    except OSError as exc:  # a full disk, a folder gone: the path and the cause, in one line
+        why = f"node {rank}: cannot write {exc.filename or 'its output'}: {exc.strerror or exc}"
+        log.error("%s; stopping (the last complete checkpoint is kept)", why)
+        _leave(EXIT_WRITE, rank, why)
     finally:  # the ways out through _leave release it as the process ends
         lock.release()
     dist.destroy_process_group()
