@@ -275,6 +275,66 @@ def test_checkpoint_pruning_never_deletes_a_later_rounds_folder(tmp_path):
     assert kept == ["round_00002", "round_00003", "round_00050"]
 
 
+def test_stray_folders_in_ckpt_are_neither_rounds_nor_pruned(tmp_path):
+    """A user's `round_00004.bak` is no round: node_rounds skips it (it once crashed --resume
+    with int()), and pruning neither counts it as kept nor deletes it."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for r in (2, 4):
+        checkpoint.save_node(tmp_path, 0, r, model, optimizer, torch.Generator(), {})
+    for stray in ("round_00004.bak", "round_00002.bak", "round_x"):
+        (tmp_path / "node0" / stray).mkdir()
+    assert checkpoint.node_rounds(tmp_path, 0) == [4, 2]
+    checkpoint.save_node(tmp_path, 0, 6, model, optimizer, torch.Generator(), {})
+    kept = sorted(p.name for p in (tmp_path / "node0").iterdir())
+    assert kept == ["round_00002.bak", "round_00004", "round_00004.bak", "round_00006", "round_x"]
+
+
+@pytest.mark.parametrize("pointer", ["{}", '{"rou', '{"round": "x"}', "[]", ""])
+def test_a_damaged_latest_pointer_falls_back_to_the_newest_good_round(tmp_path, pointer, caplog):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for node in (0, 1):
+        for r in (2, 4):
+            checkpoint.save_node(tmp_path, node, r, model, optimizer, torch.Generator(), {})
+    (tmp_path / "latest.json").write_text(pointer)
+    assert checkpoint.latest_round(tmp_path) == 4
+    assert "latest.json is damaged" in caplog.text and "using round 4" in caplog.text
+    _spoil(checkpoint.node_dir(tmp_path, 1, 4) / "model.safetensors")
+    assert checkpoint.latest_round(tmp_path) == 2
+
+
+def test_resume_with_a_damaged_latest_pointer_is_no_traceback(tmp_path):
+    cfg = build_config("smoke", overrides={"out": str(tmp_path), "resume": True, "rounds": 9})
+    _fake_run(tmp_path, cfg, rounds_done=2)
+    (tmp_path / "ckpt" / "latest.json").write_text("{}")
+    rc, err = ftis_grpo("--preset", "smoke", "--resume", "--rounds", "9", out=tmp_path)
+    assert rc == 2 and err == [
+        f"ftis-grpo: --resume: expected a complete checkpoint in {tmp_path / 'ckpt'}, got none "
+        "(start the run without --resume)"
+    ]
+
+
+def test_a_checkpoint_write_on_a_full_disk_names_the_path_and_the_cause(tmp_path, monkeypatch):
+    """torch.save says only "basic_ios::clear: iostream error" when the disk fills up."""
+    import collections
+
+    def full(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 0))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(OSError) as caught:
+        checkpoint.save_node(
+            tmp_path, 0, 2, model, torch.optim.AdamW(model.parameters()), torch.Generator(), {}
+        )
+    tmp = checkpoint.node_dir(tmp_path, 0, 2).with_suffix(".tmp")
+    assert caught.value.filename == str(tmp) and not tmp.exists()
+    assert caught.value.strerror == "no space left on its disk (basic_ios::clear: iostream error)"
+
+
 def test_stale_tmp_checkpoint_folders_are_removed_when_a_run_resumes(tmp_path):
     cfg = build_config("smoke", overrides={"out": str(tmp_path), "resume": True, "rounds": 9})
     _fake_run(tmp_path, cfg, rounds_done=2)
