@@ -89,6 +89,13 @@ CONFIG_ERRORS = [
     (["--rounds", "x"], "--rounds: expected an integer, got 'x'"),
     (["--loss", "fast"], "--loss: expected one of 'on-policy'"),
     (["--set", "nodes.1.model=no/such"], "nodes.1.model: expected a local Hugging Face checkpoint"),
+    # values that once passed and crashed every node 15-18 s later, or wrote 1e30 weights
+    (["--set", "seed=1e20"], "seed: expected an integer in range"),
+    (["--set", "seed=4294967296"], "seed: expected a value <= 4294967295, got 4294967296"),
+    (["--timeout", "1e300"], "timeout_s: expected a value <= 1000000.0, got 1e+300"),
+    (["--set", "setup_timeout_s=1e300"], "setup_timeout_s: expected a value <= 1000000.0"),
+    (["--set", "nodes.0.lr=1e30"], "nodes.0.lr: expected a value <= 1.0, got 1e+30"),
+    (["--set", "nodes.1.warmup_lr=2"], "nodes.1.warmup_lr: expected a value <= 1.0, got 2"),
 ]
 
 
@@ -110,6 +117,25 @@ def test_each_of_several_problems_gets_its_own_line(tmp_path):
         "built-in task's vocabulary (task jsonl), got null"
         for i in range(2)
     ]
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path):
+    """237 bytes of nested aliases once echoed 4.3 MB back (9^6 strings)."""
+    bomb = tmp_path / "bomb.yaml"
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for prev, name in zip("abcde", "bcdef"):
+        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+    bomb.write_text("\n".join(lines) + "\n")
+    rc, err = ftis_grpo("--config", str(bomb), out=tmp_path / "run")
+    assert rc == 2 and len(err) == 1 and len(err[0]) < 400, err
+    assert err[0].startswith(f"ftis-grpo: --config: expected valid YAML or TOML, got {bomb}:")
+    assert "aliases (*name) are not allowed" in err[0]
+
+
+def test_an_error_echoes_at_most_200_characters_of_a_value(tmp_path):
+    rc, err = ftis_grpo("--preset", "smoke", "--set", "nodes.0.arch=" + "y" * 5000, out=tmp_path)
+    assert rc == 2 and len(err) == 1
+    assert err[0].endswith("... (5002 characters)") and len(err[0]) < 350
 
 
 def test_yaml_file_that_is_not_a_mapping_is_a_config_error(tmp_path):
