@@ -36,7 +36,7 @@ from ftis_kernels.grpo.config import (
     to_dict,
 )
 from ftis_kernels.grpo.exchange import IMPROBABLE_LOGPROB, Sample, make_hostile, pack, unpack
-from ftis_kernels.grpo.launch import LOCK_FILE, OutLock, _resume_hint, check_out
+from ftis_kernels.grpo.launch import LOCK_FILE, RUN_MARKER, OutLock, _resume_hint, check_out
 from ftis_kernels.grpo.models import build_model
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
 from ftis_kernels.grpo.tokenizer import build_tokenizer
@@ -287,7 +287,37 @@ def test_overwrite_deletes_the_previous_runs_outputs_and_nothing_else(tmp_path):
     _fake_run(tmp_path, build_config("smoke"), rounds_done=50)
     (tmp_path / "notes.txt").write_text("mine")
     check_out(build_config("smoke", overrides={"out": str(tmp_path)}), overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_MARKER, "notes.txt"]
+
+
+def test_overwrite_never_deletes_a_users_files_it_could_mistake_for_a_run(tmp_path):
+    """A folder with the user's own config.yaml and tokenizer/ holds no run: neither a fresh run
+    nor --overwrite takes it, and nothing in it is deleted."""
+    (tmp_path / "config.yaml").write_text("mine: 1\n")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "vocab.json").write_text("{}")
+    for args in ((), ("--overwrite",)):
+        rc, err = ftis_grpo("--preset", "smoke", *args, out=tmp_path)
+        assert rc == 2 and err == [
+            "ftis-grpo: --out: expected a folder without files of the names a run writes, or "
+            f"one a run wrote, got {str(tmp_path)!r}, which holds config.yaml, tokenizer that "
+            "no run wrote (move them, or choose another --out)"
+        ]
+    assert (tmp_path / "config.yaml").read_text() == "mine: 1\n"
+    assert (tmp_path / "tokenizer" / "vocab.json").exists()
+
+
+def test_a_run_leaves_its_marker_and_overwrite_deletes_only_what_a_run_writes(tmp_path):
+    cfg = build_config("smoke", overrides={"out": str(tmp_path)})
+    check_out(cfg, overwrite=False)
+    assert (tmp_path / RUN_MARKER).is_file()
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    rc, err = ftis_grpo("--preset", "smoke", out=tmp_path)
+    assert rc == 2 and "which holds a run: metrics.jsonl, tokenizer" in err[0]
+    check_out(cfg, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_MARKER, LOCK_FILE, "notes.txt"]
 
 
 def test_checkpoint_pruning_never_deletes_a_later_rounds_folder(tmp_path):

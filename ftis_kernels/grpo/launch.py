@@ -41,7 +41,9 @@ from ftis_kernels.grpo.report import read_metrics, skipped_in_a_row
 log = logging.getLogger("ftis_kernels.grpo")
 
 LOCK_FILE = ".ftis-grpo.lock"
-# What a run writes into --out: a folder holding any of these holds a run.
+# Written into --out when a run starts there: the folder holds a run (`holds_a_run`).
+RUN_MARKER = ".ftis-grpo-run"
+# What a run writes into --out, all that --overwrite deletes (with the marker).
 RUN_OUTPUTS = (
     "ckpt",
     "metrics.jsonl",
@@ -153,11 +155,24 @@ def make_out(out: Path) -> None:
 
 def check_out(cfg: RunConfig, overwrite: bool) -> None:
     """Before a run starts into `cfg.out` (locked by the caller): a fresh run needs a folder that
-    holds no run, unless `overwrite` (then the previous run's outputs are deleted); a --resume
-    needs a complete checkpoint of the same configuration and rounds left to run. Stale
-    `round_*.tmp` folders of a killed checkpoint write are removed. ConfigError otherwise."""
+    holds no run, unless `overwrite` (then the previous run's `RUN_OUTPUTS` are deleted, nothing
+    else); a --resume needs a complete checkpoint of the same configuration and rounds left to
+    run. A folder with files of those names that no run wrote (no `RUN_MARKER`) is refused
+    either way. Stale `round_*.tmp` folders of a killed checkpoint write are removed. Writes the
+    marker; ConfigError otherwise."""
     out = Path(cfg.out)
     previous = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if previous and not holds_a_run(out):
+        raise ConfigError(
+            (
+                "--out",
+                "a folder without files of the names a run writes, or one a run wrote",
+                Verbatim(
+                    f"{str(out)!r}, which holds {', '.join(previous)} that no run wrote "
+                    "(move them, or choose another --out)"
+                ),
+            )
+        )
     if cfg.resume:
         if overwrite:
             raise ConfigError(
@@ -191,6 +206,15 @@ def check_out(cfg: RunConfig, overwrite: bool) -> None:
             path = out / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(previous), out)
+    (out / RUN_MARKER).write_text(
+        "ftis-grpo writes its run here; --overwrite deletes only this file and its outputs: "
+        f"{', '.join(RUN_OUTPUTS)}\n"
+    )
+
+
+def holds_a_run(out: Path) -> bool:
+    """Whether `out` holds a run: its marker, or (a run from before markers) `ckpt/latest.json`."""
+    return (out / RUN_MARKER).is_file() or (out / "ckpt" / "latest.json").is_file()
 
 
 def check_resume(cfg: RunConfig) -> None:
