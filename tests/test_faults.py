@@ -906,9 +906,12 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_a_torn_metrics_line(fou
     intact = older.read_bytes()
     _spoil(older)
     rc, log, _ = run_swarm("--preset", "smoke", "--out", str(out), "--resume", "--rounds", "5")
-    assert rc != 0
-    assert "--resume: no checkpoint under" in log and "is good on every node" in log
-    assert "node 0: [4]; node 1: [2]" in log
+    assert rc == 1, log[-4000:]  # a refusal: said once (by node 0, then the launcher), no hint
+    said = [x for x in log.splitlines() if "--resume: no checkpoint under" in x]
+    assert len(said) == 2 and all(x.count("--resume: no checkpoint") == 1 for x in said), said
+    assert "node0 ERROR" in said[0] and "the swarm stopped with exit code 1: --resume" in said[1]
+    assert "is good on every node" in log and "node 0: [4]; node 1: [2]" in log
+    assert "Continue from the checkpoint" not in log and "Traceback" not in log
     older.write_bytes(intact)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"round": 4, "node": 0, "rew')  # a write cut short by a kill

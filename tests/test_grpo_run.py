@@ -154,5 +154,8 @@ def test_nodes_with_different_vocabularies_refuse_to_start(tmp_path):
         f"nodes.1.model={tmp_path / 'alien'}",
         timeout=120,
     )
-    assert rc != 0
-    assert "vocabulary mismatch, refusing to start" in log
+    assert rc == 1, log[-3000:]
+    said = [x for x in log.splitlines() if "vocabulary mismatch" in x]
+    assert len(said) == 2 and all(x.count("vocabulary mismatch") == 1 for x in said), said
+    assert "node0 ERROR" in said[0] and "the swarm stopped with exit code 1: vocabulary" in said[1]
+    assert "Continue from" not in log and "Traceback" not in log
