@@ -28,6 +28,7 @@ import yaml
 
 from ftis_kernels.grpo import checkpoint, cli
 from ftis_kernels.grpo.config import (
+    ConfigError,
     NodeSpec,
     RunConfig,
     build_config,
@@ -35,7 +36,7 @@ from ftis_kernels.grpo.config import (
     to_dict,
 )
 from ftis_kernels.grpo.exchange import IMPROBABLE_LOGPROB, Sample, make_hostile, pack, unpack
-from ftis_kernels.grpo.launch import LOCK_FILE, OutLock, _resume_hint, check_out
+from ftis_kernels.grpo.launch import LOCK_FILE, RUN_MARKER, OutLock, _resume_hint, check_out
 from ftis_kernels.grpo.models import build_model
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
 from ftis_kernels.grpo.tokenizer import build_tokenizer
@@ -88,6 +89,13 @@ CONFIG_ERRORS = [
     (["--rounds", "x"], "--rounds: expected an integer, got 'x'"),
     (["--loss", "fast"], "--loss: expected one of 'on-policy'"),
     (["--set", "nodes.1.model=no/such"], "nodes.1.model: expected a local Hugging Face checkpoint"),
+    # values that once passed and crashed every node 15-18 s later, or wrote 1e30 weights
+    (["--set", "seed=1e20"], "seed: expected an integer in range"),
+    (["--set", "seed=4294967296"], "seed: expected a value <= 4294967295, got 4294967296"),
+    (["--timeout", "1e300"], "timeout_s: expected a value <= 1000000.0, got 1e+300"),
+    (["--set", "setup_timeout_s=1e300"], "setup_timeout_s: expected a value <= 1000000.0"),
+    (["--set", "nodes.0.lr=1e30"], "nodes.0.lr: expected a value <= 1.0, got 1e+30"),
+    (["--set", "nodes.1.warmup_lr=2"], "nodes.1.warmup_lr: expected a value <= 1.0, got 2"),
 ]
 
 
@@ -109,6 +117,25 @@ def test_each_of_several_problems_gets_its_own_line(tmp_path):
         "built-in task's vocabulary (task jsonl), got null"
         for i in range(2)
     ]
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path):
+    """237 bytes of nested aliases once echoed 4.3 MB back (9^6 strings)."""
+    bomb = tmp_path / "bomb.yaml"
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for prev, name in zip("abcde", "bcdef"):
+        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+    bomb.write_text("\n".join(lines) + "\n")
+    rc, err = ftis_grpo("--config", str(bomb), out=tmp_path / "run")
+    assert rc == 2 and len(err) == 1 and len(err[0]) < 400, err
+    assert err[0].startswith(f"ftis-grpo: --config: expected valid YAML or TOML, got {bomb}:")
+    assert "aliases (*name) are not allowed" in err[0]
+
+
+def test_an_error_echoes_at_most_200_characters_of_a_value(tmp_path):
+    rc, err = ftis_grpo("--preset", "smoke", "--set", "nodes.0.arch=" + "y" * 5000, out=tmp_path)
+    assert rc == 2 and len(err) == 1
+    assert err[0].endswith("... (5002 characters)") and len(err[0]) < 350
 
 
 def test_yaml_file_that_is_not_a_mapping_is_a_config_error(tmp_path):
@@ -260,7 +287,37 @@ def test_overwrite_deletes_the_previous_runs_outputs_and_nothing_else(tmp_path):
     _fake_run(tmp_path, build_config("smoke"), rounds_done=50)
     (tmp_path / "notes.txt").write_text("mine")
     check_out(build_config("smoke", overrides={"out": str(tmp_path)}), overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_MARKER, "notes.txt"]
+
+
+def test_overwrite_never_deletes_a_users_files_it_could_mistake_for_a_run(tmp_path):
+    """A folder with the user's own config.yaml and tokenizer/ holds no run: neither a fresh run
+    nor --overwrite takes it, and nothing in it is deleted."""
+    (tmp_path / "config.yaml").write_text("mine: 1\n")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "vocab.json").write_text("{}")
+    for args in ((), ("--overwrite",)):
+        rc, err = ftis_grpo("--preset", "smoke", *args, out=tmp_path)
+        assert rc == 2 and err == [
+            "ftis-grpo: --out: expected a folder without files of the names a run writes, or "
+            f"one a run wrote, got {str(tmp_path)!r}, which holds config.yaml, tokenizer that "
+            "no run wrote (move them, or choose another --out)"
+        ]
+    assert (tmp_path / "config.yaml").read_text() == "mine: 1\n"
+    assert (tmp_path / "tokenizer" / "vocab.json").exists()
+
+
+def test_a_run_leaves_its_marker_and_overwrite_deletes_only_what_a_run_writes(tmp_path):
+    cfg = build_config("smoke", overrides={"out": str(tmp_path)})
+    check_out(cfg, overwrite=False)
+    assert (tmp_path / RUN_MARKER).is_file()
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    rc, err = ftis_grpo("--preset", "smoke", out=tmp_path)
+    assert rc == 2 and "which holds a run: metrics.jsonl, tokenizer" in err[0]
+    check_out(cfg, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_MARKER, LOCK_FILE, "notes.txt"]
 
 
 def test_checkpoint_pruning_never_deletes_a_later_rounds_folder(tmp_path):
@@ -272,6 +329,66 @@ def test_checkpoint_pruning_never_deletes_a_later_rounds_folder(tmp_path):
         checkpoint.save_node(tmp_path, 0, r, model, optimizer, torch.Generator(), {})
     kept = sorted(p.name for p in (tmp_path / "node0").iterdir())
     assert kept == ["round_00002", "round_00003", "round_00050"]
+
+
+def test_stray_folders_in_ckpt_are_neither_rounds_nor_pruned(tmp_path):
+    """A user's `round_00004.bak` is no round: node_rounds skips it (it once crashed --resume
+    with int()), and pruning neither counts it as kept nor deletes it."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for r in (2, 4):
+        checkpoint.save_node(tmp_path, 0, r, model, optimizer, torch.Generator(), {})
+    for stray in ("round_00004.bak", "round_00002.bak", "round_x"):
+        (tmp_path / "node0" / stray).mkdir()
+    assert checkpoint.node_rounds(tmp_path, 0) == [4, 2]
+    checkpoint.save_node(tmp_path, 0, 6, model, optimizer, torch.Generator(), {})
+    kept = sorted(p.name for p in (tmp_path / "node0").iterdir())
+    assert kept == ["round_00002.bak", "round_00004", "round_00004.bak", "round_00006", "round_x"]
+
+
+@pytest.mark.parametrize("pointer", ["{}", '{"rou', '{"round": "x"}', "[]", ""])
+def test_a_damaged_latest_pointer_falls_back_to_the_newest_good_round(tmp_path, pointer, caplog):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for node in (0, 1):
+        for r in (2, 4):
+            checkpoint.save_node(tmp_path, node, r, model, optimizer, torch.Generator(), {})
+    (tmp_path / "latest.json").write_text(pointer)
+    assert checkpoint.latest_round(tmp_path) == 4
+    assert "latest.json is damaged" in caplog.text and "using round 4" in caplog.text
+    _spoil(checkpoint.node_dir(tmp_path, 1, 4) / "model.safetensors")
+    assert checkpoint.latest_round(tmp_path) == 2
+
+
+def test_resume_with_a_damaged_latest_pointer_is_no_traceback(tmp_path):
+    cfg = build_config("smoke", overrides={"out": str(tmp_path), "resume": True, "rounds": 9})
+    _fake_run(tmp_path, cfg, rounds_done=2)
+    (tmp_path / "ckpt" / "latest.json").write_text("{}")
+    rc, err = ftis_grpo("--preset", "smoke", "--resume", "--rounds", "9", out=tmp_path)
+    assert rc == 2 and err == [
+        f"ftis-grpo: --resume: expected a complete checkpoint in {tmp_path / 'ckpt'}, got none "
+        "(start the run without --resume)"
+    ]
+
+
+def test_a_checkpoint_write_on_a_full_disk_names_the_path_and_the_cause(tmp_path, monkeypatch):
+    """torch.save says only "basic_ios::clear: iostream error" when the disk fills up."""
+    import collections
+
+    def full(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 0))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(OSError) as caught:
+        checkpoint.save_node(
+            tmp_path, 0, 2, model, torch.optim.AdamW(model.parameters()), torch.Generator(), {}
+        )
+    tmp = checkpoint.node_dir(tmp_path, 0, 2).with_suffix(".tmp")
+    assert caught.value.filename == str(tmp) and not tmp.exists()
+    assert caught.value.strerror == "no space left on its disk (basic_ios::clear: iostream error)"
 
 
 def test_stale_tmp_checkpoint_folders_are_removed_when_a_run_resumes(tmp_path):
@@ -334,6 +451,114 @@ def test_signal_to_the_launcher_alone_stops_every_process(tmp_path):
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def _launch(out: Path, log_file: Path, *args: str) -> subprocess.Popen:
+    """The launcher of a smoke run of 50 rounds into `out`, its output into `log_file`."""
+    with open(log_file, "w") as log_out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ftis_kernels.grpo", "--preset", "smoke", "--no-progress"]
+            + ["--rounds", "50", "--out", str(out), *args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=log_out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_for(log_file: Path, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log_file.read_text() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert text in log_file.read_text(), log_file.read_text()[-3000:]
+
+
+def test_a_launcher_killed_by_sigkill_takes_its_swarm_and_the_lock_with_it(tmp_path):
+    """SIGKILL leaves the launcher no chance to stop anything: torchrun dies with it, the nodes
+    see their parent gone and stop within seconds, and until the last has stopped the folder
+    stays locked."""
+    log_file, out = tmp_path / "log.txt", tmp_path / "run"
+    proc = _launch(out, log_file)
+    launcher = psutil.Process(proc.pid)
+    tree: list[psutil.Process] = []
+    try:
+        _wait_for(log_file, "vocabulary of")
+        tree = launcher.children(recursive=True)
+        assert len(tree) >= 3, log_file.read_text()[-3000:]  # torchrun and its 2 nodes
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match="locked by ftis-grpo PID"):
+            OutLock(out).acquire()  # the nodes hold it
+        _, alive = psutil.wait_procs(tree, timeout=10)
+        assert alive == [], [p.cmdline() for p in alive]
+        assert time.monotonic() - t0 < 5
+        assert "is gone; stopping" in log_file.read_text()
+        with OutLock(out):  # free again
+            pass
+    finally:
+        for p in [launcher, *tree]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_a_nodes_share_of_the_lock_outlives_the_process_that_checked_the_folder(tmp_path):
+    first = OutLock(tmp_path)
+    first.acquire()
+    first.share()
+    node = OutLock(tmp_path)
+    node.join()
+    first.release()
+    with pytest.raises(ConfigError, match="no other run is writing to"):
+        OutLock(tmp_path).acquire()
+    node.release()
+    with OutLock(tmp_path):
+        pass
+
+
+def _torchrun(out: Path, *args: str, nodes: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun ... -m ftis_kernels.grpo --preset smoke ARGS`, the mode the launcher's docstring
+    gives for runs across hosts."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nodes}"]
+        + ["--master-addr=127.0.0.1", f"--master-port={_port()}", "-m", "ftis_kernels.grpo"]
+        + ["--preset", "smoke", "--no-progress", "--out", str(out), *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_by_hand_refuses_a_folder_holding_a_run_and_a_locked_one(tmp_path):
+    cfg = build_config("smoke", overrides={"out": str(tmp_path)})
+    _fake_run(tmp_path, cfg, rounds_done=4)
+    (tmp_path / "metrics.jsonl").write_text('{"round": 0}\n' * 8)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    proc = _torchrun(tmp_path)
+    assert proc.returncode != 0
+    assert (
+        f"ftis-grpo: --out: expected an empty or new folder (--resume continues the run there, "
+        f"--overwrite replaces it), got {str(tmp_path)!r}, which holds a run" in proc.stderr
+    ), proc.stderr[-3000:]
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_FILE}
+    assert after == {p: b for p, b in before.items() if p.name != LOCK_FILE}
+    other = tmp_path / "other"
+    other.mkdir()
+    with OutLock(other) as lock:
+        lock.share()
+        proc = _torchrun(other)
+    assert proc.returncode != 0 and "expected a folder no other run is writing to" in proc.stderr
+    assert sorted(p.name for p in other.iterdir()) == [LOCK_FILE]
 
 
 def test_a_long_warm_up_does_not_trip_a_peers_timeout(tmp_path):
@@ -466,12 +691,98 @@ def test_skipped_in_a_row_counts_each_nodes_trailing_skipped_rounds():
 
 
 def test_improbable_logprobs_peer_sends_the_issues_sample_and_the_parser_accepts_it():
-    honest = _batch(poisoned=False)
+    pid = make_prompt_id("train", 0)  # one group of three
+    honest = [Sample(pid, 1, s.tokens, s.logprobs, 0.0, 0.0) for s in _batch(poisoned=False)]
     sent = make_hostile(honest, "improbable_logprobs", len(TOKENIZER), torch.Generator())
     assert sent[0].logprobs[0] == IMPROBABLE_LOGPROB == -100.0 and sent[0].advantage > 0
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(sent[1:], honest[1:]))
     got, drops = unpack(pack(sent), sender=1, vocab_size=len(TOKENIZER), max_tokens=64)
     assert len(got) == 3 and drops == []
+
+
+# -- a peer's claims are checked: its advantage, its prompts ------------------------------------
+@pytest.mark.parametrize("claim", [1e6, 1e20, 1e30, "negated"])
+def test_a_peers_advantage_field_is_checked_against_its_groups_rewards(tmp_path, claim):
+    """The receiver recomputes each peer group's advantages from its rewards: a claimed 1e6,
+    1e20 or 1e30, or advantages negated next to true rewards, are dropped and the sender named."""
+    from tests.test_grpo_units import _bare_node, _group
+
+    for verify in (False, True):
+        node = _bare_node(tmp_path, verify_rewards=verify)
+        honest = _group(node, make_prompt_id("train", 5), (True, False, True, False))
+        other = _group(node, make_prompt_id("train", 6), (False, True, False, False))
+        tampered = [Sample(**vars(s)) for s in honest]
+        if claim == "negated":
+            for s in tampered:
+                s.advantage = -s.advantage
+        else:
+            tampered[0].advantage = claim
+        kept, drops = node.check_advantages(tampered + other)
+        wrong = 4 if claim == "negated" else 1
+        assert [(d.kind, d.sender) for d in drops] == [("advantage", 1)] * wrong, drops
+        assert [_key(s) for s in kept] == [_key(s) for s in honest[wrong:] + other]
+
+
+def _key(s: Sample) -> tuple:
+    return s.prompt_id, s.source, s.tokens.tolist(), s.logprobs.tolist(), s.reward, s.advantage
+
+
+def test_a_peer_group_of_the_wrong_size_is_dropped(tmp_path):
+    from tests.test_grpo_units import _bare_node, _group
+
+    node = _bare_node(tmp_path)
+    group = _group(node, make_prompt_id("train", 5), (True, False, True, False))
+    kept, drops = node.check_advantages(group[:3])
+    assert kept == [] and [d.kind for d in drops] == ["advantage"] * 3
+    assert "3 samples for prompt" in drops[0] and "a group is 4" in drops[0]
+
+
+def test_horizontal_advantages_are_checked_against_the_reward_exchange(tmp_path):
+    from ftis_kernels.grpo.rollout import horizontal_advantages
+    from tests.test_grpo_units import _bare_node, _group
+
+    node = _bare_node(tmp_path, collab="horizontal")
+    pids = [make_prompt_id("train", i) for i in (0, 1)]
+    swarm = torch.tensor([[[1.0, 0.0], [0.0, 0.0]], [[0.0, 1.0], [1.0, 1.0]]])  # (N, P, G/N)
+    node.swarm_rewards, node.shared_prompts = swarm, {pid: p for p, pid in enumerate(pids)}
+    advantages = horizontal_advantages(swarm)[1]
+    share = []
+    for p, pid in enumerate(pids):
+        group = _group(node, pid, tuple(bool(r) for r in swarm[1, p].tolist()))
+        for s, adv in zip(group, advantages[p].tolist()):
+            s.advantage = adv
+            share.append(s)
+    kept, drops = node.check_advantages(share)
+    assert [_key(s) for s in kept] == [_key(s) for s in share] and drops == []
+    share[0].advantage, share[2].reward = 1e20, 0.0  # a false advantage; a reward not reported
+    kept, drops = node.check_advantages(share)
+    assert [_key(s) for s in kept] == [_key(share[1])]
+    assert [d.kind for d in drops] == ["advantage"] * 3
+    assert "it reported [1.0, 1.0] in the reward exchange" in drops[-1]
+
+
+def test_a_peer_may_send_training_prompts_only(tmp_path):
+    """Correct answers to the receiver's own test and OOD problems are dropped by the parser."""
+    from ftis_kernels.grpo.task import Problems
+
+    problems = Problems(0)
+    splits = ("train", "test", "ood")
+    tokens = torch.tensor([4, 5], dtype=torch.int32)
+    samples = [Sample(make_prompt_id(sp, 3), 1, tokens, -torch.ones(2), 1.0, 0.5) for sp in splits]
+    got, drops = unpack(
+        pack(samples), sender=1, vocab_size=100, max_tokens=8, prompt_ok=problems.is_train
+    )
+    assert [_key(s) for s in got] == [_key(samples[0])]
+    assert [d.kind for d in drops] == ["prompt", "prompt"]
+    assert "is not a training problem" in drops[0]
+    data = {}
+    for split in splits:
+        data[split] = str(tmp_path / f"{split}.jsonl")
+        lines = [json.dumps({"question": f"{split} {i}", "answer": f"#### {i}"}) for i in range(2)]
+        Path(data[split]).write_text("\n".join(lines))
+    files = Problems(0, "jsonl", data)
+    ids = [p.prompt_id for split in splits for p in files.files.split(split)]
+    assert [files.is_train(pid) for pid in ids] == [True, True] + [False] * 4
 
 
 def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(tmp_path):
@@ -489,7 +800,10 @@ def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(t
         "--set",
         "nodes.1.hostile=improbable_logprobs",
     )
-    assert rc != 0
+    assert rc == 4, log[-3000:]  # the swarm's own exit code, not torchrun's 1
+    (line,) = [x for x in log.splitlines() if "the swarm stopped" in x]
+    assert "the swarm stopped with exit code 4: node 0 (tiny-full) skipped its optimizer" in line
+    assert "Traceback" not in log and "ChildFailedError" not in log and "SIGTERM" not in log
     for round_ in range(3):
         assert f"node 0 (tiny-full) round {round_}: optimizer step skipped, non-finite loss" in log
     assert "node 0 (tiny-full) skipped its optimizer step 3 rounds in a row" in log
@@ -592,9 +906,12 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_a_torn_metrics_line(fou
     intact = older.read_bytes()
     _spoil(older)
     rc, log, _ = run_swarm("--preset", "smoke", "--out", str(out), "--resume", "--rounds", "5")
-    assert rc != 0
-    assert "--resume: no checkpoint under" in log and "is good on every node" in log
-    assert "node 0: [4]; node 1: [2]" in log
+    assert rc == 1, log[-4000:]  # a refusal: said once (by node 0, then the launcher), no hint
+    said = [x for x in log.splitlines() if "--resume: no checkpoint under" in x]
+    assert len(said) == 2 and all(x.count("--resume: no checkpoint") == 1 for x in said), said
+    assert "node0 ERROR" in said[0] and "the swarm stopped with exit code 1: --resume" in said[1]
+    assert "is good on every node" in log and "node 0: [4]; node 1: [2]" in log
+    assert "Continue from the checkpoint" not in log and "Traceback" not in log
     older.write_bytes(intact)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"round": 4, "node": 0, "rew')  # a write cut short by a kill

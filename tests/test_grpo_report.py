@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 
 import pytest
@@ -68,3 +70,22 @@ def test_curves_draw_ood_only_where_it_carries_signal_and_caption_the_smoothing(
         plot_curves(rows, path)
         width = struct.unpack(">I", path.read_bytes()[16:20])[0]  # the PNG's IHDR width
         assert width == 5 * panels_drawn * 110
+
+
+def test_metrics_lines_are_strict_json_in_a_skipped_round(tmp_path):
+    """A skipped step's loss and KL are infinite: written null, not `Infinity`, which is no JSON."""
+    from ftis_kernels.grpo.report import METRIC_KEYS, append_metrics, metric_rows, start_metrics
+
+    vec = [1.0] * len(METRIC_KEYS)
+    vec[METRIC_KEYS.index("loss")], vec[METRIC_KEYS.index("kl_mean")] = math.inf, -math.inf
+    rows = metric_rows(0, [vec], ["a"], "f-tis", "vertical")
+    path = tmp_path / "metrics.jsonl"
+    start_metrics(path, [{"round": -1, "node": 0, "loss": math.nan}])
+    append_metrics(path, rows)
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    got = [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+    assert got[0]["loss"] is None and got[1]["loss"] is None and got[1]["kl_mean"] is None
+    assert got[1]["reward_mean"] == 1.0

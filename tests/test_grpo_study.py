@@ -311,12 +311,13 @@ def test_rerunning_a_command_on_the_same_machine_is_bit_identical(tmp_path):
 
 # -- stronger bad peers (item 8) ---------------------------------------------------------------
 def test_random_tokens_max_weight_claims_the_logprob_that_gives_every_token_the_cap():
-    from ftis_kernels.grpo.exchange import MAX_WEIGHT_LOGPROB, RANDOM_TOKENS_ADVANTAGE
+    from ftis_kernels.grpo.exchange import MAX_WEIGHT_LOGPROB, claim_first_correct
 
     honest = [_s(-0.5, 6) for _ in range(3)]
     sent = make_hostile(honest, "random_tokens_max_weight", 50, torch.Generator().manual_seed(0))
     assert all(bool((s.logprobs == MAX_WEIGHT_LOGPROB).all()) for s in sent)
-    assert all((s.reward, s.advantage) == (1.0, RANDOM_TOKENS_ADVANTAGE) for s in sent)
+    assert [(s.reward, s.advantage) for s in sent] == claim_first_correct(honest)
+    assert sent[0].advantage > 1 and sent[1].advantage < 0  # one sold as correct per group
     assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(sent, honest))
     got, drops = unpack(pack(sent), sender=1, vocab_size=50, max_tokens=8)
     assert len(got) == 3 and drops == []
@@ -364,16 +365,25 @@ def test_a_swarm_with_a_replaying_and_a_max_weight_peer_logs_what_each_defence_d
     assert all(r["dropped"] is None for r in replayed)  # the parser cannot tell
     forged = [r for r in logged if r["sender"] == 2]
     assert len(forged) == 2 * 2 * 8 and all(r["truncated"] == 1.0 for r in forged)
-    assert all(r["advantage"] == 2.0 and not r["filtered"] for r in forged)
+    assert all(r["dropped"] is None for r in forged)  # their advantages agree with their rewards
+    assert {round(r["advantage"], 3) for r in forged} == {1.5, -0.5}
     rows = rows_of(tmp_path)
     assert all(r["recv_truncated_frac"] > 0.3 for r in rows if r["node"] != 2)
 
 
 def test_verify_rewards_drops_carry_their_kind_and_sender(tmp_path):
+    """A lie about one reward, with the advantages the lie gives: the liar is dropped as "verify",
+    the rest of its group trained on with the advantages of the rescored rewards."""
+    from ftis_kernels.grpo.rollout import vertical_advantages
+    from tests.test_grpo_units import _group
+
     node = _bare_node(tmp_path, verify_rewards=True)
-    pid = make_prompt_id("train", 0)
-    p = node.problems.problem(pid)
-    right = torch.tensor(node.tokenizer(f"{p.solution} #### {p.answer}")["input_ids"])
-    lie = Sample(pid, 1, right, -torch.ones(len(right)), 0.0, -1.0)
-    kept, drops = node.verify([lie, Sample(pid, 1, right, -torch.ones(len(right)), 1.0, 1.0)])
-    assert len(kept) == 1 and [(d.kind, d.sender) for d in drops] == [("verify", 1)]
+    group = _group(node, make_prompt_id("train", 0), (True, False, False, False))
+    group[1].reward = 1.0
+    claimed = vertical_advantages(torch.tensor([[1.0, 1.0, 0.0, 0.0]]))[0].tolist()
+    for s, adv in zip(group, claimed):
+        s.advantage = adv
+    kept, drops = node.check_advantages(group)
+    assert [(d.kind, d.sender) for d in drops] == [("verify", 1)]
+    true = vertical_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))[0].tolist()
+    assert [s.advantage for s in kept] == [true[0], true[2], true[3]]

@@ -15,8 +15,8 @@ from ftis_kernels.grpo.config import build_config
 from ftis_kernels.grpo.exchange import (
     BYTES_PER_TOKEN,
     HEADER_BYTES,
-    RANDOM_TOKENS_ADVANTAGE,
     Sample,
+    claim_first_correct,
     make_hostile,
     pack,
     record_bytes,
@@ -197,7 +197,7 @@ def test_pack_unpack_round_trips_exactly_and_counts_8_bytes_per_token_plus_heade
         (lambda s: setattr(s, "reward", float("inf")), "non-finite reward"),
         (lambda s: setattr(s, "advantage", float("nan")), "non-finite reward"),
         (lambda s: setattr(s, "source", 0), "source field"),
-        (lambda s: setattr(s, "prompt_id", 7 << 48), "unknown prompt"),
+        (lambda s: setattr(s, "prompt_id", 7 << 48), "is not a training problem"),
     ],
 )
 def test_malformed_peer_sample_is_dropped_with_a_reason(corrupt, reason):
@@ -249,7 +249,7 @@ def test_hostile_hook_forges_what_it_says():
     assert [s.advantage for s in flipped] == [-s.advantage for s in honest]
     rand = make_hostile(honest, "random_tokens", V, g)
     assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(rand, honest))
-    assert all((s.reward, s.advantage) == (1.0, RANDOM_TOKENS_ADVANTAGE) for s in rand)
+    assert [(s.reward, s.advantage) for s in rand] == claim_first_correct(honest)
     broken = make_hostile(honest * 2, "malformed", V, g)  # 8 records: every check, some twice
     got, drops = unpack(
         pack(broken), sender=1, vocab_size=V, max_tokens=64, prompt_ok=lambda pid: (pid >> 48) < 4
@@ -261,7 +261,7 @@ def test_hostile_hook_forges_what_it_says():
         "non-finite logprob",
         "logprob > 0",
         "non-finite reward",
-        "unknown prompt id",
+        "is not a training problem",
     ):
         assert any(reason in d for d in drops), reason
     for kind in ("forged_logprobs", "flipped_rewards", "random_tokens"):  # all well formed
@@ -393,28 +393,42 @@ def _bare_node(tmp_path, **overrides):
     return node
 
 
+def _group(node, pid: int, rights: tuple[bool, ...], source: int = 1) -> list[Sample]:
+    """An honest peer's group for `pid`: right or wrong completions, true rewards, the group
+    advantages those rewards give."""
+    task, tok = node.problems.arith, node.tokenizer
+    problem = task.problem(pid)
+    ids = {
+        True: tok(task.target(problem))["input_ids"],
+        False: tok(task.target(problem, gsm8k_format=False))["input_ids"],
+    }
+    rewards = torch.tensor([float(r) for r in rights])
+    return [
+        Sample(
+            pid,
+            source,
+            torch.tensor(ids[r], dtype=torch.int32),
+            torch.full((len(ids[r]),), -0.5),
+            float(r),
+            a,
+        )
+        for r, a in zip(rights, vertical_advantages(rewards[None]).flatten().tolist())
+    ]
+
+
 def test_verify_rewards_drops_false_claims_and_keeps_true_ones(tmp_path):
     node = _bare_node(tmp_path, verify_rewards=True)
-    task, tok = node.problems.arith, node.tokenizer
-    pid = make_prompt_id("train", 3)
-    problem = task.problem(pid)
-    right = torch.tensor(tok(task.target(problem))["input_ids"], dtype=torch.int32)
-    wrong = torch.tensor(
-        tok(task.target(problem, gsm8k_format=False))["input_ids"], dtype=torch.int32
-    )
-    lp = lambda t: torch.full((t.numel(),), -0.5)  # noqa: E731
-    honest = [
-        Sample(pid, 1, right, lp(right), 1.0, 0.7),
-        Sample(pid, 1, wrong, lp(wrong), 0.0, -0.7),
-    ]
-    kept, drops = node.verify(honest)
+    honest = _group(node, make_prompt_id("train", 3), (True, False, False, False))
+    kept, drops = node.check_advantages(honest)
     assert kept == honest and drops == []
     g = torch.Generator().manual_seed(0)
     for kind in ("flipped_rewards", "random_tokens"):
-        kept, drops = node.verify(make_hostile(honest, kind, len(tok), g))
-        assert kept == [] and len(drops) == 2 and all("claimed reward" in d for d in drops)
-    forged = make_hostile(honest, "forged_logprobs", len(tok), g)
-    assert node.verify(forged) == (forged, [])  # logprobs cannot be checked by rescoring
+        kept, drops = node.check_advantages(make_hostile(honest, kind, len(node.tokenizer), g))
+        lies = [d for d in drops if d.kind == "verify"]
+        assert lies and all("claimed reward" in d for d in lies)
+        assert all(s.advantage == 0 for s in kept)  # a group of wrong answers teaches nothing
+    forged = make_hostile(honest, "forged_logprobs", len(node.tokenizer), g)
+    assert node.check_advantages(forged) == (forged, [])  # logprobs cannot be checked so
 
 
 def test_warmup_cache_gives_the_fresh_warmup_weights_and_keys_on_the_recipe(tmp_path, monkeypatch):

@@ -204,4 +204,13 @@ def start_sample_log(path: Path, start: Optional[int]) -> None:
 
 def append_sample_log(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     with open(path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json_line(r) for r in rows)
+
+
+def json_line(row: dict[str, Any]) -> str:
+    """`row` as one line of strict JSON: a non-finite float (the loss of a skipped step, say) is
+    null, since `Infinity` and `NaN` are no JSON and many readers refuse them."""
+    clean = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()
+    }
+    return json.dumps(clean, allow_nan=False) + "\n"

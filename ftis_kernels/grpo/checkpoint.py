@@ -13,10 +13,13 @@ atomically only after a barrier, so a crash at any moment leaves the previous co
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -24,7 +27,11 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_model, save_model
 
+log = logging.getLogger(__name__)
+
 KEEP = 2  # complete rounds kept per node
+ROUND_FOLDER = re.compile(r"round_\d{5,}")  # a complete checkpoint's folder; nothing else counts
+FULL_BELOW = 1 << 20  # bytes free under which a failed write is put down to a full disk
 FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "state.json")
 MANIFEST = "manifest.json"  # {"sha256": {file: hex digest}} of FILES
 
@@ -63,6 +70,26 @@ def save_node(
     """Write node `node`'s checkpoint after `round_` completed rounds; returns its folder."""
     final = node_dir(root, node, round_)
     tmp = final.with_name(final.name + ".tmp")
+    try:
+        _write(tmp, round_, node, model, optimizer, sampler, state)
+    except (OSError, RuntimeError) as exc:  # torch.save says "basic_ios::clear" on a full disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = getattr(exc, "strerror", None) or str(exc)
+        if shutil.disk_usage(root).free < FULL_BELOW:
+            cause = f"no space left on its disk ({cause})"
+        raise OSError(getattr(exc, "errno", None) or errno.EIO, cause, str(tmp)) from exc
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    # Only rounds up to this one: a later round's folder is not this run's to delete.
+    done = [r for r in node_rounds(root, node) if r <= round_]
+    for old in done[KEEP:]:
+        shutil.rmtree(node_dir(root, node, old), ignore_errors=True)
+    return final
+
+
+def _write(tmp: Path, round_: int, node: int, model, optimizer, sampler, state) -> None:
+    """Write and fsync the files of one checkpoint into the folder `tmp`."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_model(model, str(tmp / "model.safetensors"))
@@ -82,18 +109,6 @@ def save_node(
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
     _fsync_dir(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    # Only rounds up to this one: a later round's folder is not this run's to delete.
-    done = sorted(
-        p
-        for p in final.parent.glob("round_*")
-        if not p.name.endswith(".tmp") and p.name <= final.name
-    )
-    for old in done[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _sha256(path: Path) -> str:
@@ -105,10 +120,12 @@ def _sha256(path: Path) -> str:
 
 
 def node_rounds(root: Path, node: int) -> list[int]:
-    """The rounds of node `node`'s complete (renamed into place) checkpoints, newest first."""
+    """The rounds of node `node`'s complete (renamed into place) checkpoints, newest first; any
+    other entry (a `.tmp` write, a user's `round_00002.bak`) is not one and is ignored."""
     folders = (root / f"node{node}").glob("round_*")
     return sorted(
-        (int(p.name[len("round_") :]) for p in folders if not p.name.endswith(".tmp")), reverse=True
+        (int(p.name[len("round_") :]) for p in folders if ROUND_FOLDER.fullmatch(p.name)),
+        reverse=True,
     )
 
 
@@ -142,10 +159,39 @@ def mark_latest(root: Path, round_: int) -> None:
 
 
 def latest_round(root: Path) -> Optional[int]:
+    """The round `latest.json` records (None without one); a torn or damaged pointer is passed
+    over with a warning for the newest round whose checkpoint is good on every node."""
     path = root / "latest.json"
     if not path.exists():
         return None
-    return int(json.loads(path.read_text())["round"])
+    try:
+        got = json.loads(path.read_text())["round"]
+        if type(got) is not int or got < 0:
+            raise ValueError(f"round {got!r} is not a round number")
+        return got
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        found = newest_common(
+            [
+                [r for r in node_rounds(root, node) if verify_node(root, node, r) is None]
+                for node in _nodes(root)
+            ]
+        )
+        log.warning(
+            "%s is damaged (%s): %s",
+            path,
+            f"{type(exc).__name__}: {exc}",
+            "no good checkpoint found"
+            if found is None
+            else f"using round {found}, the newest good on every node",
+        )
+        return found
+
+
+def _nodes(root: Path) -> list[int]:
+    """The node numbers with a checkpoint folder under `root`."""
+    return sorted(
+        int(p.name[len("node") :]) for p in root.glob("node*") if re.fullmatch(r"node\d+", p.name)
+    )
 
 
 def load_node(

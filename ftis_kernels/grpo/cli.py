@@ -5,7 +5,8 @@
     ftis-grpo --config swarm.yaml --loss nois --set nodes.1.hostile=random_tokens
 
 Run by hand with torchrun (for example across hosts) the same command runs one node: the CLI
-sees torchrun's environment (RANK, WORLD_SIZE, ...) and does not launch again.
+sees torchrun's environment (RANK, WORLD_SIZE, ...) and does not launch again; rank 0 then checks
+and locks `--out` as the launcher does (`launch.hold_out`).
 
 Every configuration or usage error is found here, before any process starts, and printed as one
 line `ftis-grpo: <key>: expected <what>, got <value>` with exit code `EXIT_USAGE`.
@@ -289,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if worker:
             from ftis_kernels.grpo.node import run_worker
 
-            return run_worker(cfg)
+            return run_worker(cfg, overwrite=args.overwrite)
         cfg.validate(len(cfg.nodes))
         if args.print_config:
             print(render_config(cfg, _layers(args)))

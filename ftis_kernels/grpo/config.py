@@ -83,6 +83,16 @@ REPEAT_SEED_STRIDE = 100
 Count = Annotated[int, Field(ge=1)]
 Index = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
+# Bounds where a larger value passes the schema only to crash every node at run time: a seed
+# times the seed mixes overflows the generators' 64 bits, a timeout the process group's clock,
+# and a learning rate above 1 writes non-finite weights into the first checkpoint.
+MAX_SEED = 2**32 - 1
+MAX_TIMEOUT_S = 1e6  # 11.6 days
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)]
+LearningRate = Annotated[float, Field(gt=0, le=1.0)]
+# What an error message echoes of a value at most: a config's value can be megabytes.
+MAX_ECHO = 200
 Share = Annotated[float, Field(ge=0, le=1)]
 Steps = Annotated[list[Count], Field(min_length=2, max_length=2)]
 _SCHEMA = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -101,10 +111,17 @@ class ConfigError(ValueError):
         """Each problem is (key, what was expected, the value got), or a line already written
         in that form (the loss options' own errors)."""
         self.lines = [
-            p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {show(p[2])}"
+            p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {_echo(show(p[2]))}"
             for p in problems
         ]
         super().__init__("\n".join(self.lines))
+
+
+def _echo(text: str) -> str:
+    """`text` as an error message echoes it: at most `MAX_ECHO` characters."""
+    if len(text) <= MAX_ECHO:
+        return text
+    return f"{text[:MAX_ECHO]}... ({len(text)} characters)"
 
 
 def show(value: Any) -> str:
@@ -129,7 +146,7 @@ class NodeSpec:
     model: Optional[str] = Field(
         None, description="local Hugging Face checkpoint folder instead of a preset"
     )
-    init_seed: Index = Field(
+    init_seed: Seed = Field(
         0, description="initial weights and warm-up draw from init_seed + 1000 * seed"
     )
     warmup_steps: Index = Field(
@@ -140,14 +157,14 @@ class NodeSpec:
         min_length=1,
         description="operations the warm-up problems use",
     )
-    warmup_lr: Positive = Field(3e-3, description="learning rate of the warm-up")
+    warmup_lr: LearningRate = Field(3e-3, description="learning rate of the warm-up")
     warmup_format: Share = Field(
         1.0, description="share of warm-up answers in GSM8K's '#### x' format"
     )
     lora: bool = Field(False, description="train a peft LoRA adapter instead of every weight")
     lora_r: Count = Field(8, description="LoRA rank")
     lora_alpha: Positive = Field(16.0, description="LoRA scale numerator")
-    lr: Positive = Field(1e-4, description="GRPO learning rate (AdamW)")
+    lr: LearningRate = Field(1e-4, description="GRPO learning rate (AdamW)")
     kl_threshold: Optional[Annotated[float, Field(ge=0, allow_inf_nan=True)]] = Field(
         None, description="this node's g, its filter's KL threshold; null: the run's kl_threshold"
     )
@@ -164,7 +181,7 @@ class RunConfig:
     """A whole swarm run; `nodes[i % len(nodes)]` is the spec of node i."""
 
     out: str = Field("runs/grpo", min_length=1, description="output folder")
-    seed: Index = Field(0, description="moves the task's problems and every node's init seed")
+    seed: Seed = Field(0, description="moves the task's problems and every node's init seed")
     rounds: Count = Field(20, description="GRPO rounds (generate, exchange, train)")
     collab: Literal[COLLABS] = Field(
         "vertical", description="vertical: own prompts per node; horizontal: shared groups"
@@ -246,10 +263,10 @@ class RunConfig:
     warmup_cache: Optional[str] = Field(
         None, description="folder of warmed-up weights, reused by identical warm-ups"
     )
-    timeout_s: Positive = Field(
+    timeout_s: Seconds = Field(
         120.0, description="seconds to wait for a silent peer before stopping"
     )
-    setup_timeout_s: Positive = Field(
+    setup_timeout_s: Seconds = Field(
         3600.0, description="seconds nodes wait for each other's warm-up or model load"
     )
     threads: Index = Field(0, description="torch threads per node; 0 = cores / nodes")
@@ -377,7 +394,19 @@ def _key_order(key: str) -> tuple:
 
 class _YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2 floats: `3e-4` and `1E5` are numbers, not strings
-    (YAML 1.1, which PyYAML follows, demands a dot and a signed exponent: `3.0e-4`)."""
+    (YAML 1.1, which PyYAML follows, demands a dot and a signed exponent: `3.0e-4`), and without
+    aliases (`*name`): a config needs none, and a few hundred bytes of nested aliases expand to
+    gigabytes."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                "aliases (*name) are not allowed in a config",
+                self.peek_event().start_mark,
+            )
+        return super().compose_node(parent, index)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -492,6 +521,7 @@ _EXPECTED = {
     "int_parsing": "an integer",
     "int_type": "an integer",
     "int_from_float": "an integer",
+    "int_parsing_size": "an integer in range (ftis-grpo --list-keys gives the bounds)",
     "float_parsing": "a number",
     "float_type": "a number",
     "finite_number": "a finite number",

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ftis_kernels.grpo.rollout import group_advantages
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<qiiff")
@@ -46,13 +48,9 @@ IMPROBABLE_LOGPROB = -100.0
 # receiver gives a probability above C * e^-30 gets the full truncated IS weight C, and the
 # summed k3 KL (about e^30 per token) stays finite in float32.
 MAX_WEIGHT_LOGPROB = -30.0
-# The advantage a "random_tokens" peer claims: a correct answer in a group where about one in
-# five is correct ((1 - 0.2) / sqrt(0.2 * 0.8) = 2).
-RANDOM_TOKENS_ADVANTAGE = 2.0
-
-
-# Why a record was dropped: the parser's checks (`unpack`), then the receiver's rescoring.
-DROP_KINDS = ("length", "source", "token", "logprob", "reward", "prompt", "verify")
+# Why a record was dropped: the parser's checks (`unpack`), then the receiver's own: an advantage
+# that the group's rewards do not give ("advantage"), a reward its rescoring refutes ("verify").
+DROP_KINDS = ("length", "source", "token", "logprob", "reward", "prompt", "advantage", "verify")
 
 
 class Drop(str):
@@ -128,8 +126,9 @@ def unpack(
 
     A record is dropped when its source is not `sender`, its length is outside [1, max_tokens], a
     token id is outside [0, vocab_size), a logprob is non-finite or > 0, the reward or advantage is
-    non-finite, or `prompt_ok(prompt_id)` is false. A record whose length field cannot be trusted
-    (out of range, or past the payload's end) ends the parse: the rest of the payload is dropped.
+    non-finite, or `prompt_ok(prompt_id)` (the receiver's: is it a training problem) is false. A
+    record whose length field cannot be trusted (out of range, or past the payload's end) ends the
+    parse: the rest of the payload is dropped.
     """  # noqa: E501
     samples, drops = [], []
     offset, index = 0, 0
@@ -180,7 +179,7 @@ def unpack(
         elif not (math.isfinite(rew) and math.isfinite(adv)):
             reason, kind = "non-finite reward or advantage", "reward"
         elif not prompt_ok(prompt_id):
-            reason, kind = f"unknown prompt id {prompt_id}", "prompt"
+            reason, kind = f"prompt id {prompt_id} is not a training problem", "prompt"
         if reason is not None:
             drops.append(Drop(f"{where}: {reason}", kind, sender))
             continue
@@ -264,18 +263,20 @@ def make_hostile(
     """What a hostile node sends instead of `samples` (hook for robustness experiments).
 
     kind: None (honest) | "forged_logprobs" (claims certainty: log pi_gen = 0 at every token) |
-    "flipped_rewards" (reward 1 - r, advantage negated) | "random_tokens" (uniform token ids sold
-    as correct: reward 1 and advantage `RANDOM_TOKENS_ADVANTAGE`) | "malformed" (each record
-    broken in one of the ways `unpack` checks, in turn) | "improbable_logprobs" (the round's first
-    sample claims log pi_gen = `IMPROBABLE_LOGPROB` at its first token and advantage
-    `RANDOM_TOKENS_ADVANTAGE`: its untruncated IS weight overflows, and it weighs in the update) |
-    "random_tokens_max_weight" (random tokens sold as correct, as "random_tokens", claiming
+    "flipped_rewards" (reward 1 - r, advantage negated) | "random_tokens" (uniform token ids, the
+    first of each prompt's group sold as correct: `claim_first_correct`) | "malformed" (each
+    record broken in one of the ways `unpack` checks, in turn) | "improbable_logprobs" (the
+    round's first sample claims log pi_gen = `IMPROBABLE_LOGPROB` at its first token, and its
+    group the rewards of `claim_first_correct`: its untruncated IS weight overflows, and it weighs
+    in the update) |
+    "random_tokens_max_weight" (random tokens sold as "random_tokens" sells them, claiming
     log pi_gen = `MAX_WEIGHT_LOGPROB` at every token, so that the receiver's IS weight is the
     cap C, or huge without one) | "replay" (the honest samples the node received last round from
     its lowest-ranked peer, `previous`, sent as its own: at most as many as `samples`, none in a
     first round or the first after a --resume). All but "malformed" are well formed on the wire,
-    so the receiver's parser accepts them; only `verify_rewards` (the receiver rescoring the
-    completion) or the loss can catch them. The node itself still trains on its honest samples.
+    so the receiver's parser accepts them, and each claims the advantages its claimed rewards give
+    (a receiver recomputes them); only `verify_rewards` (the receiver rescoring the completion) or
+    the loss can catch them. The node itself still trains on its honest samples.
     """
     if kind is None:
         return samples
@@ -288,8 +289,9 @@ def make_hostile(
             for s in previous
             if victims and s.source == min(victims)
         ][: len(samples)]
+    claims = claim_first_correct(samples)
     out = []
-    for s in samples:
+    for i, s in enumerate(samples):
         tokens, logprobs, rew, adv = s.tokens, s.logprobs, s.reward, s.advantage
         if kind == "forged_logprobs":
             logprobs = torch.zeros_like(logprobs)
@@ -299,18 +301,38 @@ def make_hostile(
             out.append(_malformed(s, len(out), vocab_size))
             continue
         elif kind == "improbable_logprobs":
-            if not out:
+            if s.prompt_id == samples[0].prompt_id:
+                rew, adv = claims[i]
+            if i == 0:
                 logprobs = logprobs.clone()
-                logprobs[0], adv = IMPROBABLE_LOGPROB, RANDOM_TOKENS_ADVANTAGE
+                logprobs[0] = IMPROBABLE_LOGPROB
         else:
             tokens = torch.randint(
                 0, vocab_size, tokens.shape, generator=generator, dtype=torch.int32
             )
-            rew, adv = 1.0, RANDOM_TOKENS_ADVANTAGE
+            rew, adv = claims[i]
             if kind == "random_tokens_max_weight":
                 logprobs = torch.full_like(logprobs, MAX_WEIGHT_LOGPROB)
         out.append(Sample(s.prompt_id, s.source, tokens, logprobs, rew, adv))
     return out
+
+
+def claim_first_correct(samples: Sequence[Sample]) -> list[tuple[float, float]]:
+    """(reward, advantage) per sample that a forger selling completions as correct claims and a
+    receiver's recomputation confirms: in each prompt's group, the first sample correct (reward 1)
+    and the others wrong (0), with the group advantages those rewards give (a group of one: 0)."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.prompt_id, []).append(i)
+    claims = [(1.0, 0.0)] * len(samples)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        rewards = torch.zeros(len(members))
+        rewards[0] = 1.0
+        for i, rew, adv in zip(members, rewards.tolist(), group_advantages(rewards).tolist()):
+            claims[i] = (rew, adv)
+    return claims
 
 
 def _malformed(s: Sample, i: int, vocab_size: int) -> Sample:

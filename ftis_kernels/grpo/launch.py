@@ -1,13 +1,18 @@
 """Starting a local swarm: the output folder (lock, checks, clean-up), torchrun, and signals.
 
 Every check here runs before any node starts, so a bad `--out` or `--resume` costs no warm-up.
-The launcher holds an exclusive lock on `--out` for the run's lifetime, starts torchrun in a
-session of its own, and forwards SIGINT, SIGTERM and SIGHUP to every node (and kills torchrun);
-nodes still alive `STOP_GRACE_S` seconds later are killed, so nothing outlives the launcher.
+The launcher takes an exclusive lock on `--out`, checks the folder, then holds the lock shared
+with the nodes, each of which takes it too (`hold_out`): the lock lasts as long as any process of
+the swarm, and a second run is refused until the last has exited. It starts torchrun in a
+session of its own, set to die with the launcher, and forwards SIGINT, SIGTERM and SIGHUP to
+every node (and kills torchrun); nodes still alive `STOP_GRACE_S` seconds later are killed. A node
+whose launcher or torchrun is gone stops by itself (`node.watch_parent`), so nothing outlives the
+launcher, even one killed by SIGKILL.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import fcntl
 import json
@@ -19,21 +24,26 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Optional
 
 import psutil
+import torch.distributed as torch_dist
 
 from ftis_kernels.grpo import checkpoint
+from ftis_kernels.grpo.cli import EXIT_USAGE
 from ftis_kernels.grpo.config import ConfigError, RunConfig, Verbatim, resume_changes, show
 from ftis_kernels.grpo.report import read_metrics, skipped_in_a_row
 
 log = logging.getLogger("ftis_kernels.grpo")
 
 LOCK_FILE = ".ftis-grpo.lock"
-# What a run writes into --out: a folder holding any of these holds a run.
+# Written into --out when a run starts there: the folder holds a run (`holds_a_run`).
+RUN_MARKER = ".ftis-grpo-run"
+# What a run writes into --out, all that --overwrite deletes (with the marker).
 RUN_OUTPUTS = (
     "ckpt",
     "metrics.jsonl",
@@ -46,6 +56,18 @@ RUN_OUTPUTS = (
     "environment.json",
 )
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Set by the launcher for the nodes: its PID. Without it (torchrun by hand) rank 0 checks --out.
+LAUNCHER_ENV = "FTIS_GRPO_LAUNCHER_PID"
+# Set by the launcher for the nodes: a folder where each node leaves `node<rank>.json`, its exit
+# code and why (`report_exit`), for the launcher to report the swarm's own.
+EXIT_REPORTS_ENV = "FTIS_GRPO_EXIT_REPORTS"
+# Exit codes of a node and of the launcher (ftis-grpo's 2 is cli.EXIT_USAGE).
+EXIT_REFUSED = 1  # a node refused to start (vocabulary or configuration mismatch, bad --resume)
+EXIT_SWARM = 3  # a peer died or stopped answering
+EXIT_DIVERGED = 4  # a node skipped max_skipped_steps non-finite optimizer steps in a row
+EXIT_WRITE = 5  # a node could not write its output (a full disk, say)
+EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 STOP_GRACE_S = 20.0  # how long the nodes get to stop after a forwarded signal before SIGKILL
 _POLL_S = 0.2
 
@@ -61,18 +83,19 @@ def threads_per_node(threads: int, local_nodes: int) -> int:
 
 # -- the output folder ----------------------------------------------------------------------------
 class OutLock:
-    """An exclusive lock on the output folder: `<out>/.ftis-grpo.lock`, holding the holder's PID,
-    host and start time. The kernel releases it when the holder exits, however it exits."""
+    """A lock on the output folder: `<out>/.ftis-grpo.lock`, holding the PID, host and start time
+    of the process that checked the folder. One run's processes hold it shared (`share`, `join`);
+    a run that starts needs it exclusive (`acquire`), so it is refused while any process of
+    another run is alive. The kernel releases a holder's share when it exits, however it exits."""
 
     def __init__(self, out: Path):
         self.path = out / LOCK_FILE
         self._file: Optional[IO[str]] = None
 
-    def acquire(self) -> None:
-        """Take the lock, or ConfigError naming the run that holds it."""
+    def _take(self, mode: int) -> IO[str]:
         f = open(self.path, "a+", encoding="utf-8")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "a process that has not written its name yet"
@@ -84,12 +107,26 @@ class OutLock:
                     Verbatim(f"{str(self.path.parent)!r}, locked by {holder}"),
                 )
             ) from None
+        return f
+
+    def acquire(self) -> None:
+        """Take the lock exclusively, or ConfigError naming the run that holds it."""
+        f = self._take(fcntl.LOCK_EX)
         f.seek(0)
         f.truncate()
         since = datetime.datetime.now().isoformat(timespec="seconds")
         f.write(f"ftis-grpo PID {os.getpid()} on host {socket.gethostname()} since {since}\n")
         f.flush()
         self._file = f
+
+    def share(self) -> None:
+        """Hold the exclusive lock taken by `acquire` shared, for the nodes of this run to join."""
+        fcntl.flock(self._file, fcntl.LOCK_SH)
+
+    def join(self) -> None:
+        """Take a share of the lock (a node of the run that holds it), or ConfigError naming the
+        run that holds it exclusively."""
+        self._file = self._take(fcntl.LOCK_SH)
 
     def release(self) -> None:
         if self._file is not None:
@@ -118,11 +155,24 @@ def make_out(out: Path) -> None:
 
 def check_out(cfg: RunConfig, overwrite: bool) -> None:
     """Before a run starts into `cfg.out` (locked by the caller): a fresh run needs a folder that
-    holds no run, unless `overwrite` (then the previous run's outputs are deleted); a --resume
-    needs a complete checkpoint of the same configuration and rounds left to run. Stale
-    `round_*.tmp` folders of a killed checkpoint write are removed. ConfigError otherwise."""
+    holds no run, unless `overwrite` (then the previous run's `RUN_OUTPUTS` are deleted, nothing
+    else); a --resume needs a complete checkpoint of the same configuration and rounds left to
+    run. A folder with files of those names that no run wrote (no `RUN_MARKER`) is refused
+    either way. Stale `round_*.tmp` folders of a killed checkpoint write are removed. Writes the
+    marker; ConfigError otherwise."""
     out = Path(cfg.out)
     previous = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if previous and not holds_a_run(out):
+        raise ConfigError(
+            (
+                "--out",
+                "a folder without files of the names a run writes, or one a run wrote",
+                Verbatim(
+                    f"{str(out)!r}, which holds {', '.join(previous)} that no run wrote "
+                    "(move them, or choose another --out)"
+                ),
+            )
+        )
     if cfg.resume:
         if overwrite:
             raise ConfigError(
@@ -156,6 +206,15 @@ def check_out(cfg: RunConfig, overwrite: bool) -> None:
             path = out / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(previous), out)
+    (out / RUN_MARKER).write_text(
+        "ftis-grpo writes its run here; --overwrite deletes only this file and its outputs: "
+        f"{', '.join(RUN_OUTPUTS)}\n"
+    )
+
+
+def holds_a_run(out: Path) -> bool:
+    """Whether `out` holds a run: its marker, or (a run from before markers) `ckpt/latest.json`."""
+    return (out / RUN_MARKER).is_file() or (out / "ckpt" / "latest.json").is_file()
 
 
 def check_resume(cfg: RunConfig) -> None:
@@ -235,7 +294,7 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "ftis_kernels.grpo.launch",  # torchrun, without its traceback (`_torchrun`)
             "--nnodes=1",
             f"--nproc-per-node={n}",
             "--max-restarts=0",
@@ -252,16 +311,115 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
             env["OMP_NUM_THREADS"] = str(threads_per_node(cfg.threads, n))
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env[LAUNCHER_ENV] = str(os.getpid())
+        lock.share()
         log.info("starting a local swarm of %d nodes: %s", n, " ".join(cmd[1:]))
-        rc = supervise(subprocess.Popen(cmd, env=env, start_new_session=True))
-    if rc != 0:
-        log.error(
-            "the swarm stopped with exit code %d: a node failed or was stopped (see the "
-            "log lines above); the others were stopped.%s",
-            rc,
-            _resume_hint(argv, cfg),
-        )
-    return rc
+        with tempfile.TemporaryDirectory(prefix="ftis-grpo-exit-") as reports:
+            env[EXIT_REPORTS_ENV] = reports
+            rc = supervise(
+                subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            )
+            code, reason = swarm_exit(rc, read_exit_reports(Path(reports)))
+    if code != 0:
+        hint = "" if code in (EXIT_REFUSED, EXIT_USAGE) else _resume_hint(argv, cfg)
+        log.error("the swarm stopped with exit code %d: %s%s", code, reason, hint)
+    return code
+
+
+def read_exit_reports(folder: Path) -> dict[int, tuple[int, str]]:
+    """{rank: (exit code, why)} of the nodes that left a report in `folder` (`report_exit`)."""
+    reports = {}
+    for path in folder.glob("node*.json"):
+        try:
+            got = json.loads(path.read_text())
+            reports[int(path.stem[len("node") :])] = (int(got["code"]), str(got["reason"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a node killed while writing it: as if it had left none
+    return reports
+
+
+def report_exit(rank: int, code: int, reason: str) -> None:
+    """A node's exit code and why, for its launcher (nothing under torchrun by hand)."""
+    folder = os.environ.get(EXIT_REPORTS_ENV)
+    if folder:
+        try:
+            tmp = Path(folder) / f"node{rank}.json.tmp"
+            tmp.write_text(json.dumps({"code": code, "reason": reason}))
+            os.replace(tmp, tmp.with_suffix(""))
+        except OSError:
+            pass  # the launcher is gone, or its temporary folder: nobody to tell
+
+
+def swarm_exit(rc: int, reports: dict[int, tuple[int, str]]) -> tuple[int, str]:
+    """The swarm's exit code and why, from torchrun's `rc` and the nodes' reports: a stop by a
+    signal to the launcher (rc >= 128) first, then the cause before its effects: a divergence, a
+    node's own failure, then a lost peer, then a node stopped by a signal."""
+    if rc == 0 or rc >= 128:
+        return rc, "stopped by a signal; the nodes were stopped" if rc else ""
+
+    def rank_of(code: int) -> int:
+        if code == EXIT_DIVERGED:
+            return 0
+        if code == EXIT_SWARM:
+            return 2
+        return 3 if code >= 128 else 1
+
+    failed = sorted((rank_of(c), rank, c, why) for rank, (c, why) in reports.items() if c != 0)
+    if not failed:
+        return rc, "a node failed without saying why (see the log lines above)"
+    _, _, code, why = failed[0]
+    return code, why
+
+
+def _torchrun(argv: Sequence[str]) -> int:
+    """torchrun (`torch.distributed.run`) for the launcher: a node's failure is the node's to
+    report (and the launcher's, in one line), so torchrun's traceback, failure table and notices
+    of stopping the other nodes are left out; returns 1 when a node failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(list(argv)))
+    except ChildFailedError:
+        return 1
+    return 0
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the launcher dies, however it dies; its
+    nodes then see torchrun gone and stop (`node.watch_parent`)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def hold_out(cfg: RunConfig, rank: int, overwrite: bool, group=None) -> OutLock:
+    """A node's share of the lock on `cfg.out`, held until it exits. Under the launcher, which
+    has checked the folder, each node joins its lock. Under torchrun by hand, rank 0 does what the
+    launcher does (the lock, then `check_out`) while the others wait on `group`'s broadcast; a
+    refusal stops every node with ConfigError (rank 0's carries the lines, the others' none)."""
+    out, lock = Path(cfg.out), OutLock(Path(cfg.out))
+    if os.environ.get(LAUNCHER_ENV):
+        make_out(out)
+        lock.join()
+        return lock
+    refusal: list[Optional[list[str]]] = [None]
+    if rank == 0:
+        try:
+            make_out(out)
+            lock.acquire()
+            check_out(cfg, overwrite)
+            lock.share()
+        except ConfigError as exc:
+            lock.release()
+            refusal = [exc.lines]
+    torch_dist.broadcast_object_list(refusal, src=0, group=group)
+    if refusal[0] is not None:
+        raise ConfigError(*refusal[0]) if rank == 0 else ConfigError()
+    if rank != 0:
+        make_out(out)
+        lock.join()
+    return lock
 
 
 def _resume_hint(argv: Sequence[str], cfg: RunConfig) -> str:
@@ -355,3 +513,7 @@ def _send(p: psutil.Process, sig: int) -> None:
         p.send_signal(sig)
     except psutil.NoSuchProcess:
         pass
+
+
+if __name__ == "__main__":
+    sys.exit(_torchrun(sys.argv[1:]))

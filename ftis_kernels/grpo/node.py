@@ -14,12 +14,14 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn, Optional
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -40,7 +42,17 @@ from ftis_kernels.grpo.exchange import (
     exchange,
     make_hostile,
 )
-from ftis_kernels.grpo.launch import threads_per_node
+from ftis_kernels.grpo.launch import (
+    EXIT_DIVERGED,
+    EXIT_FAULT_INJECTION,
+    EXIT_REFUSED,
+    EXIT_SWARM,
+    EXIT_WRITE,
+    LAUNCHER_ENV,
+    hold_out,
+    report_exit,
+    threads_per_node,
+)
 from ftis_kernels.grpo.models import (
     apply_lora,
     build_model,
@@ -65,9 +77,6 @@ from ftis_kernels.grpo.train import grpo_update, packing_keeps_sequences_apart, 
 
 log = logging.getLogger("ftis_kernels.grpo")
 
-EXIT_SWARM = 3  # a peer died or stopped answering
-EXIT_DIVERGED = 4  # a node skipped max_skipped_steps non-finite optimizer steps in a row
-EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
 # Primes that mix the run seed with the rank (and round) into independent generator seeds.
 SAMPLER_SEED_MIX = 7919
 HOSTILE_SEED_MIX, HOSTILE_ROUND_MIX = 104729, 31
@@ -387,7 +396,10 @@ class Node:
         if horizontal:
             swarm = [torch.empty_like(rewards) for _ in range(N)]
             collective("the reward exchange", dist.all_gather, swarm, rewards)
-            advantages = horizontal_advantages(torch.stack(swarm))[self.rank]
+            # What a receiver checks each peer's samples against (`check_advantages`).
+            self.swarm_rewards = torch.stack(swarm)
+            self.shared_prompts = {pid: p for p, pid in enumerate(prompts)}
+            advantages = horizontal_advantages(self.swarm_rewards)[self.rank]
         else:
             advantages = vertical_advantages(rewards)
         return [
@@ -398,8 +410,9 @@ class Node:
     def run_round(self, round_: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
         if self.spec.fail_at_round == round_:
-            log.error("node %d: fault injection (fail_at_round=%d): exiting now", self.rank, round_)
-            _leave(EXIT_FAULT_INJECTION)
+            why = f"node {self.rank}: fault injection (fail_at_round={round_}): exiting now"
+            log.error("%s", why)
+            _leave(EXIT_FAULT_INJECTION, self.rank, why)
         evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
@@ -417,12 +430,12 @@ class Node:
                 vocab_size=self.vocab_size,
                 max_tokens=cfg.max_new_tokens,
                 max_samples=len(own),
-                prompt_ok=self.problems.known,
+                prompt_ok=self.problems.is_train,
             )
             self.last_received = received  # what a "replay" node sends next round
-        if cfg.verify_rewards and received:
-            received, lies = self.verify(received)
-            drops += lies
+        if received:
+            received, refused = self.check_advantages(received)
+            drops += refused
         per_sample: dict[str, list[float]] = {}
         stats = grpo_update(
             self.model,
@@ -465,27 +478,84 @@ class Node:
             **defence_metrics(own, received, per_sample, drops),
         )
 
-    def verify(self, received: list[Sample]) -> tuple[list[Sample], list[Drop]]:
-        """Rescore each received completion with the task's reward; drop the ones whose claimed
-        reward differs (a peer lying about rewards). Logprobs cannot be checked this way."""
-        kept, drops = [], []
+    def check_advantages(self, received: list[Sample]) -> tuple[list[Sample], list[Drop]]:
+        """Check each received sample's claims; returns (the samples to train on, with the
+        advantages this node computed, and one `Drop` per refused sample).
+
+        A peer's advantage field never reaches the loss. Vertical collaboration: a peer sends
+        whole groups, so the group advantages of its claimed rewards must give its claimed
+        advantages; a sample whose group is not `group_size` samples, or whose advantage differs,
+        is dropped ("advantage"). Horizontal: each (peer, prompt) share must be one of this
+        round's shared prompts, with the rewards the peer reported in the reward exchange, and
+        each advantage the one the swarm group gives its reward. With `verify_rewards`, each
+        completion is rescored and a false reward dropped ("verify"); in vertical mode the kept
+        samples' advantages are then recomputed from the rescored rewards of their whole group.
+        """
+        horizontal = self.cfg.collab == "horizontal"
+        groups: dict[tuple[int, int], list[Sample]] = {}
         for s in received:
-            true = self.score(s.prompt_id, s.tokens)
-            if true != s.reward:
-                drops.append(
-                    Drop(
-                        f"node {s.source}: claimed reward {s.reward:g}, completion scores {true:g}",
-                        "verify",
-                        s.source,
-                    )
-                )
+            groups.setdefault((s.source, s.prompt_id), []).append(s)
+        kept, drops = [], []
+        for (source, prompt_id), group in groups.items():
+            if horizontal:
+                expected, problem = self._swarm_advantages(source, prompt_id, group)
             else:
-                kept.append(s)
+                expected, problem = self._group_advantages(group, [s.reward for s in group])
+            if problem is not None:
+                drops += [Drop(f"node {source}: {problem}", "advantage", source) for _ in group]
+                continue
+            true = [s.reward for s in group]
+            if self.cfg.verify_rewards:
+                true = [self.score(prompt_id, s.tokens) for s in group]
+                rescored, _ = self._group_advantages(group, true)
+            for i, s in enumerate(group):
+                if not math.isclose(s.advantage, expected[i], rel_tol=1e-5, abs_tol=1e-5):
+                    why = (
+                        f"claimed advantage {s.advantage:g} for prompt {prompt_id}, its group's "
+                        f"rewards give {expected[i]:g}"
+                    )
+                    drops.append(Drop(f"node {source}: {why}", "advantage", source))
+                elif true[i] != s.reward:
+                    why = f"claimed reward {s.reward:g}, completion scores {true[i]:g}"
+                    drops.append(Drop(f"node {source}: {why}", "verify", source))
+                else:
+                    adv = rescored[i] if self.cfg.verify_rewards and not horizontal else expected[i]
+                    kept.append(Sample(s.prompt_id, s.source, s.tokens, s.logprobs, s.reward, adv))
         for reason in drops[:3]:
             log.warning("dropped peer sample: %s", reason)
         if len(drops) > 3:
-            log.warning("dropped %d more peer samples with false rewards", len(drops) - 3)
+            log.warning("dropped %d more peer samples whose claims failed", len(drops) - 3)
         return kept, drops
+
+    def _group_advantages(
+        self, group: list[Sample], rewards: list[float]
+    ) -> tuple[list[float], Optional[str]]:
+        """Vertical mode: (the group advantages of `rewards`, None), or ([], why not) when the
+        group is not `group_size` samples."""
+        if len(group) != self.cfg.group_size:
+            return [], (
+                f"{len(group)} samples for prompt {group[0].prompt_id}, a group is "
+                f"{self.cfg.group_size}"
+            )
+        return vertical_advantages(torch.tensor([rewards])).flatten().tolist(), None
+
+    def _swarm_advantages(
+        self, source: int, prompt_id: int, share: list[Sample]
+    ) -> tuple[list[float], Optional[str]]:
+        """Horizontal mode: (the advantage of each sample of node `source`'s `share` of prompt
+        `prompt_id`'s swarm group, None), or ([], why not)."""
+        p = self.shared_prompts.get(prompt_id)
+        if p is None:
+            return [], f"prompt {prompt_id} is not one of this round's shared prompts"
+        reported = self.swarm_rewards[source, p]
+        if sorted(s.reward for s in share) != sorted(reported.tolist()):
+            return [], (
+                f"rewards {sorted(s.reward for s in share)} for prompt {prompt_id}, it reported "
+                f"{sorted(reported.tolist())} in the reward exchange"
+            )
+        advantages = horizontal_advantages(self.swarm_rewards)[source, p]
+        by_reward = dict(zip(reported.tolist(), advantages.tolist()))
+        return [by_reward[s.reward] for s in share], None
 
     # -- bookkeeping --------------------------------------------------------------------------
     def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict]:
@@ -602,9 +672,11 @@ def _barrier(timeout_s: float) -> None:
         dist.barrier()
 
 
-def _leave(code: int) -> NoReturn:
-    """Exit now with `code`, the log flushed, without running destructors: a gloo group whose peer
-    is gone can abort in its C++ teardown, which would replace `code` by SIGABRT."""
+def _leave(code: int, rank: int, why: str) -> NoReturn:
+    """Exit now with `code`, reported with `why` to the launcher, the log flushed, without running
+    destructors: a gloo group whose peer is gone can abort in its C++ teardown, which would
+    replace `code` by SIGABRT."""
+    report_exit(rank, code, why)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -617,11 +689,40 @@ def stop_on_signals(rank: int) -> None:
     that the next --resume removes."""
 
     def stop(signum: int, _frame) -> None:
-        log.warning("node %d: stopped by %s", rank, signal.Signals(signum).name)
-        _leave(128 + signum)
+        why = f"node {rank}: stopped by {signal.Signals(signum).name}"
+        log.warning("%s", why)
+        _leave(128 + signum, rank, why)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
+
+
+def watch_parent(rank: int, poll_s: float = 0.5) -> None:
+    """Stop the node within `poll_s` seconds of its torchrun, or of the launcher that started
+    torchrun, being gone (killed by SIGKILL, say), with one log line and exit code 128 + SIGHUP:
+    the lock on --out it holds is then released, and no orphan keeps writing into a folder
+    another run may take."""
+    torchrun = os.getppid()
+    launcher_pid = os.environ.get(LAUNCHER_ENV)
+    try:
+        launcher = psutil.Process(int(launcher_pid)) if launcher_pid else None
+    except (ValueError, psutil.NoSuchProcess):
+        log.error("node %d: its launcher (PID %s) is gone; stopping", rank, launcher_pid)
+        _leave(128 + signal.SIGHUP, rank, f"node {rank}: its launcher is gone")
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != torchrun:
+                gone = f"its torchrun (PID {torchrun})"
+            elif launcher is not None and not launcher.is_running():
+                gone = f"its launcher (PID {launcher.pid})"
+            else:
+                continue
+            log.error("node %d: %s is gone; stopping", rank, gone)
+            _leave(128 + signal.SIGHUP, rank, f"node {rank}: {gone} is gone")
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
 def setup_logging(rank: int) -> None:
@@ -637,13 +738,15 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def run_worker(cfg: RunConfig) -> int:
-    """Entry point of one torchrun worker; returns the process exit code."""
+def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
+    """Entry point of one torchrun worker; returns the process exit code. `overwrite`: torchrun by
+    hand with --overwrite (under the launcher, the launcher has done it)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     setup_logging(rank)
     stop_on_signals(rank)
+    watch_parent(rank)
     cfg.validate(world)
     torch.set_num_threads(threads_per_node(cfg.threads, local_world))
     use_cuda = torch.cuda.is_available()
@@ -657,22 +760,35 @@ def run_worker(cfg: RunConfig) -> int:
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     setup_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.setup_timeout_s))
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    lock = hold_out(cfg, rank, overwrite, setup_group)
     try:
         Node(cfg, rank, world, device, setup_group).run()
         collective("the final barrier", dist.barrier)
     except SwarmError as exc:
         resumable = checkpoint.latest_round(Path(cfg.out) / "ckpt") is not None
-        log.error(
-            "node %d: lost contact with the swarm %s. A peer node died or stopped "
-            "answering; stopping.%s",
-            rank,
-            exc,
-            " Continue from the last checkpoint with --resume." if resumable else "",
+        why = (
+            f"node {rank}: lost contact with the swarm {exc}. A peer node died or stopped "
+            "answering; stopping."
         )
-        _leave(EXIT_SWARM)
-    except Diverged:  # rank 0 logged why
+        log.error(
+            "%s%s", why, " Continue from the last checkpoint with --resume." if resumable else ""
+        )
+        _leave(EXIT_SWARM, rank, why)
+    except Diverged as exc:  # rank 0 logged why
+        report_exit(rank, EXIT_DIVERGED, str(exc))
         dist.destroy_process_group()
         return EXIT_DIVERGED
+    except SystemExit as exc:  # a refusal to start: the same line on every node, said once
+        if not isinstance(exc.code, str):
+            raise
+        if rank == 0:
+            log.error("%s", exc.code)
+        _leave(EXIT_REFUSED, rank, exc.code)
+    except OSError as exc:  # a full disk, a folder gone: the path and the cause, in one line
+        why = f"node {rank}: cannot write {exc.filename or 'its output'}: {exc.strerror or exc}"
+        log.error("%s; stopping (the last complete checkpoint is kept)", why)
+        _leave(EXIT_WRITE, rank, why)
+    finally:  # the ways out through _leave release it as the process ends
+        lock.release()
     dist.destroy_process_group()
     return 0

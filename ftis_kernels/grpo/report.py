@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ftis_kernels.grpo.audit import DEFENCE_KEYS
+from ftis_kernels.grpo.audit import DEFENCE_KEYS, json_line
 from ftis_kernels.grpo.checkpoint import write_json_atomic
 
 # The per-node metrics of a round, in the order nodes gather them as one float64 vector.
@@ -296,12 +296,13 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 def metric_rows(
     round_: int, vectors: Sequence[Sequence[float]], names: Sequence[str], mode: str, collab: str
 ) -> list[dict[str, Any]]:
-    """The metrics.jsonl rows of one round from each node's `METRIC_KEYS` vector (NaN -> None)."""
+    """The metrics.jsonl rows of one round from each node's `METRIC_KEYS` vector (NaN and
+    infinities -> None: strict JSON)."""
     rows = []
     for node, (vec, name) in enumerate(zip(vectors, names)):
         row: dict[str, Any] = dict(round=round_, node=node, name=name, mode=mode, collab=collab)
         for key, x in zip(METRIC_KEYS, vec):
-            row[key] = None if math.isnan(x) else (int(x) if key in _INT_KEYS else x)
+            row[key] = None if not math.isfinite(x) else (int(x) if key in _INT_KEYS else x)
         rows.append(row)
     return rows
 
@@ -315,13 +316,13 @@ def write_run_config(out: Path, config: dict[str, Any]) -> None:
 def start_metrics(path: Path, kept: list[dict[str, Any]]) -> None:
     """Replace `path` atomically by the rows `kept` (a resumed run's completed rounds, or none)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.write_text("".join(json_line(r) for r in kept))
     os.replace(tmp, path)
 
 
 def append_metrics(path: Path, rows: list[dict[str, Any]]) -> None:
     with open(path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json_line(r) for r in rows)
 
 
 def write_outputs(

@@ -234,20 +234,22 @@ class Problems:
             if self.files
             else {}
         )
+        self._train = {p.prompt_id for p in self.files.split("train")} if self.files else set()
 
     def problem(self, prompt_id: int) -> Problem:
         if self.files is not None:
             return self._by_id[prompt_id]
         return self.arith.problem(prompt_id)
 
-    def known(self, prompt_id: int) -> bool:
+    def is_train(self, prompt_id: int) -> bool:
+        """Whether `prompt_id` names a training problem: the only prompts a peer may send, so that
+        no peer can train a node on its own test or OOD problems."""
         if self.files is not None:
-            return prompt_id in self._by_id
+            return prompt_id in self._train
         try:
-            self.arith.problem(prompt_id)
+            return split_prompt_id(prompt_id)[0] == "train"
         except ValueError:
             return False
-        return True
 
     def train_ids(self, indices: range) -> list[int]:
         """Prompt ids of the training problems at `indices` (files wrap around)."""
