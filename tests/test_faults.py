@@ -72,7 +72,8 @@ def _fake_run(out: Path, cfg: RunConfig, rounds_done: int) -> None:
 
 # -- configuration and usage errors: one line, the key named, exit code 2, nothing started ------
 CONFIG_ERRORS = [
-    (["--rounds", "-3"], "rounds: expected a value >= 1, got -3"),
+    (["--rounds", "-3"], "--rounds: expected a value >= 1, got -3"),
+    (["--set", "rounds=-3"], "rounds: expected a value >= 1, got -3"),
     (["--set", "rounds=abc"], "rounds: expected an integer, got 'abc'"),
     (["--set", "group_size=abc"], "group_size: expected an integer, got 'abc'"),
     (["--set", "nodes.0.lr=fast"], "nodes.0.lr: expected a number, got 'fast'"),

@@ -251,9 +251,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def _flags_setting(args: argparse.Namespace) -> dict[str, str]:
+    """Config key -> the flag that set it on this command line (a later --set of the key wins):
+    an error in a value the user gave as `--rounds -3` names `--rounds`, as argparse's own
+    errors (`--rounds x`) do."""
+    set_by_set = {assignment.split("=", 1)[0] for assignment in args.set}
+    return {
+        action.dest: action.option_strings[0]
+        for action in build_parser()._actions
+        if action.dest in _KEY_FLAGS
+        and getattr(args, action.dest) is not None
+        and action.dest not in set_by_set
+    }
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The run's configuration from the command line; ConfigError naming the flag or key of each
+    value refused."""
     overrides: dict[str, Any] = {k: getattr(args, k) for k in _KEY_FLAGS}
-    cfg = build_config(args.preset, args.config, overrides, tuple(args.set), args.nodes)
+    try:
+        cfg = build_config(args.preset, args.config, overrides, tuple(args.set), args.nodes)
+    except ConfigError as exc:
+        raise exc.renamed(_flags_setting(args)) from None
     if args.model:
         if len(args.model) not in (1, len(cfg.nodes)):
             raise ConfigError(

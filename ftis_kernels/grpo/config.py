@@ -100,11 +100,19 @@ class ConfigError(ValueError):
     def __init__(self, *problems: tuple[str, str, Any] | str):
         """Each problem is (key, what was expected, the value got), or a line already written
         in that form (the loss options' own errors)."""
+        self.problems = problems
         self.lines = [
             p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {show(p[2])}"
             for p in problems
         ]
         super().__init__("\n".join(self.lines))
+
+    def renamed(self, names: dict[str, str]) -> ConfigError:
+        """The same problems, each key found in `names` shown as its value there (the flag that
+        set the key on the command line)."""
+        return ConfigError(
+            *(p if isinstance(p, str) else (names.get(p[0], p[0]), *p[1:]) for p in self.problems)
+        )
 
 
 def show(value: Any) -> str:
