@@ -88,7 +88,7 @@ CONFIG_ERRORS = [
     (["--nodes", "0"], "--nodes: expected a number of nodes >= 1, got 0"),
     (["--rounds", "x"], "--rounds: expected an integer, got 'x'"),
     (["--loss", "fast"], "--loss: expected one of 'on-policy'"),
-    (["--set", "nodes.1.model=no/such"], "nodes.1.model: expected a local Hugging Face checkpoint"),
+    (["--set", "nodes.1.model=no/such"], "nodes.1.model: expected a Hugging Face model folder"),
 ]
 
 

@@ -62,6 +62,7 @@ examples:
   ftis-grpo --preset demo --out runs/demo --resume --rounds 100
   ftis-grpo --preset smoke --loss nois --set nodes.1.hostile=random_tokens --out runs/bad
   ftis-grpo --preset demo --print-config > swarm.yaml      edit it, then: --config swarm.yaml
+  ftis-grpo export runs/demo --node 1 --to models/small    a node's checkpoint as a model folder
 
 Configuration layers, later wins: defaults < --preset < --config FILE < flags < --set.
 Every key, its allowed values and default: ftis-grpo --list-keys."""
@@ -296,8 +297,56 @@ def _layers(args: argparse.Namespace) -> str:
     return " < ".join(parts + ["flags"])
 
 
+def build_export_parser() -> argparse.ArgumentParser:
+    """`ftis-grpo export`: a node's checkpoint as a Hugging Face model folder."""
+    p = _Parser(
+        prog="ftis-grpo export",
+        description="Write one node's checkpoint of a run as a Hugging Face model folder "
+        "(config.json, model.safetensors, tokenizer; a LoRA adapter merged into its base), "
+        "which --model, AutoModelForCausalLM and AutoTokenizer load.",
+    )
+    p.add_argument("run", metavar="RUN", help="the run's output folder (its --out)")
+    p.add_argument("--node", type=int, default=0, metavar="I", help="the node (default 0)")
+    p.add_argument(
+        "--round",
+        type=int,
+        metavar="R",
+        help="the checkpointed round (default: the run's latest complete checkpoint)",
+    )
+    p.add_argument("--to", required=True, metavar="DIR", help="the model folder to write")
+    return p
+
+
+def export_main(argv: Sequence[str]) -> int:
+    """`ftis-grpo export RUN [--node I] [--round R] --to DIR`; ConfigError lines exit 2."""
+    args = build_export_parser().parse_args(argv)
+    from pathlib import Path
+
+    from ftis_kernels.grpo.export import export
+
+    try:
+        folder = export(Path(args.run), args.node, args.round, Path(args.to))
+    except ConfigError as exc:
+        for line in exc.lines:
+            print(f"ftis-grpo export: {line}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{args.to}: node {args.node}'s model from {folder} (use it with --model {args.to})")
+    return 0
+
+
+def _model_flag(args: argparse.Namespace, cfg: RunConfig) -> dict[str, str]:
+    """nodes.<i>.model -> "--model" for the nodes whose model --model set."""
+    if not args.model:
+        return {}
+    set_by_set = {assignment.split("=", 1)[0] for assignment in args.set}
+    keys = (f"nodes.{i}.model" for i in range(len(cfg.nodes)))
+    return {key: "--model" for key in keys if key not in set_by_set}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     args = parse_args(argv)
     if args.list_keys:
         print(render_keys())
@@ -309,7 +358,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from ftis_kernels.grpo.node import run_worker
 
             return run_worker(cfg)
-        cfg.validate(len(cfg.nodes))
+        try:
+            cfg.validate(len(cfg.nodes))
+        except ConfigError as exc:
+            raise exc.renamed(_model_flag(args, cfg)) from None
         if args.print_config:
             print(render_config(cfg, _layers(args)))
             return 0

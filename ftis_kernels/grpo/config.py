@@ -109,10 +109,12 @@ class ConfigError(ValueError):
 
     def renamed(self, names: dict[str, str]) -> ConfigError:
         """The same problems, each key found in `names` shown as its value there (the flag that
-        set the key on the command line)."""
-        return ConfigError(
+        set the key on the command line), and each line once."""
+        renamed = ConfigError(
             *(p if isinstance(p, str) else (names.get(p[0], p[0]), *p[1:]) for p in self.problems)
         )
+        renamed.lines = list(dict.fromkeys(renamed.lines))  # one flag that set several keys
+        return renamed
 
 
 def show(value: Any) -> str:
@@ -324,11 +326,7 @@ class RunConfig:
                             None,
                         )
                     )
-        for i, spec in enumerate(self.nodes):
-            if spec.model is not None and not Path(spec.model).is_dir():
-                problems.append(
-                    (f"nodes.{i}.model", "a local Hugging Face checkpoint folder", spec.model)
-                )
+        problems += self.input_problems()
         if problems:
             raise ConfigError(*problems)
         try:
@@ -341,6 +339,38 @@ class RunConfig:
             raise ConfigError(
                 ("loss_options.beta", "0 (the driver has no reference model)", options.beta)
             )
+
+    def input_problems(self) -> list[tuple[str, str, Any]]:
+        """What is wrong with the files the run reads, before any node starts: every line of
+        each data file (`task: jsonl`; its path:line), and each node's model folder."""
+        from ftis_kernels.grpo.export import model_folder_problem
+        from ftis_kernels.grpo.task import load_jsonl
+
+        problems: list[tuple[str, str, Any]] = []
+        if self.task == "jsonl":
+            for split, path in self.data.items():
+                if Path(path).is_file():
+                    try:
+                        load_jsonl(path, split)
+                    except (OSError, ValueError) as exc:
+                        problems.append(
+                            (
+                                f"data.{split}",
+                                'a JSONL file of {"question" (or "problem"), "answer"} objects',
+                                Verbatim(str(exc)),
+                            )
+                        )
+        for i, spec in enumerate(self.nodes):
+            found = None if spec.model is None else model_folder_problem(spec.model)
+            if found is not None:
+                problems.append(
+                    (
+                        f"nodes.{i}.model",
+                        "a Hugging Face model folder (config.json, weights, tokenizer)",
+                        Verbatim(found),
+                    )
+                )
+        return problems
 
     def fingerprint(self) -> str:
         """Hash of everything a resumed run must share with the run it continues."""
