@@ -4,6 +4,7 @@ files and model folders before torchrun starts, `ftis-grpo export`, and what the
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -12,10 +13,11 @@ import torch
 
 from ftis_kernels.grpo import cli
 from ftis_kernels.grpo.checkpoint import mark_latest, save_node
-from ftis_kernels.grpo.config import RESUMABLE, ConfigError, build_config, to_dict
+from ftis_kernels.grpo.config import RESUMABLE, ConfigError, build_config, describe_keys, to_dict
 from ftis_kernels.grpo.export import model_folder_problem
 from ftis_kernels.grpo.launch import check_resume
-from ftis_kernels.grpo.models import apply_lora, build_model, load_pretrained
+from ftis_kernels.grpo.models import apply_lora, build_model, load_pretrained, warm_up
+from ftis_kernels.grpo.node import CLEAR_LINE, log_formatter
 from ftis_kernels.grpo.report import write_run_config
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, load_jsonl
 from ftis_kernels.grpo.tokenizer import build_tokenizer
@@ -201,3 +203,41 @@ def test_jsonl_schema_reads_gsm8k_math500_and_numbers(tmp_path):
     path.write_text("\n\n")
     with pytest.raises(ValueError, match="no problems"):
         load_jsonl(str(path), "train")
+
+
+# -- what the terminal shows ----------------------------------------------------------------------
+def test_list_keys_fits_in_100_columns_and_each_key_starts_a_line(capsys):
+    assert cli.main(["--list-keys"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    starts = [line.split(":", 1)[0] for line in lines if not line.startswith(" ")]
+    assert starts == [row[0] for row in describe_keys()]
+
+
+def test_on_a_terminal_a_node_log_line_starts_by_clearing_the_progress_bar_line():
+    record = logging.LogRecord("ftis_kernels.grpo", logging.INFO, "", 0, "hello", None, None)
+    assert log_formatter(1, terminal=True).format(record).startswith(CLEAR_LINE)
+    assert (
+        log_formatter(1, terminal=True)
+        .format(record)
+        .endswith("node1 INFO ftis_kernels.grpo: hello")
+    )
+    assert not log_formatter(1, terminal=False).format(record).startswith("\r")
+
+
+def test_warm_up_logs_its_progress_only_without_a_progress_bar(caplog):
+    tokenizer = build_tokenizer(ArithmeticTask().vocabulary_text())
+    recipe = dict(steps=4, lr=1e-3, batch_size=2, seed=0, operations=["add"])
+    with caplog.at_level(logging.INFO, logger="ftis_kernels.grpo.models"):
+        warm_up(build_model("tiny", tokenizer, 0), tokenizer, ArithmeticTask(), **recipe)
+        assert sum("warm-up step" in r.message for r in caplog.records) == 4
+        caplog.clear()
+        steps = []
+        warm_up(
+            build_model("tiny", tokenizer, 0),
+            tokenizer,
+            ArithmeticTask(),
+            on_step=lambda step, loss: steps.append(step),
+            **recipe,
+        )
+        assert steps == [1, 2, 3, 4] and not any("warm-up" in r.message for r in caplog.records)

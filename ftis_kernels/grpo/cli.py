@@ -63,6 +63,7 @@ examples:
   ftis-grpo --preset smoke --loss nois --set nodes.1.hostile=random_tokens --out runs/bad
   ftis-grpo --preset demo --print-config > swarm.yaml      edit it, then: --config swarm.yaml
   ftis-grpo export runs/demo --node 1 --to models/small    a node's checkpoint as a model folder
+  ftis-grpo report runs/demo --baseline runs/on-policy     curves.png with a baseline run
 
 Configuration layers, later wins: defaults < --preset < --config FILE < flags < --set.
 Every key, its allowed values and default: ftis-grpo --list-keys."""
@@ -334,6 +335,31 @@ def export_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def report_main(argv: Sequence[str]) -> int:
+    """`ftis-grpo report RUN [--baseline OTHER]`: curves.png again, with a baseline run."""
+    p = _Parser(
+        prog="ftis-grpo report",
+        description="Draw a run's curves.png again from its metrics.jsonl, with another run of "
+        "the same nodes (for example --loss on-policy) dashed beside it as the baseline.",
+    )
+    p.add_argument("run", metavar="RUN", help="the run's output folder (its --out)")
+    p.add_argument("--baseline", metavar="OTHER", help="the baseline run's output folder")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from ftis_kernels.grpo.report import redraw
+
+    try:
+        path = redraw(Path(args.run), Path(args.baseline) if args.baseline else None)
+    except (OSError, ValueError) as exc:
+        where = "--baseline" if args.baseline and args.baseline in str(exc) else "RUN"
+        what = "the output folder of a run (with metrics.jsonl)"
+        print(f"ftis-grpo report: {where}: expected {what}, got {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"curves: {path}")
+    return 0
+
+
 def _model_flag(args: argparse.Namespace, cfg: RunConfig) -> dict[str, str]:
     """nodes.<i>.model -> "--model" for the nodes whose model --model set."""
     if not args.model:
@@ -347,6 +373,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
+    if argv[:1] == ["report"]:
+        return report_main(argv[1:])
     args = parse_args(argv)
     if args.list_keys:
         print(render_keys())

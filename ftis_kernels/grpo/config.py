@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import re
+import textwrap
 from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
@@ -758,11 +759,21 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def render_keys() -> str:
-    """`--list-keys`: every config key with its allowed values, default and meaning."""
-    rows = [("key", "allowed values", "default", "meaning")] + describe_keys()
-    w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
-    return "\n".join(f"{k:<{w0}}  {a:<{w1}}  {d:<{w2}}  {m}".rstrip() for k, a, d, m in rows)
+LIST_WIDTH = 100  # columns of `--list-keys`
+
+
+def render_keys(width: int = LIST_WIDTH) -> str:
+    """`--list-keys`: every config key with its allowed values and default, then its meaning
+    indented below, in lines of at most `width` columns (a longer word keeps its line)."""
+    wrap = dict(width=width, break_long_words=False, break_on_hyphens=False)
+    blocks = []
+    for key, allowed, default, meaning in describe_keys():
+        head = textwrap.wrap(
+            f"{key}: {allowed}; default {default}", subsequent_indent="      ", **wrap
+        )
+        body = textwrap.wrap(meaning, initial_indent="    ", subsequent_indent="    ", **wrap)
+        blocks.append("\n".join(head + body))
+    return "\n".join(blocks)
 
 
 def render_config(cfg: RunConfig, layers: str) -> str:
