@@ -115,6 +115,7 @@ class ConfigError(ValueError):
             *(p if isinstance(p, str) else (names.get(p[0], p[0]), *p[1:]) for p in self.problems)
         )
         renamed.lines = list(dict.fromkeys(renamed.lines))  # one flag that set several keys
+        renamed.args = ("\n".join(renamed.lines),)
         return renamed
 
 
