@@ -67,7 +67,7 @@ step() {
 step env 30 bash -c "
   uname -a; nproc; free -g | head -2
   $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); print(\"triton\", triton.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else \"no GPU\")'
-  $PY -m pip list 2>/dev/null | grep -iE '^(torch|triton|pytest|pytest-benchmark|hypothesis|matplotlib|liger-kernel|transformers) '
+  $PY -m pip list 2>/dev/null | grep -iE '^(torch|triton|pytest|pytest-benchmark|hypothesis|matplotlib|liger-kernel|transformers|trl) '
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
   git log -1 --format='commit %H %cd' 2>/dev/null || true"
 
@@ -101,7 +101,9 @@ if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
 fi
 
 # 5. The benchmark, in what is left (it writes results.json after every record, so a timeout
-#    still leaves the measured part).
+#    still leaves the measured part). Its linear cases time ftis_linear_loss beside TRL 1.16's
+#    fused lm-head (trl_fused) and TRL's materialised selective_log_softmax path (trl_eager), and
+#    pytest-cuda above checks their losses against the reference first (bench/test_bench.py).
 BENCH_BUDGET=$(( $(left) - 45 ))
 # shellcheck disable=SC2086
 step bench $(( $(left) - 15 )) "$PY" -m bench.run "${BENCH_DEFAULT[@]}" --out "$WORK/bench" \

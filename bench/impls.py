@@ -20,6 +20,11 @@ linear family (inputs: hidden (B, T, H), lm-head weight (V, H); gradients to bot
   ref_compile          the same under torch.compile
   ftis_loss            hidden @ weight.T, then `ftis_loss` (the unfused use of our kernels)
   ftis_linear_loss     `ftis_kernels.ftis_linear_loss` (never materialises the logits)
+  trl_eager            hidden @ weight.T, then TRL's GRPO loss code as in the logits family: the
+                       materialised `selective_log_softmax` path (TRL before 1.16)
+  trl_fused            TRL 1.16's fused lm-head (`ChunkedLogProbFunction`, what `add_fused_lm_head`
+                       and `fused_lm_head=True` run in GRPOTrainer: log-probs and entropy, the
+                       logits never whole), then the same GRPO formula
   liger_chunked        Liger-Kernel `LigerFusedLinearGRPOLoss`, TIS through `vllm_is_ratio`
 """
 
@@ -45,7 +50,15 @@ LOGITS_IMPLS = (
     "liger_triton",
     "liger_triton_inplace",
 )
-LINEAR_IMPLS = ("ref_eager", "ref_compile", "ftis_loss", "ftis_linear_loss", "liger_chunked")
+LINEAR_IMPLS = (
+    "ref_eager",
+    "ref_compile",
+    "ftis_loss",
+    "ftis_linear_loss",
+    "trl_eager",
+    "trl_fused",
+    "liger_chunked",
+)
 IMPLS = {"logits": LOGITS_IMPLS, "linear": LINEAR_IMPLS}
 MODES = ("fwd", "fwd+bwd")
 # Only meaningful with a backward: they differ from their base implementation there alone.
@@ -96,8 +109,10 @@ def unavailable(name: str, family: str, mode: str, device: torch.device) -> Opti
 
             if not triton_is_interpreted():
                 return "Liger's Triton kernels need CUDA (or TRITON_INTERPRET=1)"
-    if name == "trl_eager" and importlib.util.find_spec("trl") is None:
+    if name.startswith("trl") and importlib.util.find_spec("trl") is None:
         return "trl not installed (pip install trl)"
+    if name == "trl_fused" and trl_fused_lm_head() is None:
+        return "trl without its fused lm-head (trl >= 1.16)"
     if name == "ftis_linear_loss" and _ftis_linear_loss() is None:
         return "ftis_kernels.ftis_linear_loss not importable"
     return None
@@ -141,15 +156,57 @@ def _compiled_ref(case: Case) -> Callable:
     return _COMPILED["fn"]
 
 
+def trl_fused_lm_head() -> Optional[Callable]:
+    """TRL's fused lm-head log-prob function (`trl.kernels.ChunkedLogProbFunction.apply`, trl >=
+    1.16), or None where this trl has none."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+    except ImportError:
+        return None
+    return ChunkedLogProbFunction.apply
+
+
+def trl_fused_logprobs(hidden: torch.Tensor, weight: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """(B, T) log-probs of the tokens from TRL 1.16's fused lm-head, called as its patched
+    forward calls it in GRPOTrainer (`add_fused_lm_head(..., outputs=("log_probs", "entropy"))`,
+    its vocabulary tile, temperature 1): on a Triton device only the completion positions are
+    scored (`hidden[mask]`), elsewhere every position; the rest are 0."""
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    fused = trl_fused_lm_head()
+    mask, tokens = inputs["mask"].bool(), inputs["tokens"]
+    compact = hidden.device.type == "cuda"
+    rows = hidden[mask] if compact else hidden.reshape(-1, hidden.shape[-1])
+    targets = tokens[mask] if compact else tokens.reshape(-1)
+    logps = fused(
+        rows,
+        weight,
+        None,
+        targets,
+        1.0,
+        _CHUNKED_LOGPROB_CHUNK_SIZE,
+        None,
+        1.0,
+        ("log_probs", "entropy"),
+    )[0]
+    if compact:
+        return logps.new_zeros(mask.shape).masked_scatter(mask, logps)
+    return logps.view(mask.shape).masked_fill(~mask, 0.0)
+
+
 def _trl_grpo_loss(logits: torch.Tensor, inputs: dict) -> torch.Tensor:
-    """TRL's GRPO loss on (B, T, V) logits, as `GRPOTrainer._compute_loss` (trl 1.16) computes it
-    for this work: token-level ratio with old = current (detached), two-sided clip, the truncated
-    IS weight multiplied in as vLLM's `importance_sampling_ratio`, "grpo" reduction. TRL's
-    entropy (a logging-only pass over the logits) is left out."""
+    """TRL's GRPO loss on (B, T, V) logits through `selective_log_softmax` (`_trl_grpo_formula`).
+    TRL's entropy (a logging-only pass over the logits) is left out."""
     from trl.trainer.utils import selective_log_softmax
 
+    return _trl_grpo_formula(selective_log_softmax(logits, inputs["tokens"]), inputs)
+
+
+def _trl_grpo_formula(logps: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """TRL's GRPO loss on (B, T) log-probs, as `GRPOTrainer._compute_loss` (trl 1.16) computes it
+    for this work: token-level ratio with old = current (detached), two-sided clip, the truncated
+    IS weight multiplied in as vLLM's `importance_sampling_ratio`, "grpo" reduction."""
     mask = inputs["mask"].float()
-    logps = selective_log_softmax(logits, inputs["tokens"])
     coef_1 = torch.exp(logps - logps.detach())
     coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
     adv = inputs["advantages"][:, None]
@@ -273,6 +330,23 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
                 lambda: _finish(fll(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode),
                 None,
                 opts,
+            )
+        if name == "trl_eager":
+            return Prepared(
+                lambda: _finish(_trl_grpo_loss(h @ wt.t(), inputs), leaves, mode),
+                None,
+                opts,
+                note="TIS weight passed in as importance_sampling_ratio",
+            )
+        if name == "trl_fused":
+            return Prepared(
+                lambda: _finish(
+                    _trl_grpo_formula(trl_fused_logprobs(h, wt, inputs), inputs), leaves, mode
+                ),
+                None,
+                opts,
+                note="TRL 1.16's fused lm-head (log-probs and entropy); TIS weight passed in as "
+                "importance_sampling_ratio",
             )
         if name == "liger_chunked":
             from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss

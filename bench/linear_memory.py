@@ -8,6 +8,11 @@ and no filter (every row carries a gradient: the worst case for the chunked op):
 - "ftis_loss": logits = hidden @ weight.T materialised once, then the fused row op.
 - "reference": logits materialised, then `ref.ref_ftis_loss` (plain PyTorch, fp32 log-softmax,
   autograd): what a GRPO trainer without fused kernels does.
+- "trl_fused": TRL 1.16's fused lm-head (`trl.kernels.ChunkedLogProbFunction`, what GRPOTrainer
+  runs through `add_fused_lm_head` and `fused_lm_head=True`: log-probs and entropy, a tile of
+  logits at a time), then TRL's GRPO formula with the same TIS weight (`bench.impls`).
+- "trl_selective": logits materialised, then TRL's `selective_log_softmax` and the same formula:
+  TRL's path before 1.16.
 
 Memory is measured, not estimated. On CUDA: `torch.cuda.max_memory_allocated` above the inputs,
 in process. On CPU: one subprocess per measurement; its resident-set high-water mark (VmHWM,
@@ -31,6 +36,10 @@ B * T * V * 4 bytes.
         # time and peak memory of ftis_linear_loss against the materialised path (hidden @
         # weight.T, then ftis_loss), at this tree and at the revision main, in one run:
         # bench/results/linear_compare_cpu.json and .md
+    python -m bench.linear_memory --trl --tokens 1024,2048,4096 --reps 2
+        # time and peak memory of ftis_linear_loss against TRL's fused lm-head and its
+        # materialised selective_log_softmax path, interleaved in one process per token count:
+        # bench/results/linear_trl_cpu.json and .md
 
 `--compare BASE` checks BASE out into a temporary worktree (this tree's bench/ copied over it, so
 both sides run the same harness). Per token count and side, one process times both
@@ -62,7 +71,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-IMPLS = ("ftis_linear_loss", "ftis_loss", "reference")
+IMPLS = ("ftis_linear_loss", "ftis_loss", "reference", "trl_fused", "trl_selective")
+TRL_IMPLS = ("ftis_linear_loss", "trl_fused", "trl_selective")
 VOCAB, HIDDEN, SEQ = 151_936, 1536, 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The code a measurement depends on: "dirty" in a record means one of these differed from commit.
@@ -100,8 +110,8 @@ def _inputs(
     return hidden, weight, tokens, gen_logprobs, advantages
 
 
-def _run(impl: str, inputs, chunk_size: Optional[int]) -> None:
-    """Forward + backward of one implementation; every row carries a gradient (filter=None)."""
+def _loss(impl: str, inputs, chunk_size: Optional[int]) -> torch.Tensor:
+    """The loss of one implementation; every row carries a gradient (filter=None)."""
     from ftis_kernels import ftis_linear_loss, ftis_loss
     from ref.ftis import ref_ftis_loss
 
@@ -112,9 +122,36 @@ def _run(impl: str, inputs, chunk_size: Optional[int]) -> None:
         )
     elif impl == "ftis_loss":
         loss, _ = ftis_loss(hidden @ weight.t(), tokens, gen_logprobs, advantages, filter=None)
-    else:
+    elif impl == "reference":
         loss, _ = ref_ftis_loss(hidden @ weight.t(), tokens, gen_logprobs, advantages, filter=None)
-    loss.backward()
+    else:
+        loss = _trl_loss(impl, inputs)
+    return loss
+
+
+def _trl_loss(impl: str, inputs) -> torch.Tensor:
+    """TRL's GRPO loss (`bench.impls`), log-probs from its fused lm-head or the materialised
+    logits, with the op's default TIS weight min(pi_theta / pi_gen, 2) passed in as vLLM's
+    importance_sampling_ratio: the op's work with filter=None."""
+    from trl.trainer.utils import selective_log_softmax
+
+    from bench.impls import _trl_grpo_formula, trl_fused_logprobs
+
+    hidden, weight, tokens, gen_logprobs, advantages = inputs
+    rows = dict(
+        tokens=tokens, advantages=advantages, mask=torch.ones_like(tokens, dtype=torch.bool)
+    )
+    if impl == "trl_fused":
+        logps = trl_fused_logprobs(hidden, weight, rows)
+    else:
+        logps = selective_log_softmax(hidden @ weight.t(), tokens)
+    rows["is_weight"] = torch.exp(logps.detach() - gen_logprobs).clamp(max=2.0)
+    return _trl_grpo_formula(logps, rows)
+
+
+def _run(impl: str, inputs, chunk_size: Optional[int]) -> None:
+    """Forward + backward of one implementation."""
+    _loss(impl, inputs, chunk_size).backward()
 
 
 def _proc_kib(field: str) -> int:
@@ -294,6 +331,82 @@ def compare_table(records: list[dict], base: str) -> str:
                 f"{min(loads):.1f}-{max(loads):.1f} |"
             )
     return f"Before = {base}, after = this tree; fwd+bwd, filter=None.\n\n" + "\n".join(lines)
+
+
+def trl_baselines(
+    tokens: list[int],
+    reps: int,
+    dtype: str,
+    vocab: int,
+    hidden_size: int,
+    out: Path,
+    seq: int = SEQ,
+) -> list[dict]:
+    """`--trl`: per token count, one process times ftis_linear_loss, TRL's fused lm-head and its
+    materialised path called in turn (`_time_here`: the ratios are measured under one load), then
+    one `measure_one` process per implementation measures its peak. Records written to `out`
+    (JSON) and its .md table as they come."""
+    run = _metadata("cpu")
+    records: list[dict] = []
+    for n in tokens:
+        job = dict(impls=list(TRL_IMPLS), n_tokens=n, vocab=vocab, hidden=hidden_size, dtype=dtype)
+        args = [sys.executable, "-m", "bench.linear_memory", "--time-worker"]
+        args.append(json.dumps(dict(job, seq=seq, reps=reps)))
+        proc = subprocess.run(args, cwd=REPO, env=_worker_env(REPO), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"time worker failed for {job}:\n{proc.stderr[-4000:]}")
+        timed = json.loads(proc.stdout.strip().splitlines()[-1])
+        for impl in TRL_IMPLS:
+            peak = measure_one(impl, n, vocab=vocab, hidden_size=hidden_size, dtype=dtype, seq=seq)
+            ms = timed["ms"][impl]
+            records.append(
+                dict(
+                    peak,
+                    time_ms=ms,
+                    min_ms=min(ms),
+                    median_ms=statistics.median(ms),
+                    loadavg_1min=timed["loadavg_1min"],
+                    run=run,
+                )
+            )
+            print(json.dumps(records[-1]), flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(impls=TRL_IMPLS, records=records), indent=1) + "\n")
+        out.with_suffix(".md").write_text(trl_table(records) + "\n")
+    return records
+
+
+def trl_table(records: list[dict]) -> str:
+    """Markdown: per token count, each implementation's min / median fwd+bwd time and its min
+    over ftis_linear_loss's (same process), its peak and extra memory."""
+    by = {(r["n_tokens"], r["impl"]): r for r in records}
+    head = (
+        "| tokens | implementation | ms min / median | min / ftis_linear_loss's | peak MiB | "
+        "extra MiB | load |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    mib = float(1 << 20)
+    for n in sorted({r["n_tokens"] for r in records}):
+        base = by.get((n, "ftis_linear_loss"))
+        for impl in TRL_IMPLS:
+            r = by.get((n, impl))
+            if r is None or base is None:
+                continue
+            peak, extra = (
+                (f"{r['peak_bytes'] / mib:.0f}", f"{r['extra_bytes'] / mib:.0f}")
+                if "peak_bytes" in r
+                else (r["status"], r["status"])
+            )
+            loads = r["loadavg_1min"]
+            lines.append(
+                f"| {n} | {impl} | {r['min_ms']:.0f} / {r['median_ms']:.0f} | "
+                f"{r['min_ms'] / base['min_ms']:.2f}x | {peak} | {extra} | "
+                f"{min(loads):.1f}-{max(loads):.1f} |"
+            )
+    return (
+        "fwd+bwd at the lm-head shape, filter=None, the TIS weight on; times from one process "
+        "per token count, the implementations called in turn.\n\n" + "\n".join(lines)
+    )
 
 
 def measure_one(
@@ -531,6 +644,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument("--compare", metavar="BASE", help="time and memory against revision BASE")
+    parser.add_argument(
+        "--trl",
+        action="store_true",
+        help="time and memory against TRL's fused and materialised paths",
+    )
     parser.add_argument("--reps", type=int, default=3, help="timed calls per implementation")
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
@@ -553,6 +671,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         sizes = (args.dtype, args.vocab, args.hidden, out, args.seq)
         records = compare(args.compare, tokens, args.reps, *sizes)
         print(compare_table(records, args.compare))
+        return
+    if args.trl:
+        tokens = [int(x) for x in args.tokens.split(",")]
+        out = args.out or RESULTS / "linear_trl_cpu.json"
+        records = trl_baselines(
+            tokens, args.reps, args.dtype, args.vocab, args.hidden, out, args.seq
+        )
+        print(trl_table(records))
         return
     device_tag = "cpu" if args.device == "cpu" else "cuda"
     out = args.out or RESULTS / f"linear_memory_{device_tag}.json"

@@ -15,7 +15,7 @@ Peak memory, as extra bytes over what was allocated before the call (inputs, sav
   (with its default dynamic threshold a block freed earlier would be reused unseen).
   Only that call: the timed calls run with the default allocator, as a user's would. A fixed
   64 KiB threshold makes every scratch chunk a fresh mmap with its page faults, which doubled
-  some CPU times (issue 16). The gradient buffer ftis_kernels keeps for reuse on the CPU is
+  some CPU times. The gradient buffer ftis_kernels keeps for reuse on the CPU is
   released before the peak call, which therefore counts the gradient's allocation.
 """
 

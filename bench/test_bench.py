@@ -5,7 +5,8 @@ real shape on CUDA), fwd and fwd+bwd: the loss must agree with the eager referen
 timed, and the timed function synchronises the device itself (pytest-benchmark's `pedantic`
 with the in-place variants restored, untimed, before each round). Plus the checks that keep the
 benchmark honest: the peak-memory method sees a known allocation, Liger-Kernel is configured to
-the same work (same loss and gradient as `ftis_loss`), the roofline model, and the report and
+the same work (same loss and gradient as `ftis_loss`), so are TRL's fused lm-head and its
+materialised path in `bench.linear_memory`, the roofline model, and the report and
 plots drawn from records.
 """
 
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from bench import measure, plot, report
-from bench.impls import IMPLS, MODES, liger_version, prepare, unavailable
+from bench.impls import IMPLS, MODES, liger_version, prepare, trl_fused_lm_head, unavailable
 from bench.run import (
     finish_record,
     measure_ceilings,
@@ -289,6 +290,25 @@ def test_liger_chunked_is_configured_to_the_same_work():
     torch.testing.assert_close(gw2, gw1, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["trl_fused", "trl_selective"])
+def test_trl_baselines_of_the_linear_bench_do_the_ops_work(impl):
+    """TRL's fused lm-head and its materialised path, as `bench.linear_memory` times them, give
+    ftis_linear_loss's loss and gradients (filter=None, the TIS weight on), so their times and
+    peaks are for the same work."""
+    pytest.importorskip("trl")
+    if impl == "trl_fused" and trl_fused_lm_head() is None:
+        pytest.skip("trl without its fused lm-head")
+    from bench import linear_memory
+
+    results = {}
+    for name in ("ftis_linear_loss", impl):
+        inputs = linear_memory._inputs(96, 300, 24, torch.float32, torch.device("cpu"), seq=32)
+        loss = linear_memory._loss(name, inputs, chunk_size=None)
+        results[name] = (loss.detach(), *torch.autograd.grad(loss, inputs[:2]))
+    for ours, theirs in zip(results["ftis_linear_loss"], results[impl]):
+        torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-6)
+
+
 def test_roofline_model_counts_three_passes_over_the_logits_with_backward():
     case = Case("logits", 2, 8, 1000, "bfloat16")
     fwd, fb = measure.work_model(case, "fwd"), measure.work_model(case, "fwd+bwd")
@@ -336,7 +356,7 @@ def _neg_big_is_constexpr() -> bool:
     return isinstance(tl_utils.NEG_BIG, tl.constexpr)
 
 
-# The forward's always-on entropy sum (issue 12: the per-token entropy is a metric whether or not
+# The forward's always-on entropy sum (the per-token entropy is a metric whether or not
 # it is in the loss) cost 1.12 MUFU and 22.8 instructions per logit on sm_90: the division by the
 # temperature, compiled as a reciprocal plus two range fix-ups per element, had its reciprocal
 # recomputed every iteration. Multiplying by 1 / tau, computed once, gives 1.06 MUFU and 20.4

@@ -98,6 +98,8 @@ _NO_COMPILE = (
     "liger_triton",
     "liger_triton_inplace",
     "ftis_linear_loss",
+    "trl_eager",
+    "trl_fused",
     "liger_chunked",
 )
 

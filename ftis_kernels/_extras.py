@@ -32,6 +32,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "peft"),
     "plot": ("matplotlib",),
     "trl": ("trl", "transformers"),
+    "genrl": ("genrl", "transformers"),
 }
 
 

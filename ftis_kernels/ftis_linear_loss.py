@@ -40,7 +40,7 @@ the chunked PyTorch row passes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -57,6 +57,7 @@ from ftis_kernels.ftis_loss import (
 from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.options import (
     FTISOptions,
+    OptionKeywords,
     option_args,
     options_from_args,
     resolve_options,
@@ -72,9 +73,12 @@ from ftis_kernels.per_sample import PerSample
 from ftis_kernels.sharded import all_reduce_sum, check_shards, combine_row_stats, group_name
 from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor, check_values
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 # With chunk_size=None, a chunk holds at most this many logits (2^27: 256 MiB in bf16, 512 MiB in
 # fp32, i.e. 883 rows of Qwen2.5's 151,936-token vocabulary): CPU GEMMs run about 1.3x faster at
-# 1,024 rows than at 220 (issue 16), and no chunk grows with B * T...
+# 1,024 rows than at 220, and no chunk grows with B * T...
 AUTO_CHUNK_ELEMENTS = 1 << 27
 # ...or the longest sample, when its logits are at most this many (2^28: 1 GiB in fp32, 1,766 rows
 # of 151,936): chunks of whole samples let the forward compute the gradients (6 N H V FLOPs).
@@ -656,7 +660,7 @@ def ftis_linear_loss(
     vocab_start: int = 0,
     process_group: Optional[Any] = None,
     grad_in_forward: bool | str = "auto",
-    **option_keywords: Any,
+    **option_keywords: Unpack[OptionKeywords],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and metrics of `ftis_loss(hidden @ weight.T + bias, ...)`, from the hidden
     states, a chunk of positions at a time: the (B, T, V) logits never exist.

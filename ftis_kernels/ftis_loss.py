@@ -14,7 +14,7 @@ chunked PyTorch path with the same results.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -22,6 +22,7 @@ from ftis_kernels.grad_buffer import grad_buffer
 from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.options import (
     FTISOptions,
+    OptionKeywords,
     option_args,
     option_schema,
     options_from_args,
@@ -38,6 +39,9 @@ from ftis_kernels.validate import (
     check_tensor,
     check_values,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # What a forward op returns after the loss and the metrics, for the backward.
 SAVED_NAMES = ("row_max", "log_sum", "coef", "entropy_coef")
@@ -245,7 +249,7 @@ def ftis_loss(
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_start: int = 0,
     process_group: Optional[Any] = None,
-    **option_keywords: Any,
+    **option_keywords: Unpack[OptionKeywords],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss (the quantity to minimise) and its metrics, fused from the logits.
 

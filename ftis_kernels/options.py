@@ -3,7 +3,8 @@
 `FTISOptions` is the single definition of every keyword option of the ops (docs/method.md §2). The
 public ops (`ftis_loss`, `ftis_linear_loss`), their custom-op plumbing (the options travel as one
 JSON string), `FTISGRPOConfig` (TRL) and the GRPO driver's config read their fields, defaults and
-help from `OPTION_FIELDS`: adding an option is one `_option(...)` line here plus its meaning in
+help from `OPTION_FIELDS`: adding an option is one `_option(...)` line here, its typed line in
+`OptionKeywords` (what type checkers read; a test checks the two agree), and its meaning in
 `per_sample.py` and `ref/`. Every enumerated option dispatches through a table (`dispatch`) that
 raises on an unknown value.
 
@@ -19,7 +20,7 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import Any, Literal, Optional, TypedDict, TypeVar
 
 IS_MODES = ("none", "vis", "tis", "mask")
 IS_LEVELS = ("token", "sequence", "sequence_product")
@@ -156,7 +157,9 @@ class FTISOptions:
     ratio_level: str = _option(
         "token",
         "PPO ratio R = pi_theta / pi_old per 'token' or per 'sequence' (GSPO: exp of "
-        "the mean log ratio, TRL's importance_sampling_level).",
+        "the mean log ratio, TRL's importance_sampling_level), for every loss type as TRL: "
+        "cispo caps and sapo gates the sequence R; vespo's gamma weight is its own, the "
+        "sequence R reaching only the bias-corrected KL term.",
         choices=RATIO_LEVELS,
     )
     epsilon: float = _option(0.2, "Lower clip: R >= 1 - epsilon.", check="unit_open")
@@ -223,13 +226,6 @@ class FTISOptions:
     def _check_combinations(self) -> None:
         """Combinations the peers refuse or that have no meaning; the error names both options."""
         lt = self.loss_type
-        if self.ratio_level == "sequence" and lt in ("cispo", "sapo", "vespo"):
-            _fail(
-                "ratio_level",
-                f"'token' with loss_type={lt!r} (Liger refuses it; VESPO builds "
-                "its own sequence weight)",
-                self.ratio_level,
-            )
         if self.delta is not None and lt not in CLIPPED_LOSS_TYPES:
             _fail(
                 "delta",
@@ -443,9 +439,14 @@ def resolve_options(options: Optional[FTISOptions], overrides: Mapping[str, Any]
     return options.replace(**overrides) if overrides else options
 
 
-def with_option_keywords(func: Callable) -> Callable:
-    """Give `func(..., **options)` a signature listing every option keyword with its default and
-    annotation (for help(), IDEs and the drift test); the function itself is unchanged."""
+_Op = TypeVar("_Op", bound=Callable[..., Any])
+
+
+def with_option_keywords(func: _Op) -> _Op:
+    """Give `func(..., **options)` a runtime signature listing every option keyword with its
+    default and annotation (for help(), `inspect` and the drift test); the function itself is
+    unchanged, and type checkers read its own signature, with `**option_keywords:
+    Unpack[OptionKeywords]`."""
     sig = inspect.signature(func)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     params += [
@@ -454,5 +455,41 @@ def with_option_keywords(func: Callable) -> Callable:
         )
         for name, f in OPTION_FIELDS.items()
     ]
-    func.__signature__ = sig.replace(parameters=params)
+    func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     return func
+
+
+class OptionKeywords(TypedDict, total=False):
+    """The fields of `FTISOptions` as keyword arguments, for type checkers and IDEs: the public
+    ops take `**option_keywords: Unpack[OptionKeywords]`, so a misspelt option or a value outside
+    an option's choices is a type error. A TypedDict is read statically, so it repeats the
+    fields: tests/test_options.py checks it against `OPTION_FIELDS` (names, types, choices)."""
+
+    is_mode: Literal["none", "vis", "tis", "mask"]
+    is_level: Literal["token", "sequence", "sequence_product"]
+    is_source: Literal["current", "old"]
+    is_cap: float
+    is_cap_min: Optional[float]
+    filter: Literal["negative_offpolicy", "negative_or_offpolicy", "negative", "offpolicy", None]
+    kl_threshold: float
+    kl_threshold_low: Optional[float]
+    kl_estimator: Literal["k1", "k2", "k3"]
+    kl_reduction: Literal["sum", "mean", "max"]
+    kl_source: Literal["current", "old"]
+    reject_mode: Literal["advantage", "mask"]
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
+    ratio_level: Literal["token", "sequence"]
+    epsilon: float
+    epsilon_high: Optional[float]
+    delta: Optional[float]
+    max_completion_length: Optional[int]
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
+    beta: float
+    use_bias_correction_kl: bool
+    entropy_coef: float
+    temperature: float

@@ -133,10 +133,11 @@ def test_the_install_hint_is_the_command_that_works_from_where_the_package_came(
     assert _extras.install_command("grpo") == 'pip install "ftis-kernels[grpo]"'
 
 
-def test_importing_the_driver_or_trl_without_the_extra_names_it():
+def test_importing_the_driver_or_an_integration_without_the_extra_names_it():
     for module, hidden, extra, named in (
         ("ftis_kernels.grpo.cli", "transformers", "grpo", "ftis_kernels.grpo"),
         ("ftis_kernels.integrations.trl", "trl", "trl", "ftis_kernels.integrations.trl"),
+        ("ftis_kernels.integrations.genrl", "genrl", "genrl", "ftis_kernels.integrations.genrl"),
     ):
         code = _hide(hidden) + (
             "try:\n"

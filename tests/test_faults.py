@@ -375,7 +375,7 @@ def test_a_long_warm_up_does_not_trip_a_peers_timeout(tmp_path):
     )
 
 
-# == Non-finite updates, damaged checkpoints, torn metrics (issue 13 items 5 and 9) ================
+# == Non-finite updates, damaged checkpoints, torn metrics ================
 TASK = ArithmeticTask(seed=0)
 TOKENIZER = build_tokenizer(TASK.vocabulary_text())
 
@@ -384,7 +384,7 @@ def _prompt(pid: int) -> list[int]:
     return TOKENIZER(format_prompt(TASK.problem(pid).question))["input_ids"]
 
 
-# -- poisoned updates: a non-finite loss or gradient never reaches the weights (issue 13.5) -------
+# -- poisoned updates: a non-finite loss or gradient never reaches the weights -------
 def _batch(poisoned: bool) -> list[Sample]:
     """Three peer samples with positive advantages; `poisoned`: the first claims log pi_gen =
     -100 at one token (the issue's sample: the parser accepts it, VIS's weight overflows)."""
@@ -508,7 +508,7 @@ def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(t
     )
 
 
-# -- checkpoints that prove themselves, metrics that survive a torn write (issue 13.9) -----------
+# -- checkpoints that prove themselves, metrics that survive a torn write -----------
 def _spoil(path) -> None:
     """Write finite garbage (float32 123.0s) over the first tensor bytes of a safetensors file."""
     header = int.from_bytes(path.read_bytes()[:8], "little")

@@ -1,4 +1,4 @@
-"""The driver features the claims study needs (issue 15): a task with signal, a filter that says
+"""The driver features the claims study needs: a task with signal, a filter that says
 what it did, reproducible runs, and stronger bad peers."""
 
 from __future__ import annotations

@@ -59,8 +59,22 @@ def _settings() -> dict[str, dict]:
     s = {}
     for lt in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo", "cispo", "sapo", "vespo"):
         s[lt] = dict(loss_type=lt)
-        if lt not in ("cispo", "sapo", "vespo"):
-            s[f"{lt}/sequence"] = dict(loss_type=lt, importance_sampling_level="sequence")
+        s[f"{lt}/sequence"] = dict(loss_type=lt, importance_sampling_level="sequence")
+    s["cispo/sequence/eps_high=1.02"] = dict(
+        loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.02
+    )
+    s["sapo/sequence/beta/bias_corrected_kl"] = dict(
+        loss_type="sapo",
+        importance_sampling_level="sequence",
+        beta=0.04,
+        use_bias_correction_kl=True,
+    )
+    s["vespo/sequence/beta/bias_corrected_kl"] = dict(
+        loss_type="vespo",
+        importance_sampling_level="sequence",
+        beta=0.04,
+        use_bias_correction_kl=True,
+    )
     s["cispo/eps_high=1.1"] = dict(loss_type="cispo", epsilon_high=1.1)
     s["grpo/delta"] = dict(loss_type="grpo", delta=1.15, epsilon_high=0.1)
     s["dapo/sequence/delta"] = dict(
@@ -99,9 +113,15 @@ def _settings() -> dict[str, dict]:
 
 SETTINGS = _settings()
 # Liger has no entropy bonus and no OPSM; at the token level its luspo multiplies unmasked
-# positions too (TRL masks them): there we follow TRL.
+# positions too (TRL masks them): there we follow TRL. Liger refuses a sequence-level ratio with
+# cispo, sapo and vespo, which TRL runs.
 LIGER_SETTINGS = {
-    k: v for k, v in SETTINGS.items() if "entropy" not in k and "opsm" not in k and k != "luspo"
+    k: v
+    for k, v in SETTINGS.items()
+    if "entropy" not in k
+    and "opsm" not in k
+    and k != "luspo"
+    and not (k.split("/")[0] in ("cispo", "sapo", "vespo") and "/sequence" in k)
 }
 
 
@@ -394,3 +414,16 @@ def test_the_settings_are_not_degenerate():
         options=our_options(SETTINGS["grpo"]),
     )
     assert metrics["clip_frac"] > 0
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ["cispo/sequence/eps_high=1.02", "sapo/sequence", "vespo/sequence/beta/bias_corrected_kl"],
+)
+def test_a_sequence_level_ratio_changes_trls_own_loss_so_the_parity_proves_it(setting):
+    # Agreeing at the sequence level proves the sequence ratio only where TRL's result differs
+    # from its token-level one (vespo: only through the bias-corrected KL term).
+    x = make_inputs()
+    token = {**SETTINGS[setting], "importance_sampling_level": "token"}
+    (seq_loss, seq_grad), (tok_loss, tok_grad) = run_trl(x, SETTINGS[setting]), run_trl(x, token)
+    assert relative_error(seq_grad, tok_grad) > 1e-3 or relative_error(seq_loss, tok_loss) > 1e-3

@@ -31,6 +31,20 @@ def test_nothing_points_outside_the_repository():
     assert not hits, f"references to files a clone does not have: {hits}"
 
 
+def test_nothing_cites_a_tracker_the_repository_does_not_have():
+    # Users have no issue tracker or work log: a comment or document says what happened instead
+    # of citing an issue, session or stop number. The changelog and stored results are history.
+    cited = re.compile(r"\b(issue|stop|session)s?[ -][0-9]+(\.[0-9]+)?\b", re.I)
+    hits = [
+        f"{f.relative_to(ROOT)}:{i}"
+        for f in _tracked_text_files()
+        if f.name != "CHANGELOG.md" and "results" not in f.relative_to(ROOT).parts
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if cited.search(line)
+    ]
+    assert not hits, f"lines that cite an issue, session or stop by number: {hits}"
+
+
 def test_every_method_section_reference_resolves():
     sections = set(re.findall(r"^## (\d+)\. ", METHOD.read_text(), re.M))
     refs = [
@@ -63,3 +77,29 @@ def test_torch_compile_cache_belongs_to_this_checkout():
     import torch._inductor.runtime.cache_dir_utils as inductor_cache
 
     assert Path(inductor_cache.cache_dir()).is_relative_to(ROOT)
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_the_version_has_one_source():
+    # pyproject reads it from the package (setuptools' attr, parsed without importing).
+    project = _pyproject()
+    assert "version" not in project and "version" in project["dynamic"]
+    config = (ROOT / "pyproject.toml").read_text()
+    assert 'version = { attr = "ftis_kernels.__version__" }' in config
+    assert re.fullmatch(r"\d+\.\d+\.\d+", ftis_kernels.__version__)
+
+
+def test_the_long_description_reads_off_the_repository():
+    # The README is the wheel's long description: a relative link breaks on an index page.
+    project = _pyproject()
+    assert project["readme"] == "README.md"
+    links = re.findall(r"\]\(([^)]+)\)", (ROOT / "README.md").read_text())
+    relative = [link for link in links if not re.match(r"[a-z]+://|#", link)]
+    assert not relative, f"relative links in README.md: {relative}"
+    assert not re.findall(r'(?:src|href)="(?![a-z]+://)', (ROOT / "README.md").read_text())
+    assert project["authors"] and project["keywords"] and project["classifiers"]

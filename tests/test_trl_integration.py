@@ -437,6 +437,20 @@ def test_config_maps_trl_loss_options_and_corrections_onto_the_op(tmp_path):
         _config(tmp_path, off_policy_mask_threshold=0.3, filter="negative")
 
 
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "vespo"])
+def test_config_accepts_a_sequence_level_ratio_with_every_loss_type_trl_runs(loss_type, tmp_path):
+    # TRL 1.16 runs these (tests/test_parity.py checks the loss against its own); the trainer
+    # must not refuse a configuration TRL accepts.
+    options = _config(
+        tmp_path,
+        loss_type=loss_type,
+        importance_sampling_level="sequence",
+        beta=0.04,
+        use_bias_correction_kl=True,
+    ).ftis_options()
+    assert (options.loss_type, options.ratio_level) == (loss_type, "sequence")
+
+
 @pytest.mark.parametrize(
     "mode,is_mode,is_level",
     [

@@ -496,9 +496,6 @@ def test_bad_option_raises_value_error_naming_it(name, value):
 
 
 BAD_COMBINATIONS = [
-    ("ratio_level", dict(ratio_level="sequence", loss_type="cispo")),
-    ("ratio_level", dict(ratio_level="sequence", loss_type="sapo")),
-    ("ratio_level", dict(ratio_level="sequence", loss_type="vespo")),
     ("delta", dict(delta=1.5, loss_type="sapo")),
     ("is_level", dict(loss_type="vespo", is_level="sequence")),
     ("is_cap_min", dict(is_cap_min=3.0, is_cap=2.0)),

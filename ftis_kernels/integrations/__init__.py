@@ -3,7 +3,8 @@
 - `ftis_kernels.integrations.hf`: `lm_head_inputs`, the completion hidden states and the lm-head
   of a Hugging Face causal LM (peft-aware), the inputs of `ftis_linear_loss`.
 - `ftis_kernels.integrations.trl` (needs the `trl` extra): `FTISGRPOConfig` and `FTISGRPOTrainer`,
-  TRL's GRPOTrainer with the F-TIS loss.
+  TRL's GRPOTrainer with the F-TIS loss, and `PeerRollout`, a rollout_func whose prompt groups
+  are sampled in turn by the trained model and by peer models.
 - `ftis_kernels.integrations.verl` (needs the `verl` extra): registers F-TIS as verl's policy
   loss `ftis`; `FTISPolicyLossConfig` carries its options in verl's actor config.
 

@@ -227,8 +227,9 @@ def _logits_bwd_kernel(
         p = tl.exp(log_p)
         grad = coef * (tl.where(offs == token, 1.0, 0.0) - p)
         if HAS_ENTROPY_GRAD:
-            # dH/dlogit_v = -p_v (log p_v + H); p_v = 0 adds 0 (not 0 * -inf).
-            grad -= ecoef * tl.where(p > 0, p * (log_p + entropy), 0.0)
+            # dH/dlogit_v = -p_v (log p_v + H); p_v = 0 adds 0 * 0, not 0 * -inf (no lane forms
+            # a nan, even one discarded afterwards).
+            grad -= ecoef * p * tl.where(p > 0, log_p + entropy, 0.0)
         tl.store(
             drow_ptr + offs.to(tl.int64) * stride_dv,
             grad.to(dlogits_ptr.dtype.element_ty),

@@ -28,12 +28,13 @@ def online_lse_entropy_update(m, s, u, x):
     """`online_lse_update` plus the entropy's running sum u = sum exp(value - m) * (value - m).
 
     At the end, lse = m + log(s) and the entropy is H = log(s) - u / s: both relative to the
-    running max, so no digit of H is lost at large |logits|. A -inf value adds 0 to u (not
-    0 * -inf = nan).
+    running max, so no digit of H is lost at large |logits|. A -inf value adds 0 * 0 to u: its
+    shift is replaced before the product, so no lane forms 0 * -inf = nan (even one discarded
+    afterwards, which Triton's interpreter reports as a RuntimeWarning).
     """
     m_new = tl.maximum(m, tl.max(x, axis=0))
     alpha = tl.exp(m - m_new)
     e = tl.exp(x - m_new)
-    u = alpha * (u + (m - m_new) * s) + tl.sum(tl.where(e > 0, e * (x - m_new), 0.0), axis=0)
+    u = alpha * (u + (m - m_new) * s) + tl.sum(e * tl.where(e > 0, x - m_new, 0.0), axis=0)
     s = s * alpha + tl.sum(e, axis=0)
     return m_new, s, u
