@@ -882,7 +882,7 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
             f"Not measured in this run (their parts had not finished): "
             f"{', '.join(ref['missing_parts'])}.",
         ]
-    lines += ["", "![mechanism](results/mechanism.png)", "", *findings(rows)]
+    lines += ["", "![mechanism](mechanism.png)", "", *findings(rows)]  # beside the .md
     return "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,4 +141,7 @@ def test_quick_scale_runs_end_to_end_and_the_identical_peer_gives_on_policys_gra
     assert all(r["kl_sample"] > rows[1]["kl_sample"] + 0.1 for r in hot)
     assert (results / "mechanism.png").stat().st_size > 10_000
     table = (results / "mechanism.md").read_text()
-    assert "| **identical**:" in table and "![mechanism](results/mechanism.png)" in table
+    assert "| **identical**:" in table
+    # Every image the write-up links is found from where the write-up lies.
+    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", table)
+    assert links == ["mechanism.png"] and all((results / link).is_file() for link in links)

@@ -2,6 +2,7 @@
 names it in one line when a package is missing (simulated here by hiding the package)."""
 
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
+from ftis_kernels import _extras
 from ftis_kernels._extras import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,8 +97,40 @@ def test_ftis_grpo_without_its_extra_says_so_in_one_line_and_exits_2():
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
-        "ftis-grpo: needs the 'grpo' extra: pip install \"ftis-kernels[grpo]\" (missing: yaml)"
+        "ftis-grpo: needs the 'grpo' extra: pip install -e \".[grpo]\" (missing: yaml)"
     ]
+
+
+def test_python_m_ftis_kernels_grpo_without_its_extra_says_so_in_one_line_and_exits_2(tmp_path):
+    # A sitecustomize hides the package before `python -m` imports ftis_kernels.grpo.
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['transformers'] = None\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "ftis_kernels.grpo", "--help"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"ftis-grpo: needs the 'grpo' extra: pip install -e \"{ROOT}[grpo]\" "
+        "(missing: transformers)"
+    ]
+
+
+def test_the_install_hint_is_the_command_that_works_from_where_the_package_came(
+    tmp_path, monkeypatch
+):
+    assert _extras.install_command("trl") == 'pip install -e ".[trl]"'  # the tests run in ROOT
+    monkeypatch.chdir(tmp_path)
+    assert _extras.install_command("trl") == f'pip install -e "{ROOT}[trl]"'
+    monkeypatch.setattr(_extras, "_TREE", tmp_path)  # installed into site-packages
+    wheel = "/tmp/dist/ftis_kernels-0.1.0-py3-none-any.whl"
+    monkeypatch.setattr(_extras, "_direct_url", lambda: {"url": f"file://{wheel}"})
+    assert _extras.install_command("grpo") == f'pip install "{wheel}[grpo]"'
+    monkeypatch.setattr(_extras, "_direct_url", lambda: None)  # from a package index
+    assert _extras.install_command("grpo") == 'pip install "ftis-kernels[grpo]"'
 
 
 def test_importing_the_driver_or_an_integration_without_the_extra_names_it():
@@ -115,7 +149,7 @@ def test_importing_the_driver_or_an_integration_without_the_extra_names_it():
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == (
             f"MissingExtraError {named}: needs the '{extra}' extra: "
-            f'pip install "ftis-kernels[{extra}]" (missing: {hidden})'
+            f'pip install -e ".[{extra}]" (missing: {hidden})'
         )
 
 

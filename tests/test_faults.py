@@ -73,7 +73,8 @@ def _fake_run(out: Path, cfg: RunConfig, rounds_done: int) -> None:
 
 # -- configuration and usage errors: one line, the key named, exit code 2, nothing started ------
 CONFIG_ERRORS = [
-    (["--rounds", "-3"], "rounds: expected a value >= 1, got -3"),
+    (["--rounds", "-3"], "--rounds: expected a value >= 1, got -3"),
+    (["--set", "rounds=-3"], "rounds: expected a value >= 1, got -3"),
     (["--set", "rounds=abc"], "rounds: expected an integer, got 'abc'"),
     (["--set", "group_size=abc"], "group_size: expected an integer, got 'abc'"),
     (["--set", "nodes.0.lr=fast"], "nodes.0.lr: expected a number, got 'fast'"),
@@ -88,7 +89,7 @@ CONFIG_ERRORS = [
     (["--nodes", "0"], "--nodes: expected a number of nodes >= 1, got 0"),
     (["--rounds", "x"], "--rounds: expected an integer, got 'x'"),
     (["--loss", "fast"], "--loss: expected one of 'on-policy'"),
-    (["--set", "nodes.1.model=no/such"], "nodes.1.model: expected a local Hugging Face checkpoint"),
+    (["--set", "nodes.1.model=no/such"], "nodes.1.model: expected a Hugging Face model folder"),
     # values that once passed and crashed every node 15-18 s later, or wrote 1e30 weights
     (["--set", "seed=1e20"], "seed: expected an integer in range"),
     (["--set", "seed=4294967296"], "seed: expected a value <= 4294967295, got 4294967296"),

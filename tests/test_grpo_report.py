@@ -8,7 +8,15 @@ import struct
 
 import pytest
 
-from ftis_kernels.grpo.report import curves_plan, mean_window, plot_curves, summary_table
+from ftis_kernels.grpo.provenance import describe
+from ftis_kernels.grpo.report import (
+    curves_plan,
+    mean_window,
+    plot_curves,
+    summary_table,
+    write_outputs,
+    y_limits,
+)
 
 
 def _rows(n_rounds: int, ood=lambda r, n: 0.0, skipped=()) -> list[dict]:
@@ -89,3 +97,59 @@ def test_metrics_lines_are_strict_json_in_a_skipped_round(tmp_path):
     got = [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
     assert got[0]["loss"] is None and got[1]["loss"] is None and got[1]["kl_mean"] is None
     assert got[1]["reward_mean"] == 1.0
+
+
+def test_axes_fit_the_data_and_the_caption_says_whether_a_baseline_is_drawn(tmp_path):
+    assert y_limits([0.0, 0.1, 0.3]) == pytest.approx((-0.03, 0.35))  # not squashed into 0-1
+    assert y_limits([0.5, 0.9]) == pytest.approx((0.45, 0.95))
+    assert y_limits([0.0, 1.0]) == pytest.approx((-0.03, 1.03))
+    _, _, alone = curves_plan(_rows(4))
+    assert any(line.startswith("No baseline drawn") for line in alone)
+    baseline = [dict(r, mode="on-policy", reward_mean=r["reward_mean"] / 2) for r in _rows(4)]
+    _, _, compared = curves_plan(_rows(4), baseline)
+    assert not any("No baseline" in line for line in compared)
+    assert any("Dashed: the same nodes in the baseline run (on-policy" in line for line in compared)
+
+
+def test_report_redraws_the_curves_with_a_baseline_run(tmp_path, capsys):
+    from ftis_kernels.grpo import cli
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    for folder, mode in ((run, "f-tis"), (other, "on-policy")):
+        folder.mkdir()
+        rows = [dict(r, mode=mode) for r in _rows(6)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["report", str(run), "--baseline", str(other)]) == 0
+    assert (run / "curves.png").stat().st_size > 10_000
+    assert cli.main(["report", str(run), "--baseline", str(tmp_path / "none")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ftis-grpo report: --baseline: expected the output folder of a run")
+
+
+def test_summary_txt_has_a_legend_of_its_columns(tmp_path):
+    from ftis_kernels.grpo.tokenizer import build_tokenizer
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in _rows(4)))
+    write_outputs(tmp_path, build_tokenizer(["x"]), metrics, ["environment: ..."])
+    text = (tmp_path / "summary.txt").read_text()
+    table, legend = text.split("\ncolumns:\n")
+    columns = table.splitlines()[0].split()
+    explained = [line.split()[0] for line in legend.splitlines() if line.startswith("  ")]
+    assert (
+        {"reward", "acc_id", "acc_ood", "kl_mean", "filtered", "skipped", "MB_sent"}
+        <= set(explained)
+        and "B/token" in legend
+        and "s/round" in columns
+        and text.endswith("environment: ...\n")
+    )
+    assert "means of the first and of the last 2 rounds" in legend
+
+
+def test_the_environment_line_counts_one_thread_in_the_singular():
+    env = dict(
+        torch="2", triton="3", numpy="2", transformers="5", cpu="x", cpu_capability="AVX2",
+        cpu_count=2, commit="abc",
+    )  # fmt: skip
+    assert "1 thread per node" in describe({**env, "threads_per_node": 1})
+    assert "2 threads per node" in describe({**env, "threads_per_node": 2})

@@ -56,6 +56,17 @@ def test_every_method_section_reference_resolves():
     assert all(n in sections for _, n in refs), (sorted(sections), refs)
 
 
+def test_every_relative_link_of_the_markdown_files_resolves():
+    broken = [
+        f"{f.relative_to(ROOT)}: {target}"
+        for f in _tracked_text_files()
+        if f.suffix == ".md"
+        for target in re.findall(r"\]\(([^)\s#]+)[^)]*\)", f.read_text())
+        if not re.match(r"[a-z]+:", target) and not (f.parent / target).exists()
+    ]
+    assert not broken, f"links to nothing, from the folder of the file that holds them: {broken}"
+
+
 def test_license_changelog_and_type_marker_exist():
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     assert f"## [{ftis_kernels.__version__}]" in (ROOT / "CHANGELOG.md").read_text()

@@ -7,6 +7,17 @@ Modules, in the order a round uses them: `task` (problems and the binary reward)
 `launch` starts and supervises the swarm, `cli` is the command line.
 """  # noqa: E501
 
-from ftis_kernels._extras import require
+import sys
 
-require("grpo", "ftis_kernels.grpo")
+from ftis_kernels._extras import MissingExtraError, require
+
+try:
+    require("grpo", "ftis_kernels.grpo")
+except MissingExtraError as err:
+    # `python -m ftis_kernels.grpo` imports this package first, with sys.argv[0] set to "-m"
+    # (Python's documented marker): answer as the `ftis-grpo` console script does, one line and
+    # exit code 2, rather than with a traceback.
+    if sys.argv[:1] == ["-m"]:
+        print(f"ftis-grpo: {str(err).split(': ', 1)[1]}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise

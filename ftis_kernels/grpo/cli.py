@@ -63,6 +63,8 @@ examples:
   ftis-grpo --preset demo --out runs/demo --resume --rounds 100
   ftis-grpo --preset smoke --loss nois --set nodes.1.hostile=random_tokens --out runs/bad
   ftis-grpo --preset demo --print-config > swarm.yaml      edit it, then: --config swarm.yaml
+  ftis-grpo export runs/demo --node 1 --to models/small    a node's checkpoint as a model folder
+  ftis-grpo report runs/demo --baseline runs/on-policy     curves.png with a baseline run
 
 Configuration layers, later wins: defaults < --preset < --config FILE < flags < --set.
 Every key, its allowed values and default: ftis-grpo --list-keys."""
@@ -252,9 +254,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def _flags_setting(args: argparse.Namespace) -> dict[str, str]:
+    """Config key -> the flag that set it on this command line (a later --set of the key wins):
+    an error in a value the user gave as `--rounds -3` names `--rounds`, as argparse's own
+    errors (`--rounds x`) do."""
+    set_by_set = {assignment.split("=", 1)[0] for assignment in args.set}
+    return {
+        action.dest: action.option_strings[0]
+        for action in build_parser()._actions
+        if action.dest in _KEY_FLAGS
+        and getattr(args, action.dest) is not None
+        and action.dest not in set_by_set
+    }
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The run's configuration from the command line; ConfigError naming the flag or key of each
+    value refused."""
     overrides: dict[str, Any] = {k: getattr(args, k) for k in _KEY_FLAGS}
-    cfg = build_config(args.preset, args.config, overrides, tuple(args.set), args.nodes)
+    try:
+        cfg = build_config(args.preset, args.config, overrides, tuple(args.set), args.nodes)
+    except ConfigError as exc:
+        raise exc.renamed(_flags_setting(args)) from None
     if args.model:
         if len(args.model) not in (1, len(cfg.nodes)):
             raise ConfigError(
@@ -278,8 +299,83 @@ def _layers(args: argparse.Namespace) -> str:
     return " < ".join(parts + ["flags"])
 
 
+def build_export_parser() -> argparse.ArgumentParser:
+    """`ftis-grpo export`: a node's checkpoint as a Hugging Face model folder."""
+    p = _Parser(
+        prog="ftis-grpo export",
+        description="Write one node's checkpoint of a run as a Hugging Face model folder "
+        "(config.json, model.safetensors, tokenizer; a LoRA adapter merged into its base), "
+        "which --model, AutoModelForCausalLM and AutoTokenizer load.",
+    )
+    p.add_argument("run", metavar="RUN", help="the run's output folder (its --out)")
+    p.add_argument("--node", type=int, default=0, metavar="I", help="the node (default 0)")
+    p.add_argument(
+        "--round",
+        type=int,
+        metavar="R",
+        help="the checkpointed round (default: the run's latest complete checkpoint)",
+    )
+    p.add_argument("--to", required=True, metavar="DIR", help="the model folder to write")
+    return p
+
+
+def export_main(argv: Sequence[str]) -> int:
+    """`ftis-grpo export RUN [--node I] [--round R] --to DIR`; ConfigError lines exit 2."""
+    args = build_export_parser().parse_args(argv)
+    from pathlib import Path
+
+    from ftis_kernels.grpo.export import export
+
+    try:
+        folder = export(Path(args.run), args.node, args.round, Path(args.to))
+    except ConfigError as exc:
+        for line in exc.lines:
+            print(f"ftis-grpo export: {line}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{args.to}: node {args.node}'s model from {folder} (use it with --model {args.to})")
+    return 0
+
+
+def report_main(argv: Sequence[str]) -> int:
+    """`ftis-grpo report RUN [--baseline OTHER]`: curves.png again, with a baseline run."""
+    p = _Parser(
+        prog="ftis-grpo report",
+        description="Draw a run's curves.png again from its metrics.jsonl, with another run of "
+        "the same nodes (for example --loss on-policy) dashed beside it as the baseline.",
+    )
+    p.add_argument("run", metavar="RUN", help="the run's output folder (its --out)")
+    p.add_argument("--baseline", metavar="OTHER", help="the baseline run's output folder")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from ftis_kernels.grpo.report import redraw
+
+    try:
+        path = redraw(Path(args.run), Path(args.baseline) if args.baseline else None)
+    except (OSError, ValueError) as exc:
+        where = "--baseline" if args.baseline and args.baseline in str(exc) else "RUN"
+        what = "the output folder of a run (with metrics.jsonl)"
+        print(f"ftis-grpo report: {where}: expected {what}, got {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"curves: {path}")
+    return 0
+
+
+def _model_flag(args: argparse.Namespace, cfg: RunConfig) -> dict[str, str]:
+    """nodes.<i>.model -> "--model" for the nodes whose model --model set."""
+    if not args.model:
+        return {}
+    set_by_set = {assignment.split("=", 1)[0] for assignment in args.set}
+    keys = (f"nodes.{i}.model" for i in range(len(cfg.nodes)))
+    return {key: "--model" for key in keys if key not in set_by_set}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
+    if argv[:1] == ["report"]:
+        return report_main(argv[1:])
     args = parse_args(argv)
     if args.list_keys:
         print(render_keys())
@@ -291,7 +387,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from ftis_kernels.grpo.node import run_worker
 
             return run_worker(cfg, overwrite=args.overwrite)
-        cfg.validate(len(cfg.nodes))
+        try:
+            cfg.validate(len(cfg.nodes))
+        except ConfigError as exc:
+            raise exc.renamed(_model_flag(args, cfg)) from None
         if args.print_config:
             print(render_config(cfg, _layers(args)))
             return 0

@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import re
+import textwrap
 from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
@@ -110,11 +111,22 @@ class ConfigError(ValueError):
     def __init__(self, *problems: tuple[str, str, Any] | str):
         """Each problem is (key, what was expected, the value got), or a line already written
         in that form (the loss options' own errors)."""
+        self.problems = problems
         self.lines = [
             p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {_echo(show(p[2]))}"
             for p in problems
         ]
         super().__init__("\n".join(self.lines))
+
+    def renamed(self, names: dict[str, str]) -> ConfigError:
+        """The same problems, each key found in `names` shown as its value there (the flag that
+        set the key on the command line), and each line once."""
+        renamed = ConfigError(
+            *(p if isinstance(p, str) else (names.get(p[0], p[0]), *p[1:]) for p in self.problems)
+        )
+        renamed.lines = list(dict.fromkeys(renamed.lines))  # one flag that set several keys
+        renamed.args = ("\n".join(renamed.lines),)
+        return renamed
 
 
 def _echo(text: str) -> str:
@@ -333,11 +345,7 @@ class RunConfig:
                             None,
                         )
                     )
-        for i, spec in enumerate(self.nodes):
-            if spec.model is not None and not Path(spec.model).is_dir():
-                problems.append(
-                    (f"nodes.{i}.model", "a local Hugging Face checkpoint folder", spec.model)
-                )
+        problems += self.input_problems()
         if problems:
             raise ConfigError(*problems)
         try:
@@ -350,6 +358,38 @@ class RunConfig:
             raise ConfigError(
                 ("loss_options.beta", "0 (the driver has no reference model)", options.beta)
             )
+
+    def input_problems(self) -> list[tuple[str, str, Any]]:
+        """What is wrong with the files the run reads, before any node starts: every line of
+        each data file (`task: jsonl`; its path:line), and each node's model folder."""
+        from ftis_kernels.grpo.export import model_folder_problem
+        from ftis_kernels.grpo.task import load_jsonl
+
+        problems: list[tuple[str, str, Any]] = []
+        if self.task == "jsonl":
+            for split, path in self.data.items():
+                if Path(path).is_file():
+                    try:
+                        load_jsonl(path, split)
+                    except (OSError, ValueError) as exc:
+                        problems.append(
+                            (
+                                f"data.{split}",
+                                'a JSONL file of {"question" (or "problem"), "answer"} objects',
+                                Verbatim(str(exc)),
+                            )
+                        )
+        for i, spec in enumerate(self.nodes):
+            found = None if spec.model is None else model_folder_problem(spec.model)
+            if found is not None:
+                problems.append(
+                    (
+                        f"nodes.{i}.model",
+                        "a Hugging Face model folder (config.json, weights, tokenizer)",
+                        Verbatim(found),
+                    )
+                )
+        return problems
 
     def fingerprint(self) -> str:
         """Hash of everything a resumed run must share with the run it continues."""
@@ -750,11 +790,21 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def render_keys() -> str:
-    """`--list-keys`: every config key with its allowed values, default and meaning."""
-    rows = [("key", "allowed values", "default", "meaning")] + describe_keys()
-    w0, w1, w2 = (max(len(r[i]) for r in rows) for i in range(3))
-    return "\n".join(f"{k:<{w0}}  {a:<{w1}}  {d:<{w2}}  {m}".rstrip() for k, a, d, m in rows)
+LIST_WIDTH = 100  # columns of `--list-keys`
+
+
+def render_keys(width: int = LIST_WIDTH) -> str:
+    """`--list-keys`: every config key with its allowed values and default, then its meaning
+    indented below, in lines of at most `width` columns (a longer word keeps its line)."""
+    wrap = dict(width=width, break_long_words=False, break_on_hyphens=False)
+    blocks = []
+    for key, allowed, default, meaning in describe_keys():
+        head = textwrap.wrap(
+            f"{key}: {allowed}; default {default}", subsequent_indent="      ", **wrap
+        )
+        body = textwrap.wrap(meaning, initial_indent="    ", subsequent_indent="    ", **wrap)
+        blocks.append("\n".join(head + body))
+    return "\n".join(blocks)
 
 
 def render_config(cfg: RunConfig, layers: str) -> str:

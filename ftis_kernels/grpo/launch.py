@@ -35,7 +35,14 @@ import torch.distributed as torch_dist
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.cli import EXIT_USAGE
-from ftis_kernels.grpo.config import ConfigError, RunConfig, Verbatim, resume_changes, show
+from ftis_kernels.grpo.config import (
+    RESUMABLE,
+    ConfigError,
+    RunConfig,
+    Verbatim,
+    resume_changes,
+    show,
+)
 from ftis_kernels.grpo.report import read_metrics, skipped_in_a_row
 
 log = logging.getLogger("ftis_kernels.grpo")
@@ -246,8 +253,7 @@ def check_resume(cfg: RunConfig) -> None:
                     (
                         key,
                         f"{show(old)} as in the run being resumed (--resume may change only "
-                        "rounds, timeouts, threads, progress, eval_every, ckpt_every, warmup_cache, "  # noqa: E501
-                        "max_skipped_steps)",
+                        f"{', '.join(k for k in RESUMABLE if k not in ('out', 'resume'))})",
                         new,
                     )
                     for key, old, new in changes

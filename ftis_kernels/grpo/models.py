@@ -99,7 +99,8 @@ def warm_up(
     Only completion tokens are scored. Problems come from the train split restricted to
     `operations`, drawn from `seed`; a share `gsm8k_format` of the answers ends in GSM8K's
     '#### x', the rest in 'The answer is x.', like a base model that only sometimes follows the
-    format. Together they are the node's expertise. `on_step(step, loss)` follows the progress.
+    format. Together they are the node's expertise. `on_step(step, loss)` follows the progress
+    (a progress bar); without it, the loss is logged at every quarter of the steps.
     """
     if steps <= 0:
         return math.nan
@@ -134,7 +135,7 @@ def warm_up(
         loss_value = loss.item()
         if on_step is not None:
             on_step(step + 1, loss_value)
-        if (step + 1) % max(1, steps // 4) == 0:
+        elif (step + 1) % max(1, steps // 4) == 0:  # without a progress bar, 4 log lines
             log.info("warm-up step %d/%d: loss %.3f", step + 1, steps, loss_value)
     return loss_value
 

@@ -725,17 +725,30 @@ def watch_parent(rank: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
+# On a terminal: back to column 0 and clear the line, so that a log line (of any node) written
+# while node 0's progress bar is drawn replaces the bar, which redraws below it at its next update,
+# instead of being glued to the bar's end.
+CLEAR_LINE = "\r\x1b[K"
+
+
+def log_formatter(rank: int, terminal: bool) -> logging.Formatter:
+    """The nodes' log format, tagged with the node; on a `terminal`, each line starts with
+    `CLEAR_LINE`."""
+    start = CLEAR_LINE if terminal else ""
+    return logging.Formatter(
+        f"{start}%(asctime)s node{rank} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+
+
 def setup_logging(rank: int) -> None:
     """Log lines tagged with the node; third-party advisories a user cannot act on silenced."""
     # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
     warnings.filterwarnings(
         "ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
     )
-    logging.basicConfig(
-        level=os.environ.get("FTIS_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s node{rank} %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(log_formatter(rank, sys.stderr.isatty()))
+    logging.basicConfig(level=os.environ.get("FTIS_LOG_LEVEL", "INFO"), handlers=[handler])
 
 
 def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:

@@ -81,10 +81,11 @@ def environment(
 
 def describe(env: dict[str, Any]) -> str:
     """One line for summary.txt."""
+    threads = env["threads_per_node"]
     return (
         f"environment: torch {env['torch']}, triton {env['triton']}, numpy {env['numpy']}, "
         f"transformers {env['transformers']}; {env['cpu']} ({env['cpu_capability']}, "
-        f"{env['cpu_count']} cores), {env['threads_per_node']} threads per node; "
+        f"{env['cpu_count']} cores), {threads} thread{'s' * (threads != 1)} per node; "
         f"commit {env['commit']}"
     )
 

@@ -131,9 +131,12 @@ def _carries_signal(values: list[float]) -> bool:
     return len(set(values)) > 1
 
 
-def curves_plan(rows: list[dict[str, Any]]) -> tuple[int, list[tuple[str, str, str]], list[str]]:
+def curves_plan(
+    rows: list[dict[str, Any]], baseline: Optional[list[dict[str, Any]]] = None
+) -> tuple[int, list[tuple[str, str, str]], list[str]]:
     """What `plot_curves` draws: the reward's averaging window (`mean_window`), the panels
-    (metric key, title, y-axis label) and the caption's lines."""
+    (metric key, title, y-axis label) and the caption's lines (`baseline`: the rows of the run
+    drawn dashed beside this one, or None)."""
     nodes = _by_node(rows)
     k = mean_window(min(len(series) for series in nodes.values()))
     ood = [r["acc_ood"] for r in rows if r.get("acc_ood") is not None]
@@ -151,6 +154,17 @@ def curves_plan(rows: list[dict[str, Any]]) -> tuple[int, list[tuple[str, str, s
     if any(r.get("skipped") for r in rows):
         caption.append("x: a round whose optimizer step was skipped (non-finite loss or gradient).")
     caption.append("Accuracy: greedy answers to held-out problems, at each evaluation (dots).")
+    if baseline:
+        caption.append(
+            f"Dashed: the same nodes in the baseline run ({baseline[0]['mode']}, "
+            f"{baseline[0].get('collab', 'vertical')}); the gap is what {rows[0]['mode']} changed."
+        )
+    else:
+        caption.append(
+            "No baseline drawn: a run alone does not show what its loss changed. Run the same "
+            "command with another --loss (on-policy: isolated nodes) into another --out, then "
+            "ftis-grpo report THIS_RUN --baseline OTHER_RUN draws it here, dashed."
+        )
     if not ood:
         caption.append("No out-of-distribution evaluation.")
     elif not _carries_signal(ood):
@@ -161,25 +175,51 @@ def curves_plan(rows: list[dict[str, Any]]) -> tuple[int, list[tuple[str, str, s
     return k, panels, caption
 
 
-def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
+def y_limits(values: Sequence[float]) -> tuple[float, float]:
+    """A reward or accuracy axis that fits `values` (all in [0, 1]): their range with a margin
+    of a tenth of it (at least 0.05), within [-0.03, 1.03]."""
+    lo, hi = min(values, default=0.0), max(values, default=1.0)
+    pad = max(0.05, 0.1 * (hi - lo))
+    return max(-0.03, lo - pad), min(1.03, hi + pad)
+
+
+def plot_curves(
+    rows: list[dict[str, Any]], path: Path, baseline: Optional[list[dict[str, Any]]] = None
+) -> None:
     """curves.png: per node against the round, the train reward (thin: per round, thick: its
     trailing `mean_window`-round mean), the in-distribution accuracy and, where it carries any
-    signal, the out-of-distribution accuracy; one legend, and a caption that says what is drawn."""
+    signal, the out-of-distribution accuracy; each axis fits its data. `baseline`, the rows of
+    another run of the same nodes, is drawn dashed (its reward smoothed alike). One legend, and
+    a caption that says what is drawn, or that there is no baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    k, panels, caption = curves_plan(rows)
+    k, panels, caption = curves_plan(rows, baseline)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.4), squeeze=False)
     axes = axes[0]
     handles = []
     nodes = _by_node(rows)
+    drawn: dict[str, list[float]] = {key: [] for key, _, _ in panels}
+    for node, series in _by_node(baseline or []).items():
+        if node not in nodes:
+            continue
+        rounds = [r["round"] for r in series]
+        reward = smooth([r["reward_mean"] for r in series], k)
+        axes[0].plot(rounds, reward, color=f"C{node % 10}", lw=1.4, ls="--")
+        drawn["reward_mean"] += reward
+        for ax, (key, _, _) in zip(axes[1:], panels[1:]):
+            pts = [(r["round"], r[key]) for r in series if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), color=f"C{node % 10}", ls="--", lw=1)
+                drawn[key] += [y for _, y in pts]
     for node, series in nodes.items():
         color = f"C{node % 10}"
         rounds = [r["round"] for r in series]
         reward = [r["reward_mean"] for r in series]
+        drawn["reward_mean"] += reward
         if k > 1:
             axes[0].plot(rounds, reward, color=color, alpha=0.35, lw=0.8)
         (line,) = axes[0].plot(
@@ -198,13 +238,19 @@ def plot_curves(rows: list[dict[str, Any]], path: Path) -> None:
             pts = [(r["round"], r[key]) for r in series if r.get(key) is not None]
             if pts:
                 ax.plot(*zip(*pts), color=color, marker=".")
-    for ax, (_, title, ylabel) in zip(axes, panels):
+                drawn[key] += [y for _, y in pts]
+    for ax, (key, title, ylabel) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("round")
         ax.set_ylabel(ylabel)
-        ax.set_ylim(-0.03, 1.03)
+        ax.set_ylim(*y_limits(drawn[key]))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
+    if baseline:
+        (line,) = axes[0].plot(
+            [], [], color="grey", ls="--", label=f"baseline: {baseline[0]['mode']}"
+        )
+        handles.append(line)
     first = rows[0]
     fig.suptitle(
         f"collaborative GRPO, {first['mode']} ({first.get('collab', 'vertical')}), "
@@ -293,6 +339,38 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def summary_legend(k: int) -> list[str]:
+    """What the summary table's columns mean, one line each (`k`: the reward's window)."""
+    window = f"means of the first and of the last {k} rounds" if k > 1 else "first, last round"
+    return [
+        "columns:",
+        f"  reward    mean reward of the node's own sampled completions ({window})",
+        "  acc_id    greedy accuracy on held-out in-distribution problems (first, last evaluation)",
+        "  acc_ood   the same on out-of-distribution problems (harder ones)",
+        "  kl_mean   mean estimated KL(pi_theta || pi_gen) of the samples trained on, per round",
+        "  filtered  mean share of them whose advantage the filter set to 0",
+        "  skipped   optimizer steps skipped (non-finite loss or gradient)",
+        "  MB_sent   megabytes of samples the node sent its peers; B/token: bytes per token",
+        "  s/round   wall-clock seconds per round",
+    ]
+
+
+def redraw(run: Path, baseline: Optional[Path] = None) -> Path:
+    """Draw `run`'s curves.png again from its metrics.jsonl, with the run in `baseline` (another
+    output folder) dashed beside it; returns the figure's path. ValueError naming what is
+    missing."""
+    rows = read_metrics(run / "metrics.jsonl")
+    if not rows:
+        raise ValueError(f"{run / 'metrics.jsonl'} holds no rounds")
+    other = None
+    if baseline is not None:
+        other = read_metrics(baseline / "metrics.jsonl")
+        if not other:
+            raise ValueError(f"{baseline / 'metrics.jsonl'} holds no rounds")
+    plot_curves(rows, run / "curves.png", other)
+    return run / "curves.png"
+
+
 def metric_rows(
     round_: int, vectors: Sequence[Sequence[float]], names: Sequence[str], mode: str, collab: str
 ) -> list[dict[str, Any]]:
@@ -337,5 +415,6 @@ def write_outputs(
         return None
     plot_curves(rows, out / "curves.png")
     table = summary_table(rows)
-    (out / "summary.txt").write_text("\n".join([table, *notes]) + "\n")
+    k = mean_window(min(len(series) for series in _by_node(rows).values()))
+    (out / "summary.txt").write_text("\n".join([table, "", *summary_legend(k), "", *notes]) + "\n")
     return f"{table}\n\nmetrics: {metrics_path}\ncurves:  {out / 'curves.png'}"

@@ -191,28 +191,62 @@ class JsonlTask:
         return self.problems[name]
 
 
+# A reference answer the reward can match: a number, as `_ANSWER_RE` reads it from '#### x'.
+_NUMBER_RE = re.compile(r"-?[\d,]*\.?\d+")
+
+
+def parse_jsonl_row(line: str) -> tuple[str, str, str]:
+    """(question, worked solution, final answer) of one JSONL line; ValueError saying what is
+    wrong with it. A line is a JSON object with `question` (GSM8K) or `problem` (MATH-500), both
+    strings, and `answer`: GSM8K's '<worked solution> #### <number>', or a bare number; other
+    fields are ignored. The answer must be a number because the reward compares it with the
+    number after a completion's '####'."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"a JSON {type(row).__name__}, not an object")
+    question = row.get("question", row.get("problem"))
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("no 'question' (or 'problem') string")
+    answer = row.get("answer")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise ValueError("no 'answer' string")
+    solution = ""
+    if "####" in answer:
+        solution, answer = answer.rsplit("####", 1)
+    if _NUMBER_RE.fullmatch(answer.strip()) is None:
+        raise ValueError(
+            f"answer {answer.strip()!r} is not a number: it must end in '#### <number>' "
+            "(GSM8K) or be one"
+        )
+    return question, solution.strip(), answer.strip()
+
+
 def load_jsonl(path: str, split: str) -> list[Problem]:
-    """Read GSM8K (`question`, `answer` '... #### x') or MATH-500 (`problem`, `answer`) lines."""
+    """The problems of a JSONL file (`parse_jsonl_row` gives the schema of a line; blank lines
+    are skipped); ValueError naming `path:line` and what is wrong, or an empty file."""
     problems = []
     offset = {"train": 0, "test": 1 << 40, "ood": 2 << 40}.get(split, 0)
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for lineno, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
-        row = json.loads(line)
-        question = row.get("question", row.get("problem"))
-        answer = str(row.get("answer", ""))
-        if question is None or not answer:
-            raise ValueError(
-                f"{path}:{lineno + 1}: expected 'question'/'problem' and 'answer' fields"
-            )
-        solution = ""
-        if "####" in answer:
-            solution, answer = answer.rsplit("####", 1)
+        try:
+            question, solution, answer = parse_jsonl_row(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{lineno + 1}: {exc}") from None
         problems.append(
-            Problem(
-                make_prompt_id("file", offset + lineno), question, solution.strip(), answer.strip()
-            )
+            Problem(make_prompt_id("file", offset + lineno), question, solution, answer)
         )
+    if not problems:
+        raise ValueError(f"{path}: no problems (every line is blank)")
     return problems
 
 

@@ -1,0 +1,131 @@
+"""`ftis-grpo export`: a node's checkpoint as a Hugging Face model folder, and the check of the
+model folders a run is given.
+
+A checkpoint round (`<out>/ckpt/node<i>/round_<r>/`) holds weights and training state, not a model
+folder: a preset node's architecture and tokenizer come from the run's configuration, a LoRA node's
+weights are its base plus an adapter. `export` rebuilds the node's model as the run built it, loads
+the checkpoint's weights (merging a LoRA adapter into its base) and writes `config.json`,
+`model.safetensors` and the tokenizer's files, which `--model`, `AutoModelForCausalLM` and
+`AutoTokenizer` load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+from ftis_kernels.grpo import checkpoint
+from ftis_kernels.grpo.config import ConfigError, RunConfig, Verbatim, _from_dict
+
+# Any one of these makes a folder's weights, and of its tokenizer, for `from_pretrained`.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+_ROUND_RE = re.compile(r"round_(\d+)")
+
+
+def checkpoint_round(folder: Path) -> Optional[tuple[Path, int, int]]:
+    """(run folder, node, round) when `folder` is a checkpoint round of ftis-grpo
+    (`<run>/ckpt/node<i>/round_<r>/`), else None."""
+    m = _ROUND_RE.fullmatch(folder.name)
+    node = folder.parent.name
+    if m is None or not re.fullmatch(r"node\d+", node) or not (folder / "state.json").is_file():
+        return None
+    return folder.parents[2], int(node[len("node") :]), int(m.group(1))
+
+
+def model_folder_problem(path: str) -> Optional[str]:
+    """None when `path` is a Hugging Face model folder (config.json with a model_type, weights,
+    a tokenizer); else what it is instead, in a few words (for a checkpoint round of a run, the
+    `ftis-grpo export` command that makes one of it)."""
+    folder = Path(path)
+    if not folder.exists():
+        return f"{path!r}, which does not exist"
+    if not folder.is_dir():
+        return f"{path!r}, which is a file"
+    found = checkpoint_round(folder)
+    if found is not None:
+        run, node, round_ = found
+        return (
+            f"{path!r}, a checkpoint of ftis-grpo, not a model folder "
+            f"(ftis-grpo export {run} --node {node} --round {round_} --to DIR writes one)"
+        )
+    lacks = []
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if not (isinstance(config, dict) and config.get("model_type")):
+            lacks.append("model_type in its config.json")
+    except (OSError, ValueError):
+        lacks.append("readable config.json")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        lacks.append(f"weights ({' or '.join(WEIGHT_FILES[::2])})")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        lacks.append(f"tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    return f"{path!r}, which has no {', no '.join(lacks)}" if lacks else None
+
+
+def _run_config(run: Path) -> RunConfig:
+    try:
+        return _from_dict(json.loads((run / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(
+            (
+                "RUN",
+                "the output folder of an ftis-grpo run (with config.json and ckpt/)",
+                Verbatim(f"{str(run)!r} ({getattr(exc, 'strerror', None) or exc})"),
+            )
+        ) from None
+
+
+def export(run: Path, node: int, round_: Optional[int], to: Path) -> Path:
+    """Write node `node`'s checkpoint of `round_` (None: the run's latest complete round) in the
+    run folder `run` as a Hugging Face model folder `to` (new or empty); returns the checkpoint
+    folder it read. ConfigError naming the argument of anything missing or damaged."""
+    cfg = _run_config(run)
+    root = run / "ckpt"
+    nodes = sorted(int(p.name[len("node") :]) for p in root.glob("node[0-9]*") if p.is_dir())
+    if node not in nodes:
+        raise ConfigError(("--node", f"a node of the run in {run}: {nodes}", node))
+    rounds = checkpoint.node_rounds(root, node)
+    if round_ is None:
+        round_ = checkpoint.latest_round(root)
+        if round_ is None:
+            raise ConfigError(("--round", f"a complete checkpoint in {root}", Verbatim("none")))
+    if round_ not in rounds:
+        raise ConfigError(("--round", f"a round checkpointed for node {node}: {rounds}", round_))
+    damage = checkpoint.verify_node(root, node, round_)
+    if damage is not None:
+        raise ConfigError(("--round", "an undamaged checkpoint", Verbatim(damage)))
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise ConfigError(("--to", "a new or empty folder", str(to)))
+
+    from safetensors.torch import load_model
+
+    from ftis_kernels.grpo.models import apply_lora, build_model, load_pretrained
+    from ftis_kernels.grpo.task import ArithmeticTask
+    from ftis_kernels.grpo.tokenizer import build_tokenizer
+
+    spec = cfg.node(node)
+    if spec.model is not None:
+        model, tokenizer = load_pretrained(spec.model)
+    else:
+        tokenizer = build_tokenizer(ArithmeticTask().vocabulary_text())
+        model = build_model(spec.arch, tokenizer, cfg.init_seed(node))
+    if spec.lora:
+        model = apply_lora(model, spec.lora_r, spec.lora_alpha)
+    folder = checkpoint.node_dir(root, node, round_)
+    load_model(model, str(folder / "model.safetensors"), strict=True)
+    if spec.lora:
+        model = model.merge_and_unload()
+    to.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(to)
+    tokenizer.save_pretrained(to)
+    return folder
