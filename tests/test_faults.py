@@ -786,9 +786,40 @@ def test_a_peer_may_send_training_prompts_only(tmp_path):
     assert [files.is_train(pid) for pid in ids] == [True, True] + [False] * 4
 
 
+def test_a_peer_whose_samples_make_the_update_non_finite_is_dropped_and_named(tmp_path):
+    """Under --loss vis every round brings node 0 the -100 sample: node 0 retries its step without
+    node 1's samples, takes it, and names node 1; it never skips a step, the swarm runs to the end.
+    """
+    rc, log, _ = run_swarm(
+        "--preset",
+        "smoke",
+        "--out",
+        str(tmp_path),
+        "--rounds",
+        "3",
+        "--loss",
+        "vis",
+        "--set",
+        "nodes.1.hostile=improbable_logprobs",
+    )
+    assert rc == 0, log[-3000:]
+    for round_ in range(3):
+        line = (
+            f"node 0 (tiny-full) round {round_}: the update with every peer's samples was skipped"
+        )
+        assert line + " (non-finite loss" in log
+    assert log.count("; without those of node 1 it is finite and was taken") == 3
+    rows = rows_of(tmp_path)
+    node0 = [r for r in rows if r["node"] == 0]
+    assert [r["skipped"] for r in rows] == [0] * 6
+    assert all(r["dropped_diverged"] > 0 and r["samples_received"] == 0 for r in node0)
+    assert all(r["dropped_diverged"] == 0 for r in rows if r["node"] == 1)
+
+
 def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(tmp_path):
-    """Under --loss vis every round brings node 0 the -100 sample: each step is skipped, logged
-    and counted, the swarm stops after the third, and node 0's weights never changed."""
+    """With blame_peers off, under --loss vis every round brings node 0 the -100 sample: each step
+    is skipped, logged and counted, the swarm stops after the third, and node 0's weights never
+    changed."""
     from safetensors.torch import load_file
 
     rc, log, _ = run_swarm(
@@ -800,6 +831,8 @@ def test_swarm_counts_skipped_steps_and_stops_after_max_skipped_steps_in_a_row(t
         "vis",
         "--set",
         "nodes.1.hostile=improbable_logprobs",
+        "--set",
+        "blame_peers=false",
     )
     assert rc == 4, log[-3000:]  # the swarm's own exit code, not torchrun's 1
     (line,) = [x for x in log.splitlines() if "the swarm stopped" in x]

@@ -243,6 +243,13 @@ class RunConfig:
         description="a node's non-finite optimizer steps are skipped; this many in a row (since "
         "the start or --resume) stop the swarm",
     )
+    blame_peers: bool = Field(
+        True,
+        description="a non-finite step is retried without each peer's samples in turn: the first "
+        "peer without whose samples it is finite is named and dropped for the round (drop kind "
+        "'diverged'), and that step is taken; false: the step is skipped and counts against "
+        "this node",
+    )
     warmup_batch: Count = Field(32, description="sequences per warm-up step")
     task: Literal[TASKS] = Field(
         "arith", description="arith: the built-in generator; jsonl: the files in `data`"

@@ -49,8 +49,19 @@ IMPROBABLE_LOGPROB = -100.0
 # summed k3 KL (about e^30 per token) stays finite in float32.
 MAX_WEIGHT_LOGPROB = -30.0
 # Why a record was dropped: the parser's checks (`unpack`), then the receiver's own: an advantage
-# that the group's rewards do not give ("advantage"), a reward its rescoring refutes ("verify").
-DROP_KINDS = ("length", "source", "token", "logprob", "reward", "prompt", "advantage", "verify")
+# that the group's rewards do not give ("advantage"), a reward its rescoring refutes ("verify"),
+# samples without which a non-finite update is finite ("diverged", `blame_peers`).
+DROP_KINDS = (
+    "length",
+    "source",
+    "token",
+    "logprob",
+    "reward",
+    "prompt",
+    "advantage",
+    "verify",
+    "diverged",
+)
 
 
 class Drop(str):

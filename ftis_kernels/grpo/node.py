@@ -437,19 +437,12 @@ class Node:
             received, refused = self.check_advantages(received)
             drops += refused
         per_sample: dict[str, list[float]] = {}
-        stats = grpo_update(
-            self.model,
-            self.optimizer,
-            own + received,
-            self.prompt_tokens,
-            self.options,
-            micro_batch=cfg.micro_batch,
-            pad_id=self.tokenizer.pad_token_id,
-            grad_clip=cfg.grad_clip,
-            device=self.device,
-            pack_row_tokens=cfg.pack_row_tokens if cfg.pack else None,
-            per_sample=per_sample,
-        )
+        stats = self.update(own + received, per_sample)
+        if stats["skipped"] and received and cfg.blame_peers:
+            stats, received, per_sample, blamed = self.update_without_culprits(
+                own, received, stats, per_sample, round_
+            )
+            drops += blamed
         if cfg.sample_log:
             self.sample_rows = sample_rows(round_, self.rank, own, received, per_sample, drops)
         if stats["skipped"]:
@@ -477,6 +470,70 @@ class Node:
             **stats,
             **defence_metrics(own, received, per_sample, drops),
         )
+
+    def update(self, samples: list[Sample], per_sample: dict[str, list[float]]) -> dict[str, float]:
+        """One optimizer step on `samples` (`grpo_update`: skipped when non-finite)."""
+        cfg = self.cfg
+        return grpo_update(
+            self.model,
+            self.optimizer,
+            samples,
+            self.prompt_tokens,
+            self.options,
+            micro_batch=cfg.micro_batch,
+            pad_id=self.tokenizer.pad_token_id,
+            grad_clip=cfg.grad_clip,
+            device=self.device,
+            pack_row_tokens=cfg.pack_row_tokens if cfg.pack else None,
+            per_sample=per_sample,
+        )
+
+    def update_without_culprits(
+        self,
+        own: list[Sample],
+        received: list[Sample],
+        skipped: dict[str, float],
+        skipped_per_sample: dict[str, list[float]],
+        round_: int,
+    ) -> tuple[dict[str, float], list[Sample], dict[str, list[float]], list[Drop]]:
+        """After a skipped step on own + received: retry without each peer's samples in turn (peers
+        in rank order), then with this node's own samples alone. The first retry that comes out
+        finite is the step taken (a skipped retry changes nothing), and the peers it left out are
+        named and their samples dropped ("diverged"): a peer whose samples make the update
+        non-finite costs the receiver that peer's samples, not a skipped step. When no retry is
+        finite, this node's own samples diverge: returns the skipped step as it was.
+
+        Returns (stats, the received samples trained on, their per-sample stats, the drops)."""
+        sources = sorted({s.source for s in received})
+        trials = [[p] for p in sources] + ([sources] if len(sources) > 1 else [])
+        for left_out in trials:
+            kept = [s for s in received if s.source not in left_out]
+            per_sample: dict[str, list[float]] = {}
+            stats = self.update(own + kept, per_sample)
+            if stats["skipped"]:
+                continue
+            cause = skip_cause(skipped)
+            names = ", ".join(f"node {p}" for p in left_out)
+            log.warning(
+                "node %d (%s) round %d: the update with every peer's samples was skipped (%s); "
+                "without those of %s it is finite and was taken: their samples are dropped",
+                self.rank,
+                self.spec.name,
+                round_,
+                cause,
+                names,
+            )
+            drops = [
+                Drop(
+                    f"node {s.source}: its samples made the update non-finite ({cause})",
+                    "diverged",
+                    s.source,
+                )
+                for s in received
+                if s.source in left_out
+            ]
+            return stats, kept, per_sample, drops
+        return skipped, received, skipped_per_sample, []
 
     def check_advantages(self, received: list[Sample]) -> tuple[list[Sample], list[Drop]]:
         """Check each received sample's claims; returns (the samples to train on, with the
