@@ -93,7 +93,7 @@ CONFIG_ERRORS = [
     # values that once passed and crashed every node 15-18 s later, or wrote 1e30 weights
     (["--set", "seed=1e20"], "seed: expected an integer in range"),
     (["--set", "seed=4294967296"], "seed: expected a value <= 4294967295, got 4294967296"),
-    (["--timeout", "1e300"], "timeout_s: expected a value <= 1000000.0, got 1e+300"),
+    (["--timeout", "1e300"], "--timeout: expected a value <= 1000000.0, got 1e+300"),
     (["--set", "setup_timeout_s=1e300"], "setup_timeout_s: expected a value <= 1000000.0"),
     (["--set", "nodes.0.lr=1e30"], "nodes.0.lr: expected a value <= 1.0, got 1e+30"),
     (["--set", "nodes.1.warmup_lr=2"], "nodes.1.warmup_lr: expected a value <= 1.0, got 2"),
