@@ -16,7 +16,7 @@ import statistics
 import torch
 import torch.utils.benchmark as benchmark
 
-from ftis_kernels.kernels import logp_lse
+from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 
 
 def _measure(fns: dict, rounds: int) -> dict[str, float]:
@@ -64,7 +64,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     B, T, V = 8, args.rows // 8, args.vocab
     logits, tokens = torch.randn(B, T, V), torch.randint(0, V, (B, T))
-    fns = _variants(logp_lse.logp_lse_fwd_torch, logp_lse.logits_bwd_torch, logits, tokens)
+    fns = _variants(logp_lse_cpu.logp_lse_fwd_torch, logp_lse_cpu.logits_bwd_torch, logits, tokens)
     title = f"PyTorch CPU path, {B * T} x {V} fp32 logits, {threads} threads"
     _report(title, _measure(fns, args.rounds), args.rounds)
     if logp_lse.triton_is_interpreted():

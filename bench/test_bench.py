@@ -406,7 +406,7 @@ def test_fused_cpu_row_passes_compile_to_the_eager_results(monkeypatch, dtype, i
     results on rows of mixed magnitude, with masked runs, a live nan row and a row without
     gradient holding inf: row maxima exact, the rest within the rounding of a reordered sum and,
     for C++, of its polynomial exp2 (1.7e-7 relative)."""
-    from ftis_kernels.kernels import cpu_rows, logp_lse
+    from ftis_kernels.kernels import cpu_rows, logp_lse_cpu
 
     if build == "inductor":
         monkeypatch.setattr(cpu_rows, "usable", lambda direction, *tensors: False)
@@ -423,11 +423,11 @@ def test_fused_cpu_row_passes_compile_to_the_eager_results(monkeypatch, dtype, i
     coef = torch.randn(B, T, generator=g) * mask
     x[1, 0] = float("inf")
     coef[1, 0] = coef[1, 5] = 0.0
-    want = logp_lse.logp_lse_fwd_torch(x, tokens, mask, tau)
-    want_grad = logp_lse.logits_bwd_torch(x, tokens, *want[1:3], coef, tau, torch.empty_like(x))
-    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
-    got = logp_lse.logp_lse_fwd_torch(x, tokens, mask, tau)
-    if build == "inductor" and logp_lse._FUSED.get("broken"):
+    want = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, tau)
+    want_grad = logp_lse_cpu.logits_bwd_torch(x, tokens, *want[1:3], coef, tau, torch.empty_like(x))
+    monkeypatch.setattr(logp_lse_cpu, "CPU_FUSED_MIN_ELEMENTS", 0)
+    got = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, tau)
+    if build == "inductor" and logp_lse_cpu._FUSED.get("broken"):
         pytest.skip("inductor cannot build C++ here (the eager passes ran)")
     if build == "cpp":
         assert cpu_rows.usable("fwd", x.view(-1, V)), "the C++ row functions did not build"
@@ -436,7 +436,7 @@ def test_fused_cpu_row_passes_compile_to_the_eager_results(monkeypatch, dtype, i
         tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 1e-6}
         torch.testing.assert_close(a, b, equal_nan=True, msg=name, **tol)
     out = x.clone() if inplace else torch.empty_like(x)
-    grad = logp_lse.logits_bwd_torch(out if inplace else x, tokens, *got[1:3], coef, tau, out)
+    grad = logp_lse_cpu.logits_bwd_torch(out if inplace else x, tokens, *got[1:3], coef, tau, out)
     tol = {"rtol": 2.0**-8, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-7}
     torch.testing.assert_close(grad, want_grad, **tol)
 
@@ -474,10 +474,10 @@ def test_cpp_row_functions_exp2_is_within_two_units_in_the_last_place():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_forward_rows_give_the_plain_functions_statistics(dtype):
-    """`cpu_rows.fwd_rows` against `logp_lse._fwd_rows` run plainly:
+    """`cpu_rows.fwd_rows` against `logp_lse_cpu._fwd_rows` run plainly:
     row maxima exact (NaN for a row holding one, +inf, the lowest float for an all -inf row), the
     sums within the rounding of a reordered sum and of the polynomial exp2."""
-    from ftis_kernels.kernels import cpu_rows, logp_lse
+    from ftis_kernels.kernels import cpu_rows, logp_lse_cpu
 
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(9, 5000, generator=g) * torch.logspace(0, 4, 9)[:, None]).to(dtype)
@@ -486,7 +486,7 @@ def test_cpp_forward_rows_give_the_plain_functions_statistics(dtype):
     if not cpu_rows.usable("bwd", x):
         pytest.skip("the C++ row functions cannot be built here")
     scale = 1.4426950408889634 / 0.7
-    want = logp_lse._fwd_rows(x, torch.tensor(scale, dtype=torch.float32), True)
+    want = logp_lse_cpu._fwd_rows(x, torch.tensor(scale, dtype=torch.float32), True)
     got = cpu_rows.fwd_rows(x, scale, True)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True)
     # atol: below 2^-126 the polynomial exp2 gives 0 where Sleef's gives a subnormal.

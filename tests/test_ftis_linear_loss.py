@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftis_kernels import ftis_linear_loss, ftis_loss
-from ftis_kernels.kernels import logp_lse
+from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 from ftis_kernels.options import FTISOptions, option_args
 from ftis_kernels.per_sample import METRIC_NAMES, per_sample_loss
 from tests import numerics
@@ -53,7 +53,7 @@ def small_vocab_blocks(monkeypatch):
     """Small vocabulary blocks so that the tests' small V still exercise the multi-block loops
     (the row kernels and the bf16/fp16 grad_weight accumulation)."""
     monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 64)
-    monkeypatch.setattr(logp_lse, "CPU_CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(logp_lse_cpu, "CPU_CHUNK_ELEMENTS", 256)
     monkeypatch.setattr(linear_module, "GRAD_WEIGHT_BLOCK_V", 16)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ftis_kernels import ftis_logprobs
-from ftis_kernels.kernels import logp_lse
+from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 from ref import ref_ftis_loss
 from tests import numerics
 from tests.cases import make_case
@@ -17,7 +17,7 @@ from tests.cases import make_case
 def small_vocab_blocks(monkeypatch):
     """Small blocks so that V = 37 still runs the multi-block loops."""
     monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 16)
-    monkeypatch.setattr(logp_lse, "CPU_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(logp_lse_cpu, "CPU_CHUNK_ELEMENTS", 64)
 
 
 def oracle(logits64, tokens, mask, temperature):

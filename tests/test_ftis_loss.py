@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftis_kernels import ftis_loss
-from ftis_kernels.kernels import logp_lse
+from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 from ftis_kernels.options import IS_LEVELS, IS_MODES
 from tests import numerics
 from tests.cases import (
@@ -35,7 +35,7 @@ from tests.cases import (
 def small_vocab_blocks(monkeypatch):
     """Vocabulary blocks of 64 so that the tests' small V still exercise the multi-block loop."""
     monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 64)
-    monkeypatch.setattr(logp_lse, "CPU_CHUNK_ELEMENTS", 256)
+    monkeypatch.setattr(logp_lse_cpu, "CPU_CHUNK_ELEMENTS", 256)
 
 
 def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
@@ -374,7 +374,7 @@ def test_cpu_row_passes_match_float64_softmax_at_large_logits(dtype, offset, tem
     x[0, 1] = math.nan
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, 1] = False
-    logp, row_max, log_sum, entropy = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
+    logp, row_max, log_sum, entropy = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, temperature)
     live_logits = torch.where(mask[..., None], x.double(), 0.0) / temperature
     want_logp = torch.log_softmax(live_logits, -1).gather(-1, tokens[..., None])[..., 0]
     numerics.assert_close("logp", logp, torch.where(mask, want_logp, 0.0), numerics.FP32)
@@ -384,13 +384,13 @@ def test_cpu_row_passes_match_float64_softmax_at_large_logits(dtype, offset, tem
     numerics.assert_close("entropy", entropy, want_h, numerics.Tol(1e-4, 1e-5))
     assert logp[0, 1] == 0 and row_max[0, 1] == 0 and log_sum[0, 1] == 0 and entropy[0, 1] == 0
     # Without the entropy: the same statistics, entropy None.
-    plain = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature, with_entropy=False)
+    plain = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, temperature, with_entropy=False)
     assert plain[3] is None
     assert all(torch.equal(a, b) for a, b in zip(plain[:3], (logp, row_max, log_sum)))
     assert torch.equal(row_max[mask], (x.float().amax(-1) / temperature)[mask])
     # A mask of only live rows is skipped, not applied: the same as none.
-    all_live = logp_lse.logp_lse_fwd_torch(x[1:], tokens[1:], mask[1:], temperature)
-    no_mask = logp_lse.logp_lse_fwd_torch(x[1:], tokens[1:], None, temperature)
+    all_live = logp_lse_cpu.logp_lse_fwd_torch(x[1:], tokens[1:], mask[1:], temperature)
+    no_mask = logp_lse_cpu.logp_lse_fwd_torch(x[1:], tokens[1:], None, temperature)
     assert all(torch.equal(a, b) for a, b in zip(all_live, no_mask))
 
     coef = torch.randn(B, T, generator=g)
@@ -403,7 +403,7 @@ def test_cpu_row_passes_match_float64_softmax_at_large_logits(dtype, offset, tem
     shard_tokens[1, 2] = V + 5
     shard_tokens[0, 4] = -3
     x_in = x.clone()
-    grad = logp_lse.logits_bwd_torch(x, shard_tokens, row_max, log_sum, coef, temperature, out)
+    grad = logp_lse_cpu.logits_bwd_torch(x, shard_tokens, row_max, log_sum, coef, temperature, out)
     onehot = torch.nn.functional.one_hot(shard_tokens.clamp(0, V - 1), V).double()
     owned = (shard_tokens >= 0) & (shard_tokens < V)
     onehot = onehot * owned[..., None]
@@ -418,7 +418,7 @@ def test_cpu_row_passes_match_float64_softmax_at_large_logits(dtype, offset, tem
     ecoef[1, 0] = 0.0
     out = torch.empty_like(x_in)
     stats = (row_max, log_sum, coef, temperature, out, entropy, ecoef)
-    grad = logp_lse.logits_bwd_torch(x_in, shard_tokens, *stats)
+    grad = logp_lse_cpu.logits_bwd_torch(x_in, shard_tokens, *stats)
     log_p = torch.log_softmax(live_logits, -1)
     dh = want_p * (log_p.clamp(min=-1e4) + want_h[..., None])
     want = want - ecoef.double()[..., None] * dh
@@ -478,13 +478,13 @@ def _awkward_rows(dtype):
 def _fused_uncompiled(monkeypatch) -> None:
     """Every CPU call takes the fused path, with its row functions uncompiled (the test suite
     never compiles; bench/test_bench.py checks inductor's build of the same functions)."""
-    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(logp_lse_cpu, "CPU_FUSED_MIN_ELEMENTS", 0)
     plain = {
-        "fwd": logp_lse._fwd_rows,
-        "bwd": logp_lse._bwd_rows,
-        "bwd_inplace": logp_lse._bwd_rows_inplace,
+        "fwd": logp_lse_cpu._fwd_rows,
+        "bwd": logp_lse_cpu._bwd_rows,
+        "bwd_inplace": logp_lse_cpu._bwd_rows_inplace,
     }
-    monkeypatch.setattr(logp_lse, "_fused", plain.__getitem__)
+    monkeypatch.setattr(logp_lse_cpu, "_fused", plain.__getitem__)
 
 
 def _samples_apart(x: torch.Tensor) -> torch.Tensor:
@@ -510,20 +510,22 @@ def test_fused_cpu_row_passes_give_the_eager_results(
     x, tokens, mask, coef, shard_tokens = _awkward_rows(dtype)
     if layout == "samples_apart":
         x = _samples_apart(x)
-    eager_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
+    eager_fwd = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, temperature)
     out = torch.empty_like(x)
-    eager_grad = logp_lse.logits_bwd_torch(
+    eager_grad = logp_lse_cpu.logits_bwd_torch(
         x, shard_tokens, *eager_fwd[1:3], coef, temperature, out
     ).clone()
     _fused_uncompiled(monkeypatch)
-    fused_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, temperature)
+    fused_fwd = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, temperature)
     for name, got, want in zip(("logp", "row_max", "log_sum", "entropy"), fused_fwd, eager_fwd):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True, msg=name)
     torch.testing.assert_close(fused_fwd[1], eager_fwd[1], rtol=0, atol=0, equal_nan=True)
     assert not fused_fwd[0][~mask].any() and not fused_fwd[3][~mask].any()
     x_in = _samples_apart(x) if layout == "samples_apart" else x.clone()
     out = x_in if inplace else torch.full_like(x, math.nan)
-    grad = logp_lse.logits_bwd_torch(x_in, shard_tokens, *fused_fwd[1:3], coef, temperature, out)
+    grad = logp_lse_cpu.logits_bwd_torch(
+        x_in, shard_tokens, *fused_fwd[1:3], coef, temperature, out
+    )
     assert grad is out
     assert not grad[coef == 0].any()
     tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2.0**-8, "atol": 0}
@@ -551,14 +553,14 @@ def test_cpu_backward_of_a_vocabulary_shard_takes_the_whole_vocabularys_statisti
     coef[1, 2] = 0.0
     if fused:
         _fused_uncompiled(monkeypatch)
-    whole = logp_lse.logp_lse_fwd_torch(x, tokens, None, temperature)
-    want = logp_lse.logits_bwd_torch(x, tokens, *whole[1:3], coef, temperature, x.clone())
+    whole = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, None, temperature)
+    want = logp_lse_cpu.logits_bwd_torch(x, tokens, *whole[1:3], coef, temperature, x.clone())
     f32 = dtype == torch.float32
     tol = {"rtol": 1e-5, "atol": 1e-6} if f32 else {"rtol": 2.0**-7, "atol": 1e-5}
     for cols in (slice(0, split), slice(split, V)):
         shard = x[..., cols].contiguous()
         local = tokens - cols.start  # outside [0, shard width) where another shard owns it
-        got = logp_lse.logits_bwd_torch(
+        got = logp_lse_cpu.logits_bwd_torch(
             shard, local, *whole[1:3], coef, temperature, torch.empty_like(shard)
         )
         torch.testing.assert_close(got, want[..., cols], **tol)
@@ -572,8 +574,8 @@ def test_fused_cpu_row_passes_fall_back_to_the_eager_ones_where_inductor_cannot_
     import torch._dynamo
 
     x, tokens, mask, coef, _ = _awkward_rows(torch.float32)
-    want_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)
-    want_grad = logp_lse.logits_bwd_torch(x, tokens, *want_fwd[1:3], coef, 1.0, x.clone())
+    want_fwd = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, 1.0)
+    want_grad = logp_lse_cpu.logits_bwd_torch(x, tokens, *want_fwd[1:3], coef, 1.0, x.clone())
     attempts = []
 
     def cannot_build(name):
@@ -583,12 +585,12 @@ def test_fused_cpu_row_passes_fall_back_to_the_eager_ones_where_inductor_cannot_
 
         return fn
 
-    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(logp_lse, "_FUSED", {})
-    monkeypatch.setattr(logp_lse, "_fused", cannot_build)
+    monkeypatch.setattr(logp_lse_cpu, "CPU_FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(logp_lse_cpu, "_FUSED", {})
+    monkeypatch.setattr(logp_lse_cpu, "_fused", cannot_build)
     with pytest.warns(RuntimeWarning, match="could not be compiled, the eager ones run"):
-        got_fwd = logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)
-    got_grad = logp_lse.logits_bwd_torch(x, tokens, *got_fwd[1:3], coef, 1.0, x.clone())
+        got_fwd = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, 1.0)
+    got_grad = logp_lse_cpu.logits_bwd_torch(x, tokens, *got_fwd[1:3], coef, 1.0, x.clone())
     assert attempts == ["fwd"]
     for got, want in zip(got_fwd, want_fwd):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -604,16 +606,16 @@ def test_fused_cpu_row_passes_are_off_with_ftis_cpu_fused_0(monkeypatch):
         attempts.append(name)
         raise AssertionError("compiled row function requested")
 
-    monkeypatch.setattr(logp_lse, "CPU_FUSED_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(logp_lse, "_FUSED", {})
-    monkeypatch.setattr(logp_lse, "_fused", must_not_build)
+    monkeypatch.setattr(logp_lse_cpu, "CPU_FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(logp_lse_cpu, "_FUSED", {})
+    monkeypatch.setattr(logp_lse_cpu, "_fused", must_not_build)
     monkeypatch.setenv("FTIS_CPU_FUSED", "0")
-    stats = logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)
-    logp_lse.logits_bwd_torch(x, tokens, *stats[1:3], coef, 1.0, x.clone())
+    stats = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, 1.0)
+    logp_lse_cpu.logits_bwd_torch(x, tokens, *stats[1:3], coef, 1.0, x.clone())
     assert attempts == []
     monkeypatch.setenv("FTIS_CPU_FUSED", "1")
     with pytest.raises(AssertionError, match="compiled row function requested"):
-        logp_lse.logp_lse_fwd_torch(x, tokens, mask, 1.0)
+        logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, 1.0)
 
 
 def test_cpu_row_functions_fall_back_to_the_compiled_ones_where_the_cpp_cannot_build(monkeypatch):
@@ -629,16 +631,16 @@ def test_cpu_row_functions_fall_back_to_the_compiled_ones_where_the_cpp_cannot_b
         builds.append(args)
         raise RuntimeError("no ninja")
 
-    plain = {"fwd": logp_lse._fwd_rows, "bwd": logp_lse._bwd_rows}
+    plain = {"fwd": logp_lse_cpu._fwd_rows, "bwd": logp_lse_cpu._bwd_rows}
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", cannot_build)
     monkeypatch.setattr(cpu_rows, "_MODULE", {})
-    monkeypatch.setattr(logp_lse, "_compiled", plain.__getitem__)
+    monkeypatch.setattr(logp_lse_cpu, "_compiled", plain.__getitem__)
     x = torch.randn(5, 300)
-    scale = torch.tensor(logp_lse._exp2_scale(1.0), dtype=torch.float32)
+    scale = torch.tensor(logp_lse_cpu._exp2_scale(1.0), dtype=torch.float32)
     with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU row functions could not be built"):
-        got = logp_lse._fwd_rows_fused(x, scale, True)
-    for a, b in zip(got, logp_lse._fwd_rows(x, scale, True)):
+        got = logp_lse_cpu._fwd_rows_fused(x, scale, True)
+    for a, b in zip(got, logp_lse_cpu._fwd_rows(x, scale, True)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     out = torch.empty_like(x)
-    logp_lse._bwd_rows_fused(x, got[0], scale, torch.ones(5, 1), out)
+    logp_lse_cpu._bwd_rows_fused(x, got[0], scale, torch.ones(5, 1), out)
     assert len(builds) == 1 and not cpu_rows.usable("bwd", x)

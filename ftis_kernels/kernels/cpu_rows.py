@@ -1,13 +1,13 @@
 """The CPU path's row functions, hand-vectorised in C++.
 
-The fused CPU passes (`logp_lse.py`) spend most of their time in two exponentials per logit.
+The fused CPU passes (`logp_lse_cpu.py`) spend most of their time in two exponentials per logit.
 torch.compile's C++ code calls a 1-ulp vectorised exp2 for each; this module's loops take a
 degree-5 polynomial with an exponent built from bits instead (1.7e-7 relative error, the spacing
 of fp32 near 1 is 1.2e-7), and let the compiler vectorise whole rows. Measured against the
-torch.compile'd functions on a 2-core AVX-512 machine (bench/README.md, CPU path): the forward
-at 1.3x their speed (fp32) and 1.7-1.8x (bf16), the backward at 1.7-1.9x in bf16 and the same in
-fp32, where both run at copy speed. The same arithmetic otherwise, with the same non-finite
-semantics:
+torch.compile'd functions on a 2-core AVX-512 machine (bench/README.md, "CPU row passes"): the
+forward at 1.3x their speed (fp32) and 1.7-1.8x (bf16), the backward at 1.7-1.9x in bf16 and the
+same in fp32, where both run at copy speed. The same arithmetic otherwise, with the same
+non-finite semantics:
 
     fwd_rows: m = max_v max(x_v, lowest) (NaN if a NaN is read), s = sum_v e_v and
               u = sum_v e_v max(x_v - m, lowest), e_v = 2^((x_v - m) scale)
@@ -239,7 +239,7 @@ def usable(direction: str, *tensors: torch.Tensor) -> bool:
 def fwd_rows(
     x: torch.Tensor, scale: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """`logp_lse._fwd_rows` in C++: x (rows, V) fp32 | bf16, unit stride along V; returns m, s
+    """`logp_lse_cpu._fwd_rows` in C++: x (rows, V) fp32 | bf16, unit stride along V; returns m, s
     and u (None without the entropy), each (rows, 1) fp32."""
     R = x.shape[0]
     m, s = (torch.empty(R, 1, dtype=torch.float32) for _ in range(2))
@@ -251,7 +251,7 @@ def fwd_rows(
 def bwd_rows(
     x: torch.Tensor, m: torch.Tensor, scale: float, k: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """`logp_lse._bwd_rows` in C++: out = 2^((x - m) scale) k in out's dtype; x, out (rows, V),
+    """`logp_lse_cpu._bwd_rows` in C++: out = 2^((x - m) scale) k in out's dtype; x, out (rows, V),
     the same dtype, unit stride along V, out may be x; m, k (rows, 1) fp32, m >= every x of its
     row (the row max, or a larger one). Returns out."""
     f32 = torch.float32
