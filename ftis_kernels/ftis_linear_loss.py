@@ -1,9 +1,9 @@
 """`ftis_linear_loss`: the F-TIS loss from the last hidden states and the lm-head, without ever
 materialising the (B, T, V) logits (docs/method.md §2, applied to `hidden @ weight.T + bias`).
 
-The completion positions are processed in chunks of rows. For each chunk, one matmul gives the
-chunk's logits (c, V) in the hidden dtype, and the streaming row kernel of `ftis_loss`
-(`kernels/logp_lse.py`) reads them for log pi_theta of the taken token and the row's statistics.
+The completion positions are processed in chunks of rows (`chunks.py`, the chunk engine). For
+each chunk, one matmul gives the chunk's logits (c, V) in the hidden dtype, and the row passes of
+`ftis_loss` (`kernels/`) read them for log pi_theta of the taken token and the row's statistics.
 The per-sample part (`per_sample.py`) needs every token of a sample (KL filter, sequence-level
 weight, normaliser) and yields the loss, the metrics and coef = d loss / d logp. The gradients
 follow in one of two orders, with the same results:
@@ -21,12 +21,13 @@ Rows without gradient (masked, filtered, zero advantage) are skipped by the matm
 gradients, and masked rows are never read, so their hidden states may hold anything.
 
 Extra memory is bounded independently of B * T: one chunk of logits, at most
-max(AUTO_CHUNK_ELEMENTS, AUTO_SAMPLE_CHUNK_ELEMENTS) of them with chunk_size=None (c * V in the
-hidden dtype, plus the CPU row passes' fp32 scratch; in the forward order a chunk with rows
-without gradient copies out its other rows, up to a second chunk), for bf16/fp16 weights an fp32
-grad_weight accumulator and one fp32 partial product of GRAD_WEIGHT_BLOCK_V vocabulary rows, and
-O(B * T) per-token scalars (`bench/linear_memory.py` measures it). In the forward order the
-gradients exist from the forward on instead of from the backward on.
+max(chunks.AUTO_CHUNK_ELEMENTS, chunks.AUTO_SAMPLE_CHUNK_ELEMENTS) of them with chunk_size=None
+(c * V in the hidden dtype, plus the CPU row passes' fp32 scratch; in the forward order a chunk
+with rows without gradient copies out its other rows, up to a second chunk), for bf16/fp16
+weights an fp32 grad_weight accumulator and one fp32 partial product of
+chunks.GRAD_WEIGHT_BLOCK_V vocabulary rows, and O(B * T) per-token scalars
+(`bench/linear_memory.py` measures it). In the forward order the gradients exist from the forward
+on instead of from the backward on.
 
 This is the "cuBLAS matmul per chunk + the row kernels" design. The matmul itself is torch's
 (cuBLAS on GPU, oneDNN/MKL on CPU); only the row passes are Triton. Fusing the log-sum-exp into a
@@ -34,72 +35,52 @@ Triton matmul epilogue (Cut Cross-Entropy style) would drop the chunk buffer and
 
 Dispatch, by where `hidden` lives, exactly as `ftis_loss`: CUDA -> Triton row kernels; CPU with
 the kernels decorated under TRITON_INTERPRET=1 -> the same kernels, interpreted; CPU otherwise ->
-the chunked PyTorch row passes.
+the chunked PyTorch row passes. The custom-op plumbing shared with `ftis_loss` is in
+`custom_op.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ftis_kernels.ftis_loss import (
+from ftis_kernels import chunks
+from ftis_kernels.custom_op import (
     N_OUTPUTS,
-    arguments,
+    ForwardSignature,
+    Shard,
     backward_stats,
+    completion_mask,
     fake_forward_outputs,
-    forward_outputs,
-    forward_schema,
+    finish_forward,
+    packed_input,
+    per_sample,
     public_metrics,
+    row_inputs,
     save_for_backward,
+    shard_tokens,
 )
-from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
+from ftis_kernels.kernels import select_backend
 from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
     option_args,
-    options_from_args,
     resolve_options,
     with_option_keywords,
 )
-from ftis_kernels.packing import (
-    check_cu_seqlens,
-    packed_rows,
-    per_sample_part,
-    segment_index,
-)
+from ftis_kernels.packing import segment_index
 from ftis_kernels.per_sample import PerSample
-from ftis_kernels.sharded import all_reduce_sum, check_shards, combine_row_stats, group_name
-from ftis_kernels.validate import LOGIT_DTYPES, check_row_tensors, check_tensor, check_values
+from ftis_kernels.sharded import all_reduce_sum, group_name
+from ftis_kernels.validate import LOGIT_DTYPES, check_tensor
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-# With chunk_size=None, a chunk holds at most this many logits (2^27: 256 MiB in bf16, 512 MiB in
-# fp32, i.e. 883 rows of Qwen2.5's 151,936-token vocabulary): CPU GEMMs run about 1.3x faster at
-# 1,024 rows than at 220, and no chunk grows with B * T...
-AUTO_CHUNK_ELEMENTS = 1 << 27
-# ...or the longest sample, when its logits are at most this many (2^28: 1 GiB in fp32, 1,766 rows
-# of 151,936): chunks of whole samples let the forward compute the gradients (6 N H V FLOPs).
-AUTO_SAMPLE_CHUNK_ELEMENTS = 1 << 28
-
-# Vocabulary rows per fp32 partial product of grad_weight when the weight is bf16/fp16
-# (8192 x H x 4 bytes: 48 MiB at H = 1536).
-GRAD_WEIGHT_BLOCK_V = 8192
 
 # Loss types whose normaliser counts the loss's tokens over the whole batch (`per_sample.py`'s
 # scale: 1 / n_all); grpo and sapo divide by the sample's own count, dr_grpo and luspo by
 # constants.
 BATCH_NORMALISED = ("bnpo", "dapo", "cispo", "vespo")
-
-
-def auto_chunk_size(V: int, longest: int = 0) -> int:
-    """Rows per chunk when `chunk_size` is None: AUTO_CHUNK_ELEMENTS // V (at least 1), raised to
-    `longest` (the most completion rows one sample can have) when that many rows hold at most
-    AUTO_SAMPLE_CHUNK_ELEMENTS logits."""
-    rows = max(1, AUTO_CHUNK_ELEMENTS // V)
-    return max(rows, longest) if longest * V <= AUTO_SAMPLE_CHUNK_ELEMENTS else rows
 
 
 def grad_in_forward_blocker(
@@ -138,326 +119,71 @@ def grad_in_forward_blocker(
     return None
 
 
-def _chunks(rows: tuple[torch.Tensor, torch.Tensor], chunk_size: int) -> Iterator[tuple]:
-    """(b, t) index tensors of at most chunk_size positions each."""
-    b, t = rows
-    for i in range(0, b.numel(), chunk_size):
-        yield b[i : i + chunk_size], t[i : i + chunk_size]
-
-
-def _sample_chunks(
-    rows: tuple[torch.Tensor, torch.Tensor], samples: torch.Tensor, chunk_size: int
-) -> Optional[list[tuple]]:
-    """(b, t) index tensors of chunks of whole samples, at most chunk_size positions each, from the
-    completion positions `rows` and the sample of each (n,) (non-decreasing); None when a sample
-    has more than chunk_size positions. One synchronisation (the samples' sizes)."""
-    sizes = torch.unique_consecutive(samples, return_counts=True)[1].tolist()
-    if max(sizes, default=0) > chunk_size:
-        return None
-    bounds, size = [0], 0
-    for n in sizes:
-        if size + n > chunk_size:
-            bounds.append(bounds[-1] + size)
-            size = 0
-        size += n
-    bounds.append(bounds[-1] + size)
-    b, t = rows
-    return [(b[i0:i1], t[i0:i1]) for i0, i1 in zip(bounds, bounds[1:]) if i1 > i0]
-
-
-def _chunk_logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """(c, V) logits of (c, H) hidden states, in their dtype: the same matmul as the model's."""
-    return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-
-
-def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
-    """acc (V, H) fp32 += dlogits.T @ h, with fp32 accumulation across chunks."""
-    if dlogits.dtype == torch.float32:
-        acc.addmm_(dlogits.t(), h)
-        return
-    # No GEMM accumulates bf16/fp16 products into an fp32 tensor in place, and a whole (V, H) fp32
-    # product per chunk would be as large as the accumulator: go a block of vocabulary at a time.
-    h32 = None if dlogits.is_cuda else h.float()
-    for v0 in range(0, acc.shape[0], GRAD_WEIGHT_BLOCK_V):
-        block = slice(v0, v0 + GRAD_WEIGHT_BLOCK_V)
-        if dlogits.is_cuda:
-            # cuBLAS half-precision GEMM with an fp32 result: the chunk's partial sum is not rounded.  # noqa: E501
-            acc[block].add_(torch.mm(dlogits[:, block].t(), h, out_dtype=torch.float32))
-        else:
-            # CPU half-precision GEMMs return their dtype: upcast the block instead.
-            acc[block].addmm_(dlogits[:, block].t().float(), h32)
-
-
-def linear_logp_lse(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    rows: tuple[torch.Tensor, torch.Tensor],
-    temperature: float,
-    chunk_size: int,
-    backend: str,
-    chunks: Optional[list[tuple]] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward pass. hidden (B, T, H), weight (V, H), bias (V,) or None, tokens (B, T);
-    rows = (b, t) int64 index tensors of the positions to compute, in chunks of chunk_size, or
-    in `chunks` of them when given.
-
-    Returns logp, row_max, log_sum, entropy (B, T) fp32: log pi_theta(token), the row statistics
-    of logits / temperature and the entropy of softmax(logits / temperature)
-    (`kernels/logp_lse.py`) at `rows`, 0 elsewhere.
-    """
-    B, T, _ = hidden.shape
-    logp, row_max, log_sum, entropy = (
-        torch.zeros(B, T, dtype=torch.float32, device=hidden.device) for _ in range(4)
-    )
-    for b, t in _chunks(rows, chunk_size) if chunks is None else chunks:
-        chunk = _chunk_forward(hidden[b, t], weight, bias, tokens[b, t], temperature, backend)[1]
-        logp[b, t], row_max[b, t], log_sum[b, t], entropy[b, t] = chunk
-    return logp, row_max, log_sum, entropy
-
-
-def _chunk_forward(h, weight, bias, tokens, temperature, backend):
-    """(the chunk's logits (c, V), their (logp, row_max, log_sum, entropy) (c,)). One function
-    per chunk, so that a chunk's logits are freed before the next chunk allocates its own."""
-    logits = _chunk_logits(h, weight, bias)
-    stats = FORWARD[backend](logits[None], tokens[None], None, temperature)
-    return logits, tuple(x[0] for x in stats)
-
-
-def _new_grads(hidden, weight, needs) -> tuple[Optional[torch.Tensor], ...]:
-    """Zero grad_hidden (hidden's dtype), grad_weight and grad_bias (fp32 accumulators), each
-    None unless flagged in needs = (hidden, weight, bias)."""
-    need_h, need_w, need_b = needs
-    f32, dev = torch.float32, weight.device
-    return (
-        torch.zeros_like(hidden) if need_h else None,
-        torch.zeros(weight.shape, dtype=f32, device=dev) if need_w else None,
-        torch.zeros(weight.shape[0], dtype=f32, device=dev) if need_b else None,
-    )
-
-
-def _finish_grads(grads, weight) -> tuple[Optional[torch.Tensor], ...]:
-    """The accumulators of `_new_grads` in the weight's dtype."""
-    grad_hidden, grad_weight, grad_bias = grads
-    return (
-        grad_hidden,
-        None if grad_weight is None else grad_weight.to(weight.dtype),
-        None if grad_bias is None else grad_bias.to(weight.dtype),
-    )
-
-
-def _chunk_grads(logits, h, weight, tokens, stats, temperature, backend, rows, grads) -> None:
-    """Overwrites a chunk's logits (c, V) with their gradient (stats = row_max, log_sum, coef,
-    entropy, entropy_coef (c,), the last two None without an entropy bonus) and accumulates it
-    into grads = (grad_hidden at `rows`, grad_weight, grad_bias), each None when not needed."""
-    row_max, log_sum, coef, entropy, entropy_coef = (None if x is None else x[None] for x in stats)
-    dlogits = BACKWARD[backend](
-        logits[None],
-        tokens[None],
-        row_max,
-        log_sum,
-        coef,
-        temperature,
-        logits[None],
-        entropy,
-        entropy_coef,
-    )[0]
-    grad_hidden, grad_weight, grad_bias = grads
-    if grad_hidden is not None:
-        grad_hidden[rows] = dlogits @ weight
-    if grad_weight is not None:
-        _accumulate_grad_weight(grad_weight, dlogits, h)
-    if grad_bias is not None:
-        grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
-
-
-def linear_grads(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    row_max: torch.Tensor,
-    log_sum: torch.Tensor,
-    coef: torch.Tensor,
-    entropy: Optional[torch.Tensor],
-    entropy_coef: Optional[torch.Tensor],
-    temperature: float,
-    chunk_size: int,
-    backend: str,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Backward pass (the gradients in the backward order). row_max, log_sum, entropy (B, T) fp32
-    from the forward; coef, entropy_coef (B, T) fp32 = d loss / d logp and d loss / d entropy
-    times the incoming gradient, over temperature (entropy and entropy_coef None without an
-    entropy bonus); needs = which of (hidden, weight, bias) want a grad.
-
-    With dlogits[r, v] = coef[r] * (1[v == token[r]] - p[r, v]) - entropy_coef[r] * p[r, v] *
-    (log p[r, v] + entropy[r]), p = softmax(logits / temperature) (`kernels/logp_lse.py`):
-    grad_hidden = dlogits @ weight (hidden dtype), grad_weight = dlogits.T @ hidden and
-    grad_bias = sum_r dlogits[r] (fp32 accumulation, returned in the weight's dtype).
-    """
-    grads = _new_grads(hidden, weight, needs)
-    if any(needs):
-        live = coef != 0 if entropy_coef is None else (coef != 0) | (entropy_coef != 0)
-        for b, t in _chunks(live.nonzero(as_tuple=True), chunk_size):
-            per_row = (row_max, log_sum, coef, entropy, entropy_coef)
-            stats = tuple(None if x is None else x[b, t] for x in per_row)
-            h = hidden[b, t]
-            logits = _chunk_logits(h, weight, bias)
-            _chunk_grads(
-                logits, h, weight, tokens[b, t], stats, temperature, backend, (b, t), grads
-            )
-            del logits
-    return _finish_grads(grads, weight)
-
-
-def linear_loss_and_grads(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    chunks: list[tuple],
-    coefficients: Callable[[torch.Tensor, torch.Tensor], PerSample],
-    temperature: float,
-    entropy_grad: bool,
-    backend: str,
-    needs: tuple[bool, bool, bool],
-) -> tuple[tuple[torch.Tensor, ...], tuple[Optional[torch.Tensor], ...]]:
-    """The forward pass and the gradients in one (the forward order), for an incoming gradient
-    of 1. hidden (B, T, H), weight (V, H), bias (V,) or None, tokens (B, T); chunks: (b, t) index
-    tensors of chunks of whole samples; coefficients(logp, entropy) -> `PerSample` on (B, T)
-    tensors (its coef and entropy_coef are read at a chunk's rows, after every earlier chunk);
-    entropy_grad: whether the entropy bonus is on.
-
-    Returns ((logp, row_max, log_sum, entropy) as `linear_logp_lse`, the gradients as
-    `linear_grads`). Exact when a sample's coefficients depend on its own logp and entropy only
-    (`grad_in_forward_blocker`): the rows not computed yet hold 0 and change no other sample's.
-    """
-    B, T, _ = hidden.shape
-    f32 = torch.float32
-    logp, row_max, log_sum, entropy = (
-        torch.zeros(B, T, dtype=f32, device=hidden.device) for _ in range(4)
-    )
-    grads = _new_grads(hidden, weight, needs)
-    # The scale `backward_stats` gives coef and entropy_coef, for an incoming gradient of 1.
-    scale = torch.ones((), dtype=f32, device=hidden.device) / temperature
-    for b, t in chunks:
-        h, tok = hidden[b, t], tokens[b, t]
-        logits, stats = _chunk_forward(h, weight, bias, tok, temperature, backend)
-        logp[b, t], row_max[b, t], log_sum[b, t], entropy[b, t] = stats
-        result = coefficients(logp, entropy)
-        coef = result.coef[b, t] * scale
-        ecoef = result.entropy_coef[b, t] * scale if entropy_grad else None
-        live = coef != 0 if ecoef is None else (coef != 0) | (ecoef != 0)
-        if not bool(live.any()):
-            continue
-        per_row = (stats[1], stats[2], coef, stats[3] if entropy_grad else None, ecoef)
-        if not bool(live.all()):
-            # Rows without gradient (a rejected sample, a zero advantage) cost no matmul: their
-            # logits are left out (a copy of c * V, against 4 * c * H * V FLOPs of matmuls).
-            logits, h, tok, b, t = logits[live], h[live], tok[live], b[live], t[live]
-            per_row = tuple(None if x is None else x[live] for x in per_row)
-        _chunk_grads(logits, h, weight, tok, per_row, temperature, backend, (b, t), grads)
-        del logits
-    return (logp, row_max, log_sum, entropy), _finish_grads(grads, weight)
-
-
-def _completion_rows(
-    mask: Optional[torch.Tensor], B: int, T: int, device
-) -> tuple[torch.Tensor, ...]:
-    """(b, t) int64 index tensors of the completion positions, in row-major order."""
-    if mask is None:
-        pos = torch.arange(B * T, device=device)
-        return pos // T, pos % T
-    return mask.nonzero(as_tuple=True)
-
-
-# Registered with torch.library like `ftis_loss`, so that torch.compile(fullgraph=True) sees one
-# opaque node per pass with a fake (shape-only) implementation and an autograd formula. The
-# options travel unpacked: a custom op's schema takes tensors and plain scalars only.
-
-
-_FWD_SCHEMA = forward_schema(
-    "Tensor hidden, Tensor weight, Tensor? bias, Tensor tokens, Tensor gen_logprobs, "
-    "Tensor advantages, Tensor? mask, Tensor? old_logprobs, Tensor? ref_logprobs",
+_FWD = ForwardSignature(
+    leading=(("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor?", "bias")),
+    trailing=(
+        ("int", "chunk_size"),
+        ("str", "backend"),
+        ("bool", "grad_in_forward"),
+        ("bool", "need_hidden"),
+        ("bool", "need_weight"),
+        ("bool", "need_bias"),
+    ),
     extra_outputs=3,
-).format(
-    trailing="Tensor? cu_seqlens, int max_seqlen, int vocab_start, str? group_name, "
-    "int chunk_size, str backend, bool grad_in_forward, bool need_hidden, bool need_weight, "
-    "bool need_bias"
 )
 
 
 def _ftis_linear_loss_fwd_impl(*inputs):
     """The outputs of `ftis_loss`'s forward op, then grad_hidden, grad_weight, grad_bias for an
     incoming gradient of 1 when grad_in_forward (those flagged need_*; an empty tensor for the
-    others and in the backward order). Checks the input values and the logits' row statistics
-    right after the row pass, with one synchronisation: here they run eagerly even under
-    torch.compile."""
-    args = arguments(_ftis_linear_loss_fwd, inputs)
-    opt = options_from_args(args)
-    hidden, weight, bias, tokens = (args[k] for k in ("hidden", "weight", "bias", "tokens"))
-    gen, adv, mask = args["gen_logprobs"], args["advantages"], args["mask"]
-    old, ref = args["old_logprobs"], args["ref_logprobs"]
-    cu_seqlens, max_seqlen = args["cu_seqlens"], args["max_seqlen"]
+    others and in the backward order)."""
+    args = _FWD.bind(inputs)
+    opt = _FWD.options(args)
+    hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     chunk_size, backend = args["chunk_size"], args["backend"]
     B, T, _ = hidden.shape
-    m = None if mask is None else mask != 0
-    rows = _completion_rows(m, B, T, hidden.device)
-    V, name, start = weight.shape[0], args["group_name"], args["vocab_start"]
-    local = tokens if name is None else tokens - start
-    if name is not None:
-        group, V = check_shards(name, hidden.device, start, weight.shape[0], hidden.shape[2])
+    mask = completion_mask(args)
+    rows = chunks.completion_rows(mask, B, T, hidden.device)
+    shard = Shard.of(args, hidden.device, weight.shape[0], hidden.shape[2])
     # Chunks of whole samples when they fit (in both orders, so that both compute the same
     # logits), else of chunk_size rows.
+    cu_seqlens = args["cu_seqlens"]
     samples = rows[0] if cu_seqlens is None else segment_index(cu_seqlens, T)[0][rows[1]]
-    chunks = _sample_chunks(rows, samples, chunk_size)
-    needs = tuple(args[k] for k in ("need_hidden", "need_weight", "need_bias"))
+    sample_chunks = chunks.sample_chunks(rows, samples, chunk_size)
+    needs = (args["need_hidden"], args["need_weight"], args["need_bias"])
     grads = (None, None, None)
     if args["grad_in_forward"]:
-        if chunks is None:  # the public function checked the longest sample against chunk_size
+        if sample_chunks is None:  # the public function checked the longest sample
             raise AssertionError("grad_in_forward with a sample longer than chunk_size")
 
         def coefficients(logp: torch.Tensor, entropy: torch.Tensor) -> PerSample:
-            return per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
+            return per_sample(args, opt, mask, logp, entropy)
 
-        packing = (cu_seqlens, max_seqlen)
-        entropy_grad = opt.entropy_coef > 0
-        loop = (opt.temperature, entropy_grad, backend, needs)
-        stats, grads = linear_loss_and_grads(
-            hidden, weight, bias, local, chunks, coefficients, *loop
+        loop = (opt.temperature, opt.entropy_coef > 0, backend, needs)
+        stats, grads = chunks.linear_loss_and_grads(
+            hidden, weight, bias, shard.tokens, sample_chunks, coefficients, *loop
         )
-        logp, row_max, log_sum, entropy = stats
     else:
         chunking = (opt.temperature, chunk_size, backend)
-        logp, row_max, log_sum, entropy = linear_logp_lse(
-            hidden, weight, bias, local, rows, *chunking, chunks=chunks
+        stats = chunks.linear_logp_lse(
+            hidden, weight, bias, shard.tokens, rows, *chunking, chunks=sample_chunks
         )
-    if name is not None:
-        stats = (logp, row_max, log_sum, entropy)
-        shard = (group, local, weight.shape[0], m)
-        logp, row_max, log_sum, entropy = combine_row_stats(*shard, *stats)
-    stats = (logp, row_max, log_sum)
-    check_values(V, tokens, gen, adv, mask, old, ref, stats, logits_name="hidden")
-    result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, cu_seqlens, max_seqlen)
-    grads = tuple(hidden.new_empty(0) if g is None else g for g in grads)
-    return (*forward_outputs(result, row_max, log_sum), *grads)
+    stats = shard.complete(stats, mask)
+    outputs = finish_forward(args, opt, shard.vocab, mask, stats, logits_name="hidden")
+    return (*outputs, *(hidden.new_empty(0) if g is None else g for g in grads))
 
 
 _ftis_linear_loss_fwd = torch.library.custom_op(
     "ftis_kernels::ftis_linear_loss_fwd",
     _ftis_linear_loss_fwd_impl,
     mutates_args=(),
-    schema=_FWD_SCHEMA,
+    schema=_FWD.schema,
 )
 
 
 @_ftis_linear_loss_fwd.register_fake
 def _(*inputs):
-    args = arguments(_ftis_linear_loss_fwd, inputs)
+    args = _FWD.bind(inputs)
     hidden, weight = args["hidden"], args["weight"]
     outputs = fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"])
     on = args["grad_in_forward"]
@@ -494,7 +220,7 @@ def _ftis_linear_loss_bwd(
     ranks; grad_weight and grad_bias stay this shard's."""
     needs = (need_hidden, need_weight, need_bias)
     stats = (row_max, log_sum, coef, entropy, entropy_coef)
-    grads = linear_grads(
+    grads = chunks.linear_grads(
         hidden, weight, bias, tokens, *stats, temperature, chunk_size, backend, needs
     )
     if group_name is not None and grads[0] is not None:
@@ -538,10 +264,8 @@ def _(grad_hidden, grad_weight, grad_bias, grad_loss):
 
 
 def _setup_context(ctx, inputs, output):
-    args = arguments(_ftis_linear_loss_fwd, inputs)
-    tokens = args["tokens"]
-    if args["group_name"] is not None:  # this shard's ids; another shard's token is never hit
-        tokens = tokens - args["vocab_start"]
+    args = _FWD.bind(inputs)
+    tokens = shard_tokens(args)
     ctx.grad_in_forward = args["grad_in_forward"]
     # The outputs other than the loss get no gradient: None, not a zero (V, H) grad_weight.
     ctx.set_materialize_grads(False)
@@ -613,9 +337,7 @@ def _check_linear_inputs(
     check_tensor("weight", weight, (V, H), (hidden.dtype,), hidden.device)
     if bias is not None:
         check_tensor("bias", bias, (V,), (hidden.dtype,), hidden.device)
-    bad_chunk = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    if chunk_size is not None and bad_chunk:
-        raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
+    chunks.check_chunk_size(chunk_size)
     return B, T, H, V
 
 
@@ -674,8 +396,8 @@ def ftis_linear_loss(
         chunk_size: positions per chunk (rows of logits alive at once); None = as many as keep a
             chunk within AUTO_CHUNK_ELEMENTS logits, or the longest sample (T, or the longest
             segment when packed) when its logits are at most AUTO_SAMPLE_CHUNK_ELEMENTS. Only
-            memory and speed depend on it (`auto_chunk_size`): one chunk of logits is the extra
-            memory, whatever B * T.
+            memory and speed depend on it (`chunks.auto_chunk_size`): one chunk of logits is the
+            extra memory, whatever B * T.
         options, **option_keywords: as in `ftis_loss` (the fields of `FTISOptions`).
         cu_seqlens: packed batches as in `ftis_loss`: hidden (N, H) or (1, N, H).
         vocab_start, process_group: a vocabulary-sharded lm-head, as in `ftis_loss`: weight
@@ -704,51 +426,25 @@ def ftis_linear_loss(
         metrics: as `ftis_loss`.
     """
     opt = resolve_options(options, option_keywords)
-    flat = cu_seqlens is not None and isinstance(hidden, torch.Tensor) and hidden.dim() == 2
-    hidden = hidden.unsqueeze(0) if flat else hidden
+    hidden, flat = packed_input(hidden, cu_seqlens)
     B, T, H, V = _check_linear_inputs(hidden, weight, bias, chunk_size)
     backend = select_backend(hidden.device)
-    samples, max_seqlen = B, 0
-    if cu_seqlens is not None:
-        if B != 1:
-            shape = tuple(hidden.shape)
-            raise ValueError(f"hidden: expected (N, H) or (1, N, H) with cu_seqlens, got {shape}")
-        samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, hidden.device)
-        tokens, gen_logprobs, mask, old_logprobs, ref_logprobs = packed_rows(
-            T, tokens, gen_logprobs, mask, old_logprobs, ref_logprobs
-        )
     rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    check_row_tensors(B, T, hidden.device, *rows, opt.beta, samples=samples)
+    rows, max_seqlen = row_inputs("hidden", "H", hidden, rows, opt.beta, cu_seqlens)
     name = group_name(process_group, vocab_start)
     longest = T if cu_seqlens is None else max_seqlen
-    chunk = auto_chunk_size(V, longest) if chunk_size is None else int(chunk_size)
+    chunk = chunks.auto_chunk_size(V, longest) if chunk_size is None else int(chunk_size)
     needs = _needs_grad(hidden, weight, bias)
     blocker = grad_in_forward_blocker(
         opt,
-        with_old=old_logprobs is not None,
+        with_old=rows[4] is not None,
         sharded=name is not None,
         longest=longest,
         chunk_size=chunk,
     )
     in_forward = _check_grad_in_forward(grad_in_forward, blocker) and any(needs)
-    outputs = _ftis_linear_loss_fwd(
-        hidden,
-        weight,
-        bias,
-        tokens,
-        gen_logprobs.detach(),
-        advantages.detach(),
-        mask,
-        None if old_logprobs is None else old_logprobs.detach(),
-        None if ref_logprobs is None else ref_logprobs.detach(),
-        *option_args(opt),
-        cu_seqlens,
-        max_seqlen,
-        vocab_start,
-        name,
-        chunk,
-        backend,
-        in_forward,
-        *needs,
-    )
+    packing = (cu_seqlens, max_seqlen, vocab_start, name)
+    switches = (chunk, backend, in_forward, *needs)
+    lm_head = (hidden, weight, bias)
+    outputs = _ftis_linear_loss_fwd(*lm_head, *rows, *option_args(opt), *packing, *switches)
     return outputs[0], public_metrics(outputs, T if flat else None)

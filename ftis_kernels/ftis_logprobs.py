@@ -2,7 +2,7 @@
 (pi_old, the reference model), with the row kernels of the losses (`kernels/logp_lse.py`).
 
 From logits, one streaming pass per row. From hidden states and the lm-head weight, a chunk of
-rows at a time (`ftis_linear_loss.linear_logp_lse`): the logits of one chunk exist at once, so
+rows at a time (`chunks.linear_logp_lse`): the logits of one chunk exist at once, so
 memory stays flat in the number of tokens, where TRL's and verl's versions materialise (B, T, V).
 Any leading shape works, padded (B, T) or packed (N,): each row is independent.
 """
@@ -14,16 +14,9 @@ from typing import Optional
 
 import torch
 
-from ftis_kernels.ftis_linear_loss import auto_chunk_size, linear_logp_lse
+from ftis_kernels import chunks
 from ftis_kernels.kernels import FORWARD, select_backend
 from ftis_kernels.validate import LOGIT_DTYPES, TOKEN_DTYPES, check_tensor
-
-
-def _check_chunk_size(chunk_size: object) -> int:
-    bad = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    if chunk_size is not None and bad:
-        raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
-    return chunk_size
 
 
 def _check_tokens(tokens: torch.Tensor, mask: Optional[torch.Tensor], V: int) -> None:
@@ -96,15 +89,11 @@ def ftis_logprobs(
         check_tensor("weight", weight, (V, H), (inputs.dtype,), device)
         if bias is not None:
             check_tensor("bias", bias, (V,), (inputs.dtype,), device)
-        chunk = auto_chunk_size(V) if _check_chunk_size(chunk_size) is None else chunk_size
+        chunk = chunks.check_chunk_size(chunk_size) or chunks.auto_chunk_size(V)
         _check_tokens(tokens, mask, V)
-        if mask is None:
-            pos = torch.arange(B * T, device=device)
-            row_index = (pos // T, pos % T)
-        else:
-            row_index = flat_mask.nonzero(as_tuple=True)
+        row_index = chunks.completion_rows(flat_mask, B, T, device)
         hidden = inputs.reshape(B, T, H)
-        stats = linear_logp_lse(
+        stats = chunks.linear_logp_lse(
             hidden, weight, bias, flat_tokens, row_index, float(temperature), chunk, backend
         )
         logp, entropy = stats[0], stats[3]

@@ -9,7 +9,8 @@ statistics (max and log-sum-exp relative to it), optionally into the logits buff
 
 Dispatch, by where the logits live: CUDA -> compiled Triton kernels; CPU with the kernels
 decorated under TRITON_INTERPRET=1 -> the same Triton kernels, interpreted; CPU otherwise -> a
-chunked PyTorch path with the same results.
+chunked PyTorch path with the same results (`kernels/logp_lse_cpu.py`). The custom-op plumbing
+shared with `ftis_linear_loss` is in `custom_op.py`.
 """
 
 from __future__ import annotations
@@ -18,130 +19,59 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ftis_kernels.custom_op import (
+    ForwardSignature,
+    Shard,
+    backward_stats,
+    completion_mask,
+    fake_forward_outputs,
+    finish_forward,
+    packed_input,
+    public_metrics,
+    row_inputs,
+    save_for_backward,
+    shard_tokens,
+)
 from ftis_kernels.grad_buffer import grad_buffer
 from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
     option_args,
-    option_schema,
-    options_from_args,
     resolve_options,
     with_option_keywords,
 )
-from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
-from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
-from ftis_kernels.sharded import check_shards, combine_row_stats, group_name
-from ftis_kernels.validate import (
-    LOGIT_DTYPES,
-    check_inplace_backward,
-    check_row_tensors,
-    check_tensor,
-    check_values,
-)
+from ftis_kernels.sharded import group_name
+from ftis_kernels.validate import LOGIT_DTYPES, check_inplace_backward, check_tensor
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-# What a forward op returns after the loss and the metrics, for the backward.
-SAVED_NAMES = ("row_max", "log_sum", "coef", "entropy_coef")
-N_OUTPUTS = 1 + len(METRIC_NAMES) + len(SAVED_NAMES)
-
-
-def forward_schema(leading: str, extra_outputs: int = 0) -> str:
-    """Schema of a forward custom op: `leading` tensor arguments, the row tensors, the options
-    (options.option_schema), then `trailing`; returns loss, metrics, row_max, log_sum, coef,
-    entropy_coef, then `extra_outputs` more tensors."""
-    outputs = ", ".join(["Tensor"] * (N_OUTPUTS + extra_outputs))
-    return f"({leading}, {option_schema()}, {{trailing}}) -> ({outputs})"
-
-
-def arguments(op, inputs: tuple) -> dict[str, Any]:
-    """A custom op's inputs by name, from its schema: setup_context reads them by name."""
-    names = [a.name for a in op._opoverload._schema.arguments]
-    return dict(zip(names, inputs))
-
-
-def forward_outputs(result, row_max: torch.Tensor, log_sum: torch.Tensor) -> tuple:
-    """(loss, *metrics in METRIC_NAMES order, row_max, log_sum, coef, entropy_coef)."""
-    metrics = (result.metrics[name] for name in METRIC_NAMES)
-    return (result.loss, *metrics, row_max, log_sum, result.coef, result.entropy_coef)
-
-
-def fake_forward_outputs(
-    like: torch.Tensor, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, ...]:
-    """Shape-only outputs of a forward op of this library, on the device of `like`; shared by
-    `ftis_loss` and `ftis_linear_loss`. Packed (cu_seqlens given): B = 1 row of T tokens and
-    cu_seqlens.shape[0] - 1 samples."""
-    f32, per_token = torch.float32, (B, T)
-    samples = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-    def metric(name: str) -> torch.Tensor:
-        if name in PER_TOKEN_METRICS:
-            return like.new_empty(per_token, dtype=f32)
-        if name in PER_SAMPLE_METRICS:
-            return like.new_empty((samples,), dtype=torch.bool if name == "filtered" else f32)
-        return like.new_empty((), dtype=f32)
-
-    saved = (like.new_empty(per_token, dtype=f32) for _ in SAVED_NAMES)
-    return (like.new_empty((), dtype=f32), *(metric(n) for n in METRIC_NAMES), *saved)
-
-
-def public_metrics(outputs: tuple, flat: Optional[int] = None) -> dict[str, torch.Tensor]:
-    """The metrics of a forward op's outputs, detached, by name; per-token ones as (flat,) when
-    given (packed inputs passed as (N, V) or (N, H))."""
-    metrics = {name: value.detach() for name, value in zip(METRIC_NAMES, outputs[1:])}
-    for name in PER_TOKEN_METRICS if flat is not None else ():
-        metrics[name] = metrics[name].reshape(flat)
-    return metrics
-
-
-# The op is registered with torch.library so that torch.compile(fullgraph=True) sees one opaque
-# node with a fake (shape-only) implementation and an autograd formula, instead of graph-breaking
-# on Triton launches and data-dependent Python. The options travel unpacked (a custom op's schema
-# takes tensors and plain scalars only), in the schema built from `FTISOptions`.
-
-_FWD_SCHEMA = forward_schema(
-    "Tensor logits, Tensor tokens, Tensor gen_logprobs, Tensor advantages, Tensor? mask, "
-    "Tensor? old_logprobs, Tensor? ref_logprobs"
-).format(
-    trailing="Tensor? cu_seqlens, int max_seqlen, int vocab_start, str? group_name, "
-    "bool inplace_backward, str backend"
+_FWD = ForwardSignature(
+    leading=(("Tensor", "logits"),),
+    trailing=(("bool", "inplace_backward"), ("str", "backend")),
 )
 
 
 def _ftis_loss_fwd_impl(*inputs):
-    """Checks the input values and the logits' row statistics right after the row pass, with
-    one synchronisation: here they run eagerly even under torch.compile."""
-    args = arguments(_ftis_loss_fwd, inputs)
-    opt = options_from_args(args)
-    logits, tokens, gen, adv = (args[k] for k in ("logits", "tokens", "gen_logprobs", "advantages"))
-    mask, old, ref = args["mask"], args["old_logprobs"], args["ref_logprobs"]
-    m = None if mask is None else mask != 0
-    V, name, start = logits.shape[-1], args["group_name"], args["vocab_start"]
-    local = tokens if name is None else tokens - start
-    if name is not None:
-        group, V = check_shards(name, logits.device, start, logits.shape[-1])
-    logp, row_max, log_sum, entropy = FORWARD[args["backend"]](logits, local, m, opt.temperature)
-    if name is not None:
-        stats = (logp, row_max, log_sum, entropy)
-        shard = (group, local, logits.shape[-1], m)
-        logp, row_max, log_sum, entropy = combine_row_stats(*shard, *stats)
-    check_values(V, tokens, gen, adv, mask, old, ref, (logp, row_max, log_sum))
-    packing = (args["cu_seqlens"], args["max_seqlen"])
-    result = per_sample_part(logp, gen, adv, m, old, ref, opt, entropy, *packing)
-    return forward_outputs(result, row_max, log_sum)
+    """The loss, the metrics and the saved row statistics (`custom_op.finish_forward`)."""
+    args = _FWD.bind(inputs)
+    logits, mask = args["logits"], completion_mask(args)
+    shard = Shard.of(args, logits.device, logits.shape[-1])
+    temperature = args["temperature"]
+    stats = FORWARD[args["backend"]](logits, shard.tokens, mask, temperature)
+    stats = shard.complete(stats, mask)
+    return finish_forward(args, _FWD.options(args), shard.vocab, mask, stats)
 
 
 _ftis_loss_fwd = torch.library.custom_op(
-    "ftis_kernels::ftis_loss_fwd", _ftis_loss_fwd_impl, mutates_args=(), schema=_FWD_SCHEMA
+    "ftis_kernels::ftis_loss_fwd", _ftis_loss_fwd_impl, mutates_args=(), schema=_FWD.schema
 )
 
 
 @_ftis_loss_fwd.register_fake
 def _(*inputs):
-    args = arguments(_ftis_loss_fwd, inputs)
+    args = _FWD.bind(inputs)
     logits = args["logits"]
     return fake_forward_outputs(logits, logits.shape[0], logits.shape[1], args["cu_seqlens"])
 
@@ -188,34 +118,9 @@ def _ftis_loss_bwd_inplace(
     BACKWARD[backend](logits, tokens, *stats)
 
 
-def backward_stats(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(row_max, log_sum, coef, entropy, entropy_coef) from a forward op's saved tensors, with
-    the incoming gradient and 1 / temperature folded into coef and entropy_coef; entropy and
-    entropy_coef are None without an entropy bonus (the row kernels then skip that term)."""
-    *_, row_max, log_sum, coef, entropy, entropy_coef = ctx.saved_tensors
-    scale = grad_loss.float() / ctx.temperature
-    coef = (coef * scale).contiguous()
-    if not ctx.entropy_grad:
-        return row_max, log_sum, coef, None, None
-    return row_max, log_sum, coef, entropy, (entropy_coef * scale).contiguous()
-
-
-def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *tensors) -> None:
-    """Saves `tensors`, then row_max, log_sum, coef, the entropy and entropy_coef; keeps the
-    temperature and the backend, and the number of inputs (the backward's tuple length)."""
-    row_max, log_sum, coef, entropy_coef = output[-len(SAVED_NAMES) :]
-    entropy = output[1 + METRIC_NAMES.index("entropy")]
-    ctx.save_for_backward(*tensors, row_max, log_sum, coef, entropy, entropy_coef)
-    ctx.temperature, ctx.backend, ctx.n_inputs = args["temperature"], args["backend"], len(inputs)
-    ctx.entropy_grad = args["entropy_coef"] > 0
-
-
 def _setup_context(ctx, inputs, output):
-    args = arguments(_ftis_loss_fwd, inputs)
-    tokens = args["tokens"]
-    if args["group_name"] is not None:  # this shard's ids; another shard's token is never hit
-        tokens = tokens - args["vocab_start"]
-    save_for_backward(ctx, args, inputs, output, args["logits"], tokens)
+    args = _FWD.bind(inputs)
+    save_for_backward(ctx, args, inputs, output, args["logits"], shard_tokens(args))
     ctx.inplace_backward = args["inplace_backward"]
 
 
@@ -308,40 +213,18 @@ def ftis_loss(
         Logits at masked positions may hold anything and never reach the loss or the gradient.
     """
     opt = resolve_options(options, option_keywords)
-    flat = cu_seqlens is not None and isinstance(logits, torch.Tensor) and logits.dim() == 2
-    logits = logits.unsqueeze(0) if flat else logits
+    logits, flat = packed_input(logits, cu_seqlens)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or min(logits.shape) < 1:
         got = logits.shape if isinstance(logits, torch.Tensor) else logits
         raise ValueError(f"logits: expected a (B, T, V) tensor with B, T, V >= 1, got {got!r}")
     B, T, V = logits.shape
     check_tensor("logits", logits, (B, T, V), LOGIT_DTYPES, logits.device)
     backend = select_backend(logits.device)
-    samples, max_seqlen = B, 0
-    if cu_seqlens is not None:
-        if B != 1:
-            shape = tuple(logits.shape)
-            raise ValueError(f"logits: expected (N, V) or (1, N, V) with cu_seqlens, got {shape}")
-        samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, logits.device)
-        tokens, gen_logprobs, mask, old_logprobs, ref_logprobs = packed_rows(
-            T, tokens, gen_logprobs, mask, old_logprobs, ref_logprobs
-        )
     rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    check_row_tensors(B, T, logits.device, *rows, opt.beta, samples=samples)
+    rows, max_seqlen = row_inputs("logits", "V", logits, rows, opt.beta, cu_seqlens)
     inplace = check_inplace_backward(logits, inplace_backward)
+    shard = (vocab_start, group_name(process_group, vocab_start))
     outputs = _ftis_loss_fwd(
-        logits,
-        tokens,
-        gen_logprobs.detach(),
-        advantages.detach(),
-        mask,
-        None if old_logprobs is None else old_logprobs.detach(),
-        None if ref_logprobs is None else ref_logprobs.detach(),
-        *option_args(opt),
-        cu_seqlens,
-        max_seqlen,
-        vocab_start,
-        group_name(process_group, vocab_start),
-        inplace,
-        backend,
+        logits, *rows, *option_args(opt), cu_seqlens, max_seqlen, *shard, inplace, backend
     )
     return outputs[0], public_metrics(outputs, T if flat else None)

@@ -1,12 +1,14 @@
 """The loss options, defined once: names, defaults, allowed values, help text and presets.
 
-`FTISOptions` is the single definition of every keyword option of the ops (docs/method.md §2). The
-public ops (`ftis_loss`, `ftis_linear_loss`), their custom-op plumbing (the options travel as one
-JSON string), `FTISGRPOConfig` (TRL) and the GRPO driver's config read their fields, defaults and
-help from `OPTION_FIELDS`: adding an option is one `_option(...)` line here, its typed line in
-`OptionKeywords` (what type checkers read; a test checks the two agree), and its meaning in
-`per_sample.py` and `ref/`. Every enumerated option dispatches through a table (`dispatch`) that
-raises on an unknown value.
+`FTISOptions` is the single definition of every keyword option of the ops (docs/method.md §2),
+validated once, on construction (ValueError naming the option). The public ops (`ftis_loss`,
+`ftis_linear_loss`) take it as `options=` (keywords over it make a new one, `resolve_options`);
+their custom ops take it unpacked into plain scalars (`option_args`; `custom_op.py`) and put it
+back together inside without validating it again. `FTISGRPOConfig` (TRL) and the GRPO driver's
+config read their fields, defaults and help from `OPTION_FIELDS`: adding an option is one
+`_option(...)` line here, its typed line in `OptionKeywords` (what type checkers read; a test
+checks the two agree), and its meaning in `per_sample.py` and `ref/`. Every enumerated option
+dispatches through a table (`dispatch`) that raises on an unknown value.
 
 The menu covers the paper's F-TIS and its ablations, and what TRL 1.16's GRPOTrainer, Liger-Kernel
 0.8.5's chunked GRPO loss and verl's rollout correction offer (loss types, sequence-level PPO
@@ -20,7 +22,7 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
-from typing import Any, Literal, Optional, TypedDict, TypeVar
+from typing import Any, Literal, NoReturn, Optional, TypedDict, TypeVar
 
 IS_MODES = ("none", "vis", "tis", "mask")
 IS_LEVELS = ("token", "sequence", "sequence_product")
@@ -35,8 +37,14 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vesp
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")
 
 
-def _fail(name: str, expected: str, got: Any) -> None:
-    raise ValueError(f"{name}: expected {expected}, got {got!r}")
+def refuse(name: str, expected: str, got: object) -> NoReturn:
+    """The one form of the library's input errors: ValueError("name: expected ..., got ...") with
+    `got` as its str (`_fail` passes a repr)."""
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _fail(name: str, expected: str, got: Any) -> NoReturn:
+    refuse(name, expected, repr(got))
 
 
 def dispatch(table: Mapping[Any, Any], value: Any, option: str) -> Any:
@@ -409,12 +417,17 @@ _SCHEMA_TYPES: dict[str, tuple[str, type]] = {
 }
 
 
-def option_schema() -> str:
-    """The options as custom-op schema arguments: "str is_mode, str is_level, float is_cap, ..."."""
-    return ", ".join(
-        f"{dispatch(_SCHEMA_TYPES, f.type, f'the type of {name}')[0]} {name}"
+def option_parameters() -> tuple[tuple[str, str], ...]:
+    """The options as custom-op parameters (schema type, name): ("str", "is_mode"), ..."""
+    return tuple(
+        (dispatch(_SCHEMA_TYPES, f.type, f"the type of {name}")[0], name)
         for name, f in OPTION_FIELDS.items()
     )
+
+
+def option_schema() -> str:
+    """The options as custom-op schema arguments: "str is_mode, str is_level, float is_cap, ..."."""
+    return ", ".join(f"{kind} {name}" for kind, name in option_parameters())
 
 
 def option_args(opt: FTISOptions) -> tuple:
@@ -425,8 +438,12 @@ def option_args(opt: FTISOptions) -> tuple:
 
 
 def options_from_args(args: Mapping[str, Any]) -> FTISOptions:
-    """FTISOptions from a custom op's arguments, read by name."""
-    return FTISOptions(**{name: args[name] for name in OPTION_NAMES})
+    """FTISOptions from a custom op's arguments, read by name: the values `option_args` unpacked
+    from options the public op validated, put back together without validating them again."""
+    opt = object.__new__(FTISOptions)
+    for name in OPTION_NAMES:
+        object.__setattr__(opt, name, args[name])
+    return opt
 
 
 def resolve_options(options: Optional[FTISOptions], overrides: Mapping[str, Any]) -> FTISOptions:

@@ -15,12 +15,10 @@ from typing import Optional
 
 import torch
 
+from ftis_kernels.options import refuse
+
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
-
-
-def _fail(name: str, expected: str, got: object) -> None:
-    raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
 def _describe(x: object) -> str:
@@ -41,15 +39,15 @@ def check_tensor(
     """Shape, dtype and device of one tensor argument."""
     shape_txt = "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
     if not isinstance(x, torch.Tensor):
-        _fail(name, f"a tensor of shape {shape_txt}", _describe(x))
+        refuse(name, f"a tensor of shape {shape_txt}", _describe(x))
     if tuple(x.shape) != shape:
-        _fail(name, f"shape {shape_txt}", _describe(x))
+        refuse(name, f"shape {shape_txt}", _describe(x))
     if dtypes is not None and x.dtype not in dtypes:
-        _fail(name, f"dtype in {dtypes}", _describe(x))
+        refuse(name, f"dtype in {dtypes}", _describe(x))
     if floating and not x.is_floating_point():
-        _fail(name, "a floating-point tensor", _describe(x))
+        refuse(name, "a floating-point tensor", _describe(x))
     if x.device != device:
-        _fail(name, f"a tensor on {device} (where the logits are)", _describe(x))
+        refuse(name, f"a tensor on {device} (where the logits are)", _describe(x))
     return x
 
 
@@ -75,12 +73,12 @@ def check_row_tensors(
     if mask is not None:
         check_tensor("mask", mask, (B, T), None, device)
         if mask.is_complex():
-            _fail("mask", "bool or 0/1 values", _describe(mask))
+            refuse("mask", "bool or 0/1 values", _describe(mask))
     for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if x is not None:
             check_tensor(name, x, (B, T), None, device, floating=True)
     if beta > 0 and ref_logprobs is None:
-        _fail("ref_logprobs", "a (B, T) tensor when beta > 0", None)
+        refuse("ref_logprobs", "a (B, T) tensor when beta > 0", None)
 
 
 def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> bool:
@@ -92,11 +90,11 @@ def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> bo
     caller's own tensor would be overwritten by its gradient).
     """
     if not (isinstance(inplace_backward, bool) or inplace_backward == "force"):
-        _fail("inplace_backward", 'False, True or "force"', repr(inplace_backward))
+        refuse("inplace_backward", 'False, True or "force"', repr(inplace_backward))
     if inplace_backward is False:
         return False
     if overlaps_itself(logits):
-        _fail(
+        refuse(
             "inplace_backward",
             "logits whose elements do not share memory (an expanded or "
             "overlapping view gets one gradient written over another; use "
@@ -105,7 +103,7 @@ def check_inplace_backward(logits: torch.Tensor, inplace_backward: object) -> bo
         )
     base = logits if logits._base is None else logits._base
     if inplace_backward is True and base.is_leaf and base.requires_grad:
-        _fail(
+        refuse(
             "inplace_backward",
             "logits computed by the graph, not a leaf tensor that requires "
             "grad or a view of one (its values would become its gradient; pass "
@@ -219,7 +217,7 @@ def check_values(
             unit = "rows" if name == logits_name else "positions"
             got = f"{int(count)} of {x.numel()} {unit} outside that, the first at {position}: "
             got += _describe_value(name, value, logits_name) + _hint(name, value, bool(hint), V)
-            _fail(name, expected, got)
+            refuse(name, expected, got)
 
 
 def _position(flat: int, shape: tuple[int, ...]) -> str:

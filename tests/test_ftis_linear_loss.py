@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ftis_kernels import chunks as chunks_module
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 from ftis_kernels.options import FTISOptions, option_args
@@ -54,7 +55,7 @@ def small_vocab_blocks(monkeypatch):
     (the row kernels and the bf16/fp16 grad_weight accumulation)."""
     monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 64)
     monkeypatch.setattr(logp_lse_cpu, "CPU_CHUNK_ELEMENTS", 256)
-    monkeypatch.setattr(linear_module, "GRAD_WEIGHT_BLOCK_V", 16)
+    monkeypatch.setattr(chunks_module, "GRAD_WEIGHT_BLOCK_V", 16)
 
 
 def check_against_reference(case, dtype, impl, *, exact, chunk_size=None, record=False, **opts):
@@ -318,7 +319,7 @@ REORDERED = {
 def _blocker(case, chunk_size, **opts):
     T = case.tokens.shape[1]
     chunk = (
-        linear_module.auto_chunk_size(case.weight.shape[0], T) if chunk_size is None else chunk_size
+        chunks_module.auto_chunk_size(case.weight.shape[0], T) if chunk_size is None else chunk_size
     )
     return linear_module.grad_in_forward_blocker(
         FTISOptions(**opts),
@@ -380,7 +381,7 @@ def test_both_gradient_orders_give_the_same_loss_metrics_and_gradients(
 
 
 def _spy(name: str):
-    return mock.patch.object(linear_module, name, wraps=getattr(linear_module, name))
+    return mock.patch.object(chunks_module, name, wraps=getattr(chunks_module, name))
 
 
 def _orders_taken(case, **kw) -> tuple[bool, bool]:
