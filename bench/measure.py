@@ -33,8 +33,6 @@ from typing import Optional
 
 import torch
 
-import ftis_kernels
-
 REPO = Path(__file__).resolve().parent.parent
 _L2_FLUSH_BYTES = 256 << 20
 
@@ -140,10 +138,13 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device, restore=Non
         restore()
     # The CPU backward's reused gradient buffer (ftis_kernels/grad_buffer.py) is dropped, so that
     # the call allocates its gradient as the first step of a run does; bench.compare runs this
-    # file against older revisions, which have no such buffer.
-    release = getattr(ftis_kernels, "release_cpu_grad_buffer", None)
-    if release is not None:
-        release()
+    # file against older revisions, some of which have no such buffer.
+    try:
+        from ftis_kernels.grad_buffer import release_cpu_grad_buffer
+    except ImportError:
+        pass
+    else:
+        release_cpu_grad_buffer()
     gc.collect()
     if device.type == "cuda":
         sync(device)

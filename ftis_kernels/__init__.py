@@ -1,9 +1,12 @@
-"""ftis-kernels: fused Triton kernels for the F-TIS loss of collaborative GRPO."""
+"""ftis-kernels: fused Triton kernels for the F-TIS loss of collaborative GRPO.
+
+The public names: the three ops and their options. The CPU backward's reused gradient buffer is
+tuned in `ftis_kernels.grad_buffer` (`release_cpu_grad_buffer`, `reuse_cpu_grad_buffer`).
+"""
 
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
-from ftis_kernels.grad_buffer import release_cpu_grad_buffer, reuse_cpu_grad_buffer
 from ftis_kernels.options import FTISOptions
 
 __all__ = [
@@ -11,7 +14,5 @@ __all__ = [
     "ftis_linear_loss",
     "ftis_logprobs",
     "ftis_loss",
-    "release_cpu_grad_buffer",
-    "reuse_cpu_grad_buffer",
 ]
 __version__ = "0.1.0"

@@ -1,13 +1,11 @@
 """The buffer the CPU backward writes d loss / d logits into, reused across calls.
 
 Out of place, the backward returns the gradient in a new (B, T, V) buffer. On CUDA, PyTorch's
-caching allocator hands it memory an earlier step freed. On the CPU, glibc serves a block above
-its mmap threshold (at most 32 MiB) with a fresh mmap and unmaps it on free, so each step's
-gradient faults its pages in anew, one fault per 4 KiB page; on the 2-core machine of
-bench/README.md that costs more than computing the gradient (fwd+bwd, new buffer against reused,
-min of 10 alternating calls: 66 against 21 ms for 1k x 32,000 fp32 logits, 163 against 52 ms for
-512 x 151,936). So the CPU path keeps the buffer of its last gradient and hands it out again once
-nobody else holds it: the caching allocator's behaviour, for one buffer.
+caching allocator hands it memory an earlier step freed; on the CPU, glibc maps a large block
+afresh and unmaps it on free, so each step would fault the gradient's pages in again, which costs
+more than computing it (bench/README.md, "CPU gradient buffer"). So the CPU path keeps the buffer
+of its last gradient and hands it out again once nobody else holds it: the caching allocator's
+behaviour, for one buffer.
 
 A buffer is handed out only when nothing but this module holds its storage: no tensor or view
 (the storage's C++ reference count) and no storage object (its Python reference count). A

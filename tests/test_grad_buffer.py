@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ftis_kernels
 from ftis_kernels import ftis_loss, grad_buffer
 from tests.cases import backend, implementations, make_case, run_op
 from tests.test_ftis_loss import _fused_uncompiled
@@ -17,11 +16,11 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def fresh_buffer():
-    ftis_kernels.reuse_cpu_grad_buffer(True)
-    ftis_kernels.release_cpu_grad_buffer()
+    grad_buffer.reuse_cpu_grad_buffer(True)
+    grad_buffer.release_cpu_grad_buffer()
     yield
-    ftis_kernels.reuse_cpu_grad_buffer(True)
-    ftis_kernels.release_cpu_grad_buffer()
+    grad_buffer.reuse_cpu_grad_buffer(True)
+    grad_buffer.release_cpu_grad_buffer()
 
 
 def _grad(case, impl):
@@ -114,26 +113,26 @@ def test_larger_smaller_and_other_dtype_gradients_share_the_buffer_correctly():
         sizes.append(got.untyped_storage().nbytes())
         del got
     assert sizes == [2 * 3 * 40 * 4, 3 * 5 * 90 * 4, 3 * 5 * 90 * 4]
-    assert ftis_kernels.release_cpu_grad_buffer() == 3 * 5 * 90 * 4
-    assert ftis_kernels.release_cpu_grad_buffer() == 0
+    assert grad_buffer.release_cpu_grad_buffer() == 3 * 5 * 90 * 4
+    assert grad_buffer.release_cpu_grad_buffer() == 0
 
 
 def test_reuse_turned_off_holds_no_buffer_and_gives_the_same_gradient():
     case = make_case(2, 4, 70, seed=45, device=CPU)
     want = _grad(case, "torch")
-    ftis_kernels.reuse_cpu_grad_buffer(False)
-    assert ftis_kernels.release_cpu_grad_buffer() == 0, "turning reuse off released the buffer"
+    grad_buffer.reuse_cpu_grad_buffer(False)
+    assert grad_buffer.release_cpu_grad_buffer() == 0, "turning reuse off released the buffer"
     assert torch.equal(_grad(case, "torch"), want)
-    assert ftis_kernels.release_cpu_grad_buffer() == 0
+    assert grad_buffer.release_cpu_grad_buffer() == 0
 
 
 def test_reuse_takes_a_bool():
     with pytest.raises(TypeError, match="enabled"):
-        ftis_kernels.reuse_cpu_grad_buffer("no")
+        grad_buffer.reuse_cpu_grad_buffer("no")
 
 
 def test_a_non_cpu_gradient_is_a_plain_new_tensor():
     like = torch.empty(2, 3, 5, device="meta").transpose(0, 1)
     got = grad_buffer.grad_buffer(like)
     assert got.device.type == "meta" and got.stride() == torch.empty_like(like).stride()
-    assert ftis_kernels.release_cpu_grad_buffer() == 0
+    assert grad_buffer.release_cpu_grad_buffer() == 0
