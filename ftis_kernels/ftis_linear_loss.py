@@ -65,6 +65,7 @@ from ftis_kernels.kernels import select_backend
 from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
+    loss_type,
     option_args,
     resolve_options,
     with_option_keywords,
@@ -76,11 +77,6 @@ from ftis_kernels.validate import LOGIT_DTYPES, check_tensor
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-# Loss types whose normaliser counts the loss's tokens over the whole batch (`per_sample.py`'s
-# scale: 1 / n_all); grpo and sapo divide by the sample's own count, dr_grpo and luspo by
-# constants.
-BATCH_NORMALISED = ("bnpo", "dapo", "cispo", "vespo")
 
 
 def grad_in_forward_blocker(
@@ -94,8 +90,9 @@ def grad_in_forward_blocker(
     grpo/sapo's per-sample token count read that sample's tokens only. What couples samples
     (`per_sample.py`): rejection by mask (`reject_mode="mask"`) that depends on pi_theta (a
     KL filter on the current policy) takes a rejected sample's tokens out of the batch-wide
-    token count of the loss types in BATCH_NORMALISED and of the entropy bonus; a sharded
-    vocabulary completes each row's statistics only with an all-reduce after the forward.
+    token count of the batch-normalised loss types (`options.LOSS_TYPE_TABLE`) and of the entropy
+    bonus; a sharded vocabulary completes each row's statistics only with an all-reduce after the
+    forward.
     """
     if sharded:
         return (
@@ -107,7 +104,7 @@ def grad_in_forward_blocker(
     )
     if opt.reject_mode == "mask" and filter_reads_logp:
         why = "(a sample's rejection changes every sample's normaliser)"
-        if opt.loss_type in BATCH_NORMALISED:
+        if loss_type(opt.loss_type).batch_normalised:
             return f"with reject_mode='mask' and loss_type={opt.loss_type!r} {why}"
         if opt.entropy_coef > 0:
             return f"with reject_mode='mask' and entropy_coef > 0 {why}"

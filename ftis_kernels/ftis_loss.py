@@ -196,7 +196,8 @@ def ftis_loss(
         loss: 0-dim fp32; gradients flow to `logits` only.
         metrics: detached tensors (per_sample.METRIC_NAMES): "logp", "entropy" (B, T) fp32 (0
             where masked; packed: (N,) or (1, N) as the logits), "kl" (B,) fp32, "filtered" (B,)
-            bool (packed: (S,)), and 0-dim fp32 "filtered_frac",
+            bool, "is_truncated" (B,) fp32 (per sample: is_truncated_frac; packed: (S,) each),
+            and 0-dim fp32 "filtered_frac",
             "kl_mean", "clip_frac", "is_weight_mean", "is_truncated_frac", "is_masked_frac",
             "is_ratio_mean", "is_ratio_max", "is_ratio_min", "entropy_mean" (over completion
             tokens; is_ratio_* is the raw IS ratio before truncation or masking).

@@ -32,9 +32,6 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_REDUCTIONS = ("sum", "mean", "max")
 REJECT_MODES = ("advantage", "mask")
 RATIO_LEVELS = ("token", "sequence")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
-# Loss types whose surrogate is PPO's clipped min (TRL: the ones `delta` applies to).
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")
 
 
 def refuse(name: str, expected: str, got: object) -> NoReturn:
@@ -54,6 +51,69 @@ def dispatch(table: Mapping[Any, Any], value: Any, option: str) -> Any:
     return table[value]
 
 
+@dataclass(frozen=True)
+class LossType:
+    """One value of `loss_type`: its surrogate, its reduction and its names in TRL and verl.
+
+    surrogate: "clipped" (PPO's min(R A, clip(R) A), `delta` applies), "cispo", "sapo" or
+    "vespo" (`per_sample.py` writes each out). reduction: "sample_mean" (per-sample token mean,
+    then the mean over B), "batch_mean" (token sum over the batch's tokens in the loss: batch-
+    normalised), "constant" (token sum / (B * L), L = max_completion_length or T) or
+    "sample_sum" (per-sample token sum, mean over B). is_levels: the `is_level` values it takes
+    with an IS weight. The name is TRL 1.16's loss_type; trl_global_tokens: whether TRL divides
+    the token sum by the tokens of the whole generation batch (the op: of its own call). verl: the
+    `loss_agg_mode` values that map to it.
+    """
+
+    name: str
+    surrogate: str
+    reduction: str
+    help: str
+    is_levels: tuple[str, ...] = IS_LEVELS
+    trl_global_tokens: bool = False
+    verl: tuple[str, ...] = ()
+
+    @property
+    def batch_normalised(self) -> bool:
+        """Whether the normaliser counts the loss's tokens over the whole batch."""
+        return self.reduction == "batch_mean"
+
+    @property
+    def clipped(self) -> bool:
+        """Whether the surrogate is PPO's clipped min (TRL: the loss types `delta` applies to)."""
+        return self.surrogate == "clipped"
+
+
+# fmt: off
+_LOSS_TYPE_LIST = (
+    #        name       surrogate  reduction      help (README, --help)
+    LossType("grpo",    "clipped", "sample_mean", "per-sample token mean, then mean",
+             verl=("seq-mean-token-mean",)),
+    LossType("bnpo",    "clipped", "batch_mean",  "token mean"),
+    LossType("dapo",    "clipped", "batch_mean",  "token mean",
+             trl_global_tokens=True, verl=("token-mean",)),
+    LossType("dr_grpo", "clipped", "constant",    "sum / (B * max_completion_length)",
+             verl=("seq-mean-token-sum-norm",)),
+    LossType("cispo",   "cispo",   "batch_mean",  "-sg(min(R, epsilon_high)) A logp, token mean",
+             trl_global_tokens=True),
+    LossType("sapo",    "sapo",    "sample_mean", "soft sigmoid gate, grpo's reduction"),
+    LossType("luspo",   "clipped", "sample_sum",  "per-sample token sum, mean over B",
+             verl=("seq-mean-token-sum", "token-sum")),
+    LossType("vespo",   "vespo",   "batch_mean",  "gamma-weighted -phi(w) A logp, token mean",
+             is_levels=("token",), trl_global_tokens=True),
+)
+# fmt: on
+# The loss types by name: the one table the op, the reference, the driver, TRL and verl read.
+LOSS_TYPE_TABLE: dict[str, LossType] = {t.name: t for t in _LOSS_TYPE_LIST}
+LOSS_TYPES = tuple(LOSS_TYPE_TABLE)
+CLIPPED_LOSS_TYPES = tuple(t.name for t in _LOSS_TYPE_LIST if t.clipped)
+
+
+def loss_type(name: str) -> LossType:
+    """The table's row of `name` (a ValueError naming loss_type for an unknown one)."""
+    return dispatch(LOSS_TYPE_TABLE, name, "loss_type")
+
+
 def _is_real(v: Any) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and not math.isnan(v)
 
@@ -68,6 +128,20 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "unit_open": ("a number in (0, 1)", lambda v: _is_real(v) and 0 < v < 1),
     "count": ("an int >= 1", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
     "bool": ("True or False", lambda v: isinstance(v, bool)),
+}
+
+
+# The same kinds as the docs' option tables write them (README.md, docs/method.md; a test keeps the
+# tables to `option_allowed`).
+ALLOWED_TEXT: dict[str, str] = {
+    "positive": "> 0, `math.inf` allowed",
+    "positive_finite": "finite, > 0",
+    "non_negative": ">= 0",
+    "non_negative_finite": "finite, >= 0",
+    "finite": "finite",
+    "unit_open": "(0, 1)",
+    "count": "int >= 1",
+    "bool": "bool",
 }
 
 
@@ -155,11 +229,9 @@ class FTISOptions:
     # --- policy loss -------------------------------------------------------------------------
     loss_type: str = _option(
         "grpo",
-        "Surrogate and reduction, as TRL 1.16: 'grpo' (per-sample token mean, then mean), "
-        "'bnpo'/'dapo' (token mean), 'dr_grpo' (sum / (B * max_completion_length)), 'cispo' "
-        "(-sg(min(R, epsilon_high)) A logp, token mean), 'sapo' (soft sigmoid gate, grpo's "
-        "reduction), 'luspo' (per-sample token sum, mean over B), 'vespo' (gamma-weighted "
-        "-phi(w) A logp, token mean).",
+        "Surrogate and reduction, as TRL 1.16: "
+        + ", ".join(f"'{t.name}' ({t.help})" for t in LOSS_TYPE_TABLE.values())
+        + ".",
         choices=LOSS_TYPES,
     )
     ratio_level: str = _option(
@@ -240,10 +312,13 @@ class FTISOptions:
                 f"None with loss_type={lt!r} (two-sided clipping applies to {CLIPPED_LOSS_TYPES})",
                 self.delta,
             )
-        if lt == "vespo" and self.is_level != "token" and self.is_mode != "none":
+        levels = LOSS_TYPE_TABLE[lt].is_levels
+        if self.is_level not in levels and self.is_mode != "none":
+            # Only vespo narrows the levels.
+            allowed = " or ".join(map(repr, levels))
             _fail(
                 "is_level",
-                "'token' with loss_type='vespo' (TRL: VESPO folds token-level IS "
+                f"{allowed} with loss_type={lt!r} (TRL: VESPO folds token-level IS "
                 "weights into its sequence weight)",
                 self.is_level,
             )
@@ -307,6 +382,27 @@ def option_help(name: str) -> str:
 
 def option_choices(name: str) -> Optional[tuple]:
     return OPTION_FIELDS[name].metadata["choices"]
+
+
+def _shown(value: Any) -> str:
+    return f"`{value!r}`".replace("'", '"')
+
+
+def option_allowed(name: str) -> str:
+    """The allowed values of option `name` as the docs' option tables write them: its choices
+    (`"tis"`, `None`), or its kind (`ALLOWED_TEXT`) after "`None` or " where None is allowed.
+    Combinations (`FTISOptions._check_combinations`) are not included."""
+    f = OPTION_FIELDS[name]
+    choices = f.metadata["choices"]
+    if choices is not None:
+        return ", ".join(_shown(c) for c in choices)
+    text = ALLOWED_TEXT[f.metadata["check"]]
+    return text if f.default is not None else f"`None` or {text}"
+
+
+def option_default_text(name: str) -> str:
+    """The default of option `name` as the docs' option tables write it: `"tis"`, `2.0`, `None`."""
+    return _shown(option_default(name))
 
 
 @dataclass(frozen=True)
@@ -423,11 +519,6 @@ def option_parameters() -> tuple[tuple[str, str], ...]:
         (dispatch(_SCHEMA_TYPES, f.type, f"the type of {name}")[0], name)
         for name, f in OPTION_FIELDS.items()
     )
-
-
-def option_schema() -> str:
-    """The options as custom-op schema arguments: "str is_mode, str is_level, float is_cap, ..."."""
-    return ", ".join(f"{kind} {name}" for kind, name in option_parameters())
 
 
 def option_args(opt: FTISOptions) -> tuple:

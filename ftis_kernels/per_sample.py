@@ -20,13 +20,14 @@ from typing import Optional
 
 import torch
 
-from ftis_kernels.options import FTISOptions, dispatch
+from ftis_kernels.options import FTISOptions, dispatch, loss_type
 
 METRIC_NAMES = (
     "logp",
     "entropy",
     "kl",
     "filtered",
+    "is_truncated",
     "filtered_frac",
     "kl_mean",
     "clip_frac",
@@ -39,10 +40,12 @@ METRIC_NAMES = (
     "entropy_mean",
 )
 """Metrics of both ops, in the custom ops' output order: logp, entropy (B, T); kl (B,); filtered
-(B,) bool; the rest 0-dim fp32 (filtered_frac and kl_mean over samples, the others over completion
-tokens; is_ratio_* is the raw IS ratio before truncation or masking, at the chosen level)."""
+(B,) bool; is_truncated (B,) fp32 (the share of the sample's completion tokens whose IS weight
+was truncated: is_truncated_frac sample by sample); the rest 0-dim fp32 (filtered_frac and kl_mean
+over samples, the others over completion tokens; is_ratio_* is the raw IS ratio before truncation
+or masking, at the chosen level)."""
 PER_TOKEN_METRICS = ("logp", "entropy")
-PER_SAMPLE_METRICS = ("kl", "filtered")
+PER_SAMPLE_METRICS = ("kl", "filtered", "is_truncated")
 
 
 @dataclass
@@ -199,16 +202,16 @@ def _loss(logp, ent, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs,
     )()
     ratio = torch.exp(log_r).expand(B, T)
     lo, hi = 1.0 - opt.epsilon, 1.0 + opt.clip_high
+    kind = loss_type(opt.loss_type)
     surrogate_loss, clipped = dispatch(
-        {name: _surrogate for name in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")}
-        | {"cispo": _cispo, "sapo": _sapo, "vespo": _vespo},
-        opt.loss_type,
+        {"clipped": _surrogate, "cispo": _cispo, "sapo": _sapo, "vespo": _vespo},
+        kind.surrogate,
         "loss_type",
     )(logp=logp, ratio=ratio, adv=adv_hat, lo=lo, hi=hi, opt=opt, m=m_loss, old=old, weight=weight)
     # VESPO folds the IS weight into its sequence weight; the others multiply it. A zero advantage
     # (a rejected sample) contributes nothing, even where w is inf (VIS).
     has_adv = adv_hat != 0
-    w = torch.ones_like(weight) if opt.loss_type == "vespo" else weight
+    w = torch.ones_like(weight) if kind.surrogate == "vespo" else weight
     loss_tok = torch.where(has_adv, w, zero) * torch.where(has_adv, surrogate_loss, zero)
     if opt.beta > 0:
         ref_minus = masked(ref_logprobs) - logp
@@ -223,16 +226,12 @@ def _loss(logp, ent, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs,
     length = T if opt.max_completion_length is None else opt.max_completion_length
     scale = dispatch(
         {
-            "grpo": lambda: (1.0 / (B * n_tok.clamp(min=1.0)))[:, None],
-            "sapo": lambda: (1.0 / (B * n_tok.clamp(min=1.0)))[:, None],
-            "bnpo": lambda: 1.0 / n_all,
-            "dapo": lambda: 1.0 / n_all,
-            "cispo": lambda: 1.0 / n_all,
-            "vespo": lambda: 1.0 / n_all,
-            "dr_grpo": lambda: torch.tensor(1.0 / (B * length), device=dev),
-            "luspo": lambda: torch.tensor(1.0 / B, device=dev),
+            "sample_mean": lambda: (1.0 / (B * n_tok.clamp(min=1.0)))[:, None],
+            "batch_mean": lambda: 1.0 / n_all,
+            "constant": lambda: torch.tensor(1.0 / (B * length), device=dev),
+            "sample_sum": lambda: torch.tensor(1.0 / B, device=dev),
         },
-        opt.loss_type,
+        kind.reduction,
         "loss_type",
     )()
     scale = torch.where(m_loss, scale, zero)
@@ -251,6 +250,8 @@ def _loss(logp, ent, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs,
         metrics = {
             "kl": kl,
             "filtered": filtered,
+            "is_truncated": (truncated[opt.is_mode] & m_all).to(f32).sum(dim=1)
+            / mf.sum(dim=1).clamp(min=1.0),
             "filtered_frac": filtered.to(f32).mean(),
             "kl_mean": kl.mean(),
             "clip_frac": (clipped & m_all).to(f32).sum() / n_live,

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ftis_kernels.options import FTISOptions
+from ftis_kernels.options import FTISOptions, loss_type
 
 
 def kl_per_token(d: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -115,13 +115,14 @@ def ref_ftis_loss(
     ratio = torch.exp(log_r).expand(B, T)
     lo, hi = 1.0 - opt.epsilon, 1.0 + opt.clip_high
     clipped = torch.zeros_like(m)
-    if opt.loss_type == "cispo":
+    kind = loss_type(opt.loss_type)  # the op's table: an unknown loss type is refused here
+    if kind.surrogate == "cispo":
         policy_loss = -torch.clamp(ratio, max=opt.clip_high).detach() * adv_hat * logp
         clipped = (adv_hat > 0) & (ratio.detach() > opt.clip_high)
-    elif opt.loss_type == "sapo":
+    elif kind.surrogate == "sapo":
         tau = torch.where(adv_hat > 0, opt.sapo_temperature_pos, opt.sapo_temperature_neg)
         policy_loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv_hat
-    elif opt.loss_type == "vespo":
+    elif kind.surrogate == "vespo":
         with torch.no_grad():
             lmin = math.log(1e-8)
             log_w = masked(torch.clamp(logp_d - old, -20.0, 20.0)).sum(dim=1) + masked(
@@ -135,12 +136,12 @@ def ref_ftis_loss(
             phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[:, None]
         policy_loss = -phi * adv_hat * logp
         weight_used = torch.ones_like(weight)  # VESPO folds the IS weight into phi
-    else:  # PPO's clipped surrogate, with delta capping the unclipped branch
+    else:  # "clipped": PPO's clipped surrogate, with delta capping the unclipped branch
         unclipped = ratio if opt.delta is None else torch.clamp(ratio, max=opt.delta)
         policy_loss = -torch.minimum(unclipped * adv_hat, torch.clamp(ratio, lo, hi) * adv_hat)
         r = ratio.detach()
         clipped = ((adv_hat > 0) & (r > hi)) | ((adv_hat < 0) & (r < lo))
-    if opt.loss_type != "vespo":
+    if kind.surrogate != "vespo":
         weight_used = weight
     # A zero advantage (a rejected sample) contributes nothing, even where the weight is inf (VIS).
     has_adv = (adv_hat != 0).expand(B, T)
@@ -155,13 +156,13 @@ def ref_ftis_loss(
 
     kept = loss_mask.to(cd).sum(dim=1)
     n_all = kept.sum().clamp(min=1.0)
-    if opt.loss_type in ("grpo", "sapo"):
+    if kind.reduction == "sample_mean":  # grpo, sapo
         loss = (loss_tok.sum(dim=1) / kept.clamp(min=1.0)).mean()
-    elif opt.loss_type in ("bnpo", "dapo", "cispo", "vespo"):
+    elif kind.reduction == "batch_mean":  # bnpo, dapo, cispo, vespo
         loss = loss_tok.sum() / n_all
-    elif opt.loss_type == "dr_grpo":
+    elif kind.reduction == "constant":  # dr_grpo
         loss = loss_tok.sum() / (B * (opt.max_completion_length or T))
-    else:  # luspo
+    else:  # "sample_sum": luspo
         loss = loss_tok.sum(dim=1).mean()
     if opt.entropy_coef > 0:
         loss = loss - opt.entropy_coef * torch.where(loss_mask, entropy, zero).sum() / n_all
@@ -177,6 +178,7 @@ def ref_ftis_loss(
             "entropy": entropy.detach(),
             "kl": kl,
             "filtered": filtered,
+            "is_truncated": (truncated & m).to(cd).sum(dim=1) / mf.sum(dim=1).clamp(min=1.0),
             "filtered_frac": filtered.to(cd).mean(),
             "kl_mean": kl.mean(),
             "clip_frac": (clipped & m).to(cd).sum() / n_live,

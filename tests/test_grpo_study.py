@@ -17,7 +17,6 @@ from ftis_kernels.grpo.audit import (
     sample_rows,
     sample_stats,
     start_sample_log,
-    truncated_share,
 )
 from ftis_kernels.grpo.config import ConfigError, build_config
 from ftis_kernels.grpo.exchange import Drop, Sample, make_hostile, pack, unpack
@@ -30,6 +29,7 @@ from ftis_kernels.grpo.task import (
     reward,
 )
 from ftis_kernels.options import FTISOptions
+from ftis_kernels.per_sample import per_sample_loss
 
 
 def _bare_node(tmp_path, **overrides):
@@ -130,43 +130,6 @@ def test_a_harder_task_is_another_warm_up_cache_entry_and_the_default_keeps_its_
 
 
 # -- a filter that says what it did (item 4) ---------------------------------------------------
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(),
-        dict(is_level="sequence"),
-        dict(is_level="sequence_product", is_cap=1.5),
-        dict(is_cap_min=0.7),
-        dict(is_mode="vis"),
-    ],
-    ids=["token", "sequence", "sequence_product", "cap_min", "vis"],
-)
-def test_truncated_share_is_the_ops_truncated_fraction_sample_by_sample(options):
-    g = torch.Generator().manual_seed(0)
-    B, T, V = 5, 7, 11
-    logits = torch.randn(B, T, V, generator=g) * 2
-    tokens = torch.randint(0, V, (B, T), generator=g)
-    logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
-    shift = torch.tensor([0.0, -2.0, 1.0, -1.5, 0.5])[:, None]  # some samples far off-policy
-    gen = (logp + 0.5 * torch.randn(B, T, generator=g) + shift).clamp(max=0)
-    mask = torch.rand(B, T, generator=g) < 0.8
-    mask[0] = False  # a sample without completion tokens
-    adv = torch.randn(B, generator=g)
-    opt = FTISOptions.preset("f-tis", **options)
-    share = truncated_share(logp, gen, mask, opt)
-    for b in range(B):
-        _, m = ftis_loss(
-            logits[b : b + 1],
-            tokens[b : b + 1],
-            gen[b : b + 1],
-            adv[b : b + 1],
-            mask[b : b + 1],
-            **opt.as_kwargs(),
-        )
-        assert float(share[b]) == pytest.approx(float(m["is_truncated_frac"]), abs=1e-6), b
-    assert share[0] == 0 and (options.get("is_mode") == "vis") == bool((share == 0).all())
-
-
 def test_sample_stats_of_a_packed_batch_are_the_padded_batchs():
     # The driver packs by default: its per-sample log must read the packed layout as the padded.
     g = torch.Generator().manual_seed(1)
@@ -181,12 +144,11 @@ def test_sample_stats_of_a_packed_batch_are_the_padded_batchs():
     opt = FTISOptions.preset("f-tis", kl_threshold=0.5)
     _, padded = ftis_loss(logits, tokens, gen, adv, mask, **opt.as_kwargs())
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    packed_batch = dict(tokens=tokens[mask], gen_logprobs=gen[mask], cu_seqlens=cu)
     _, packed = ftis_loss(
         logits[mask], tokens[mask], gen[mask], adv, cu_seqlens=cu, **opt.as_kwargs()
     )
-    want = sample_stats(padded, dict(gen_logprobs=gen, mask=mask), opt)
-    got = sample_stats(packed, packed_batch, opt)
+    want = sample_stats(padded)
+    got = sample_stats(packed)
     assert got == want
     assert 0 < sum(want["filtered"]) < B and 0 < sum(want["truncated"])  # both defences act
 
@@ -325,7 +287,8 @@ def test_random_tokens_max_weight_claims_the_logprob_that_gives_every_token_the_
     logp = torch.full((3, 6), math.log(1 / 50) - math.log(1e6))
     gen = torch.stack([s.logprobs for s in got])
     opt = FTISOptions.preset("f-tis")
-    assert bool((truncated_share(logp, gen, torch.ones(3, 6, dtype=torch.bool), opt) == 1).all())
+    result = per_sample_loss(logp, gen, torch.ones(3), None, None, None, opt)
+    assert bool((result.metrics["is_truncated"] == 1).all())
 
 
 def test_replay_sends_last_rounds_samples_of_one_peer_as_its_own():

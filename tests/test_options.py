@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, per_sample
+from ftis_kernels.custom_op import ForwardSignature
 from ftis_kernels.options import (
     OPTION_FIELDS,
     OPTION_NAMES,
     PRESETS,
+    option_allowed,
     option_args,
+    option_default_text,
     options_from_args,
     with_option_keywords,
 )
@@ -67,7 +73,7 @@ def test_a_new_option_reaches_the_public_signature_and_the_op_schema(monkeypatch
         return x
 
     assert _keyword_defaults(with_option_keywords(op))["dummy_option"] == 0.5
-    assert "float dummy_option" in options_module.option_schema()
+    assert "float dummy_option" in ForwardSignature(leading=(), trailing=()).schema
 
 
 def test_trl_config_takes_its_option_fields_from_the_definition():
@@ -122,3 +128,30 @@ def test_driver_config_takes_its_loss_options_from_the_definition():
     assert run.ftis_options() == want
     with pytest.raises(ValueError, match="loss_options"):
         config.build_config("smoke", overrides={"loss_options": {"is_cap_max": 1.0}})
+
+
+def _option_table(path: str) -> dict[str, tuple[str, str]]:
+    """{option: (default cell, allowed cell)} of the option table of a doc (the table whose header
+    starts "| option | default |"); a row may name several options."""
+    lines = (Path(__file__).resolve().parents[1] / path).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| option | default |"))
+    rows: dict[str, tuple[str, str]] = {}
+    for line in itertools.takewhile(lambda s: s.startswith("|"), lines[start + 2 :]):
+        first, default, allowed = (c.strip() for c in line.strip("|").split(" | ")[:3])
+        names = re.findall(r"`(\w+)`", first)
+        defaults = default.split(", ")
+        for i, name in enumerate(names):
+            rows[name] = (defaults[i] if len(defaults) == len(names) else default, allowed)
+    return rows
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/method.md"])
+def test_the_docs_option_tables_give_every_option_its_definitions_default_and_values(path):
+    # The allowed cell is the definition's (`option_allowed`), optionally followed by "; " and a
+    # combination (e.g. is_cap_min <= is_cap).
+    rows = _option_table(path)
+    assert set(OPTION_NAMES) <= set(rows), set(OPTION_NAMES) - set(rows)
+    for name in OPTION_NAMES:
+        default, allowed = rows[name]
+        assert default == option_default_text(name), (name, default)
+        assert allowed.split("; ")[0] == option_allowed(name), (name, allowed)

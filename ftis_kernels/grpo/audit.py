@@ -27,8 +27,6 @@ from typing import Any, Optional
 import torch
 
 from ftis_kernels.grpo.exchange import DROP_KINDS, Drop, Sample
-from ftis_kernels.options import FTISOptions
-from ftis_kernels.packing import segment_index
 
 SAMPLE_LOG = "received.jsonl"
 # The per-round counters `defence_metrics` returns, in metrics.jsonl's order.
@@ -41,61 +39,14 @@ DEFENCE_KEYS = (
 )
 
 
-def truncated_share(
-    logp: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor, options: FTISOptions
-) -> torch.Tensor:
-    """Per sample, the share of its completion tokens whose IS weight the cap truncated: the op's
-    `is_truncated_frac` sample by sample (0 unless is_mode is "tis").
-
-    logp, gen_logprobs (B, T) float: log pi_theta (the op's `logp` metric) and log pi_gen; mask
-    (B, T) bool. The driver has no old logprobs, so the weight's source is pi_theta either way.
-    Returns (B,) float32; a sample without completion tokens gets 0.
-    """
-    m = mask.bool()
-    n = m.sum(dim=1)
-    log_ratio = torch.where(m, logp.float() - gen_logprobs.float(), 0.0)
-    if options.is_level == "sequence":
-        log_ratio = (log_ratio.sum(dim=1) / n.clamp(min=1))[:, None].expand_as(log_ratio)
-    elif options.is_level == "sequence_product":
-        log_ratio = log_ratio.sum(dim=1)[:, None].expand_as(log_ratio)
-    raw = torch.exp(log_ratio)
-    low = 0.0 if options.is_cap_min is None else options.is_cap_min
-    out_of_band = (raw < low) | (raw > options.is_cap)
-    if options.is_mode != "tis":
-        out_of_band = torch.zeros_like(out_of_band)
-    return (out_of_band & m).float().sum(dim=1) / n.clamp(min=1).float()
-
-
-def sample_stats(
-    metrics: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], options: FTISOptions
-) -> dict[str, list[float]]:
-    """Per sample of one `ftis_loss` call: kl, filtered (0/1) and truncated (`truncated_share`).
-
-    `batch` is padded (`train.build_batch`: (B, T) rows and mask) or packed
-    (`train.build_packed_batch`: (N,) rows and cu_seqlens (S + 1,)); packed rows are scattered to
-    (S, max length) with a mask first.
-    """
-    logp, gen_logprobs = metrics["logp"], batch["gen_logprobs"]
-    if "cu_seqlens" in batch:
-        cu_seqlens = batch["cu_seqlens"]
-        N = gen_logprobs.numel()
-        index = segment_index(cu_seqlens, N)
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        shape = (lengths.numel(), int(lengths.max()) if lengths.numel() else 0)
-        mask = torch.zeros(shape, dtype=torch.bool, device=gen_logprobs.device)
-        mask.index_put_(index, torch.ones(N, dtype=torch.bool, device=mask.device))
-
-        def pad(x: torch.Tensor) -> torch.Tensor:
-            return x.new_zeros(shape).index_put_(index, x.reshape(N))
-
-        logp, gen_logprobs = pad(logp), pad(gen_logprobs)
-    else:
-        mask = batch["mask"]
-    truncated = truncated_share(logp, gen_logprobs, mask, options)
+def sample_stats(metrics: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Per sample of one `ftis_loss` call, from its metrics: kl, filtered (0/1) and truncated (the
+    op's `is_truncated`: the share of the sample's completion tokens whose IS weight the cap
+    truncated, 0 unless is_mode is "tis"). Padded or packed, one value per sample."""
     return dict(
         kl=metrics["kl"].float().tolist(),
         filtered=metrics["filtered"].float().tolist(),
-        truncated=truncated.tolist(),
+        truncated=metrics["is_truncated"].float().tolist(),
     )
 
 

@@ -32,7 +32,7 @@ from ftis_kernels import ftis_loss
 from ftis_kernels.grpo.audit import sample_stats
 from ftis_kernels.grpo.exchange import Sample
 from ftis_kernels.grpo.rollout import left_pad
-from ftis_kernels.options import FTISOptions
+from ftis_kernels.options import FTISOptions, loss_type
 
 
 def build_batch(
@@ -215,7 +215,7 @@ def grpo_update(
     model.train()
     n_samples = len(samples)
     n_tokens = sum(s.n_tokens for s in samples)
-    by_tokens = options.loss_type in ("bnpo", "dapo", "cispo", "vespo")  # token means
+    by_tokens = loss_type(options.loss_type).batch_normalised  # token means
     totals = dict.fromkeys(
         ("loss", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean", "is_truncated_frac"),
         0.0,
@@ -237,13 +237,13 @@ def grpo_update(
             batch["advantages"],
             mask,
             **packing,
-            **options.as_kwargs(),
+            options=options,
         )
         chunk_tokens = sum(s.n_tokens for s in chunk)
         share = chunk_tokens / max(n_tokens, 1) if by_tokens else len(chunk) / n_samples
         (loss * share).backward()
         if per_sample is not None:
-            for key, values in sample_stats(metrics, batch, options).items():
+            for key, values in sample_stats(metrics).items():
                 per_sample.setdefault(key, []).extend(values)
         token_share = chunk_tokens / max(n_tokens, 1)
         totals["loss"] += float(loss.detach()) * share

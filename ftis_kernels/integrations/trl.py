@@ -63,7 +63,14 @@ from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import _active_module, _unwrap_peft, lm_head_inputs
-from ftis_kernels.options import DEFAULTS, OPTION_FIELDS, OPTION_NAMES, FTISOptions, dispatch
+from ftis_kernels.options import (
+    DEFAULTS,
+    OPTION_FIELDS,
+    OPTION_NAMES,
+    FTISOptions,
+    dispatch,
+    loss_type,
+)
 
 require("trl", "ftis_kernels.integrations.trl")
 
@@ -572,7 +579,7 @@ class FTISGRPOTrainer(GRPOTrainer):
     def _trl_scale(self, mode: str, mask: torch.Tensor, inputs) -> Any:
         """Factor that turns the op's reduction into TRL's (`GRPOTrainer._compute_loss`)."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type in ("dapo", "cispo", "vespo"):
+        if loss_type(self.loss_type).trl_global_tokens:
             # TRL: token sum / (tokens of the generation batch per process, per accumulation window);  # noqa: E501
             # the op: token sum / tokens of this micro-batch.
             normalizer = (

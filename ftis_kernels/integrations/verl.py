@@ -34,17 +34,12 @@ import torch
 from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.workers.config import PolicyLossConfig
 
-from ftis_kernels.options import FTISOptions
+from ftis_kernels.options import LOSS_TYPE_TABLE, FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
 
 LOSS_MODE = "ftis"
-AGG_LOSS_TYPES = {
-    "token-mean": "dapo",
-    "seq-mean-token-mean": "grpo",
-    "seq-mean-token-sum": "luspo",
-    "seq-mean-token-sum-norm": "dr_grpo",
-    "token-sum": "luspo",
-}
+# verl's loss_agg_mode -> our loss_type, from the loss-type table.
+AGG_LOSS_TYPES = {mode: t.name for t in LOSS_TYPE_TABLE.values() for mode in t.verl}
 
 
 @dataclass
