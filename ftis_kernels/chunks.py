@@ -207,20 +207,17 @@ def linear_grads(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     tokens: torch.Tensor,
-    row_max: torch.Tensor,
-    log_sum: torch.Tensor,
-    coef: torch.Tensor,
-    entropy: Optional[torch.Tensor],
-    entropy_coef: Optional[torch.Tensor],
+    per_row: tuple[Optional[torch.Tensor], ...],
     temperature: float,
     chunk_size: int,
     backend: str,
     needs: tuple[bool, bool, bool],
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Backward pass (the gradients in the backward order). row_max, log_sum, entropy (B, T) fp32
-    from the forward; coef, entropy_coef (B, T) fp32 = d loss / d logp and d loss / d entropy
-    times the incoming gradient, over temperature (entropy and entropy_coef None without an
-    entropy bonus); needs = which of (hidden, weight, bias) want a grad.
+    """Backward pass (the gradients in the backward order). per_row = (row_max, log_sum, coef,
+    entropy, entropy_coef) as `custom_op.backward_stats` gives them: row_max, log_sum, entropy
+    (B, T) fp32 from the forward; coef, entropy_coef (B, T) fp32 = d loss / d logp and
+    d loss / d entropy times the incoming gradient, over temperature (entropy and entropy_coef
+    None without an entropy bonus); needs = which of (hidden, weight, bias) want a grad.
 
     With dlogits[r, v] = coef[r] * (1[v == token[r]] - p[r, v]) - entropy_coef[r] * p[r, v] *
     (log p[r, v] + entropy[r]), p = softmax(logits / temperature) (`kernels/logp_lse.py`):
@@ -229,9 +226,9 @@ def linear_grads(
     """
     grads = _new_grads(hidden, weight, needs)
     if any(needs):
+        coef, entropy_coef = per_row[2], per_row[4]
         live = coef != 0 if entropy_coef is None else (coef != 0) | (entropy_coef != 0)
         for b, t in _chunks(live.nonzero(as_tuple=True), chunk_size):
-            per_row = (row_max, log_sum, coef, entropy, entropy_coef)
             stats = tuple(None if x is None else x[b, t] for x in per_row)
             h = hidden[b, t]
             logits = _chunk_logits(h, weight, bias)

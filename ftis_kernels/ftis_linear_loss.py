@@ -45,22 +45,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ftis_kernels import chunks
-from ftis_kernels.custom_op import (
-    N_OUTPUTS,
-    ForwardSignature,
-    Shard,
-    backward_stats,
-    completion_mask,
-    fake_forward_outputs,
-    finish_forward,
-    packed_input,
-    per_sample,
-    public_metrics,
-    row_inputs,
-    save_for_backward,
-    shard_tokens,
-)
+from ftis_kernels import chunks, custom_op
 from ftis_kernels.kernels import select_backend
 from ftis_kernels.options import (
     FTISOptions,
@@ -116,7 +101,7 @@ def grad_in_forward_blocker(
     return None
 
 
-_FWD = ForwardSignature(
+_FWD = custom_op.ForwardSignature(
     leading=(("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor?", "bias")),
     trailing=(
         ("int", "chunk_size"),
@@ -139,9 +124,9 @@ def _ftis_linear_loss_fwd_impl(*inputs):
     hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     chunk_size, backend = args["chunk_size"], args["backend"]
     B, T, _ = hidden.shape
-    mask = completion_mask(args)
+    mask = custom_op.completion_mask(args)
     rows = chunks.completion_rows(mask, B, T, hidden.device)
-    shard = Shard.of(args, hidden.device, weight.shape[0], hidden.shape[2])
+    shard = custom_op.Shard.of(args, hidden.device, weight.shape[0], hidden.shape[2])
     # Chunks of whole samples when they fit (in both orders, so that both compute the same
     # logits), else of chunk_size rows.
     cu_seqlens = args["cu_seqlens"]
@@ -154,7 +139,7 @@ def _ftis_linear_loss_fwd_impl(*inputs):
             raise AssertionError("grad_in_forward with a sample longer than chunk_size")
 
         def coefficients(logp: torch.Tensor, entropy: torch.Tensor) -> PerSample:
-            return per_sample(args, opt, mask, logp, entropy)
+            return custom_op.per_sample(args, opt, mask, logp, entropy)
 
         loop = (opt.temperature, opt.entropy_coef > 0, backend, needs)
         stats, grads = chunks.linear_loss_and_grads(
@@ -166,7 +151,7 @@ def _ftis_linear_loss_fwd_impl(*inputs):
             hidden, weight, bias, shard.tokens, rows, *chunking, chunks=sample_chunks
         )
     stats = shard.complete(stats, mask)
-    outputs = finish_forward(args, opt, shard.vocab, mask, stats, logits_name="hidden")
+    outputs = custom_op.finish_forward(args, opt, shard.vocab, mask, stats, logits_name="hidden")
     return (*outputs, *(hidden.new_empty(0) if g is None else g for g in grads))
 
 
@@ -182,7 +167,9 @@ _ftis_linear_loss_fwd = torch.library.custom_op(
 def _(*inputs):
     args = _FWD.bind(inputs)
     hidden, weight = args["hidden"], args["weight"]
-    outputs = fake_forward_outputs(hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"])
+    outputs = custom_op.fake_forward_outputs(
+        hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"]
+    )
     on = args["grad_in_forward"]
     grads = (
         torch.empty_like(hidden) if on and args["need_hidden"] else hidden.new_empty(0),
@@ -218,7 +205,7 @@ def _ftis_linear_loss_bwd(
     needs = (need_hidden, need_weight, need_bias)
     stats = (row_max, log_sum, coef, entropy, entropy_coef)
     grads = chunks.linear_grads(
-        hidden, weight, bias, tokens, *stats, temperature, chunk_size, backend, needs
+        hidden, weight, bias, tokens, stats, temperature, chunk_size, backend, needs
     )
     if group_name is not None and grads[0] is not None:
         all_reduce_sum(grads[0], group_name)
@@ -262,13 +249,13 @@ def _(grad_hidden, grad_weight, grad_bias, grad_loss):
 
 def _setup_context(ctx, inputs, output):
     args = _FWD.bind(inputs)
-    tokens = shard_tokens(args)
+    tokens = custom_op.shard_tokens(args)
     ctx.grad_in_forward = args["grad_in_forward"]
     # The outputs other than the loss get no gradient: None, not a zero (V, H) grad_weight.
     ctx.set_materialize_grads(False)
-    grads = output[N_OUTPUTS:] if ctx.grad_in_forward else ()
+    grads = output[custom_op.N_OUTPUTS :] if ctx.grad_in_forward else ()
     tensors = (args["hidden"], args["weight"], args["bias"], tokens, *grads)
-    save_for_backward(ctx, args, inputs, output[:N_OUTPUTS], *tensors)
+    custom_op.save_for_backward(ctx, args, inputs, output[: custom_op.N_OUTPUTS], *tensors)
     ctx.chunk_size, ctx.group_name = args["chunk_size"], args["group_name"]
 
 
@@ -286,7 +273,7 @@ def _backward(ctx, grad_loss, *_):
             grad_hidden, grad_weight, grad_bias, grad_loss
         )
     else:
-        stats = backward_stats(ctx, grad_loss)
+        stats = custom_op.backward_stats(ctx, grad_loss)
         grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
             hidden,
             weight,
@@ -423,11 +410,11 @@ def ftis_linear_loss(
         metrics: as `ftis_loss`.
     """
     opt = resolve_options(options, option_keywords)
-    hidden, flat = packed_input(hidden, cu_seqlens)
+    hidden, flat = custom_op.packed_input(hidden, cu_seqlens)
     B, T, H, V = _check_linear_inputs(hidden, weight, bias, chunk_size)
     backend = select_backend(hidden.device)
     rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    rows, max_seqlen = row_inputs("hidden", "H", hidden, rows, opt.beta, cu_seqlens)
+    rows, max_seqlen = custom_op.row_inputs("hidden", "H", hidden, rows, opt.beta, cu_seqlens)
     name = group_name(process_group, vocab_start)
     longest = T if cu_seqlens is None else max_seqlen
     chunk = chunks.auto_chunk_size(V, longest) if chunk_size is None else int(chunk_size)
@@ -444,4 +431,4 @@ def ftis_linear_loss(
     switches = (chunk, backend, in_forward, *needs)
     lm_head = (hidden, weight, bias)
     outputs = _ftis_linear_loss_fwd(*lm_head, *rows, *option_args(opt), *packing, *switches)
-    return outputs[0], public_metrics(outputs, T if flat else None)
+    return outputs[0], custom_op.public_metrics(outputs, T if flat else None)

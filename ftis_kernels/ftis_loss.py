@@ -19,19 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ftis_kernels.custom_op import (
-    ForwardSignature,
-    Shard,
-    backward_stats,
-    completion_mask,
-    fake_forward_outputs,
-    finish_forward,
-    packed_input,
-    public_metrics,
-    row_inputs,
-    save_for_backward,
-    shard_tokens,
-)
+from ftis_kernels import custom_op
 from ftis_kernels.grad_buffer import grad_buffer
 from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.options import (
@@ -47,7 +35,7 @@ from ftis_kernels.validate import LOGIT_DTYPES, check_inplace_backward, check_te
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-_FWD = ForwardSignature(
+_FWD = custom_op.ForwardSignature(
     leading=(("Tensor", "logits"),),
     trailing=(("bool", "inplace_backward"), ("str", "backend")),
 )
@@ -56,12 +44,12 @@ _FWD = ForwardSignature(
 def _ftis_loss_fwd_impl(*inputs):
     """The loss, the metrics and the saved row statistics (`custom_op.finish_forward`)."""
     args = _FWD.bind(inputs)
-    logits, mask = args["logits"], completion_mask(args)
-    shard = Shard.of(args, logits.device, logits.shape[-1])
+    logits, mask = args["logits"], custom_op.completion_mask(args)
+    shard = custom_op.Shard.of(args, logits.device, logits.shape[-1])
     temperature = args["temperature"]
     stats = FORWARD[args["backend"]](logits, shard.tokens, mask, temperature)
     stats = shard.complete(stats, mask)
-    return finish_forward(args, _FWD.options(args), shard.vocab, mask, stats)
+    return custom_op.finish_forward(args, _FWD.options(args), shard.vocab, mask, stats)
 
 
 _ftis_loss_fwd = torch.library.custom_op(
@@ -73,7 +61,9 @@ _ftis_loss_fwd = torch.library.custom_op(
 def _(*inputs):
     args = _FWD.bind(inputs)
     logits = args["logits"]
-    return fake_forward_outputs(logits, logits.shape[0], logits.shape[1], args["cu_seqlens"])
+    return custom_op.fake_forward_outputs(
+        logits, logits.shape[0], logits.shape[1], args["cu_seqlens"]
+    )
 
 
 @torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
@@ -120,13 +110,15 @@ def _ftis_loss_bwd_inplace(
 
 def _setup_context(ctx, inputs, output):
     args = _FWD.bind(inputs)
-    save_for_backward(ctx, args, inputs, output, args["logits"], shard_tokens(args))
+    custom_op.save_for_backward(
+        ctx, args, inputs, output, args["logits"], custom_op.shard_tokens(args)
+    )
     ctx.inplace_backward = args["inplace_backward"]
 
 
 def _backward(ctx, grad_loss, *_):
     logits, tokens = ctx.saved_tensors[:2]
-    row_max, log_sum, coef, entropy, entropy_coef = backward_stats(ctx, grad_loss)
+    row_max, log_sum, coef, entropy, entropy_coef = custom_op.backward_stats(ctx, grad_loss)
     stats = (row_max, log_sum, coef, entropy, entropy_coef, ctx.temperature, ctx.backend)
     if ctx.inplace_backward:
         torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *stats)
@@ -214,7 +206,7 @@ def ftis_loss(
         Logits at masked positions may hold anything and never reach the loss or the gradient.
     """
     opt = resolve_options(options, option_keywords)
-    logits, flat = packed_input(logits, cu_seqlens)
+    logits, flat = custom_op.packed_input(logits, cu_seqlens)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or min(logits.shape) < 1:
         got = logits.shape if isinstance(logits, torch.Tensor) else logits
         raise ValueError(f"logits: expected a (B, T, V) tensor with B, T, V >= 1, got {got!r}")
@@ -222,10 +214,10 @@ def ftis_loss(
     check_tensor("logits", logits, (B, T, V), LOGIT_DTYPES, logits.device)
     backend = select_backend(logits.device)
     rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
-    rows, max_seqlen = row_inputs("logits", "V", logits, rows, opt.beta, cu_seqlens)
+    rows, max_seqlen = custom_op.row_inputs("logits", "V", logits, rows, opt.beta, cu_seqlens)
     inplace = check_inplace_backward(logits, inplace_backward)
     shard = (vocab_start, group_name(process_group, vocab_start))
     outputs = _ftis_loss_fwd(
         logits, *rows, *option_args(opt), cu_seqlens, max_seqlen, *shard, inplace, backend
     )
-    return outputs[0], public_metrics(outputs, T if flat else None)
+    return outputs[0], custom_op.public_metrics(outputs, T if flat else None)

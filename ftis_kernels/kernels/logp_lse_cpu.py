@@ -67,9 +67,8 @@ def _shifted(x: torch.Tensor, out: torch.Tensor):
 
 
 def _exp2_scale(temperature: float) -> float:
-    """log2(e) / tau: exp((x - m) / tau) = exp2((x - m) * this), one multiply per logit. A
-    division per logit took a fifth of the compiled forward's time (27 against 22 ms over 512 x
-    151,936 bf16 logits, without the entropy sum). Rounded to fp32 where it multiplies fp32."""
+    """log2(e) / tau: exp((x - m) / tau) = exp2((x - m) * this), one multiply per logit, not a
+    division (bench/README.md, "CPU row passes"). Rounded to fp32 where it multiplies fp32."""
     return LOG2E / temperature
 
 
