@@ -1,6 +1,7 @@
 """The repository stands alone: the method and the contract are in docs/, every reference to
 them resolves, and the license, changelog and type marker that the package promises exist."""
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -103,3 +104,19 @@ def test_the_long_description_reads_off_the_repository():
     assert not relative, f"relative links in README.md: {relative}"
     assert not re.findall(r'(?:src|href)="(?![a-z]+://)', (ROOT / "README.md").read_text())
     assert project["authors"] and project["keywords"] and project["classifiers"]
+
+
+def test_the_public_ops_stand_side_by_side_and_the_front_door_holds_the_ops():
+    # Each op imports the shared modules (custom_op, chunks, kernels), never another op.
+    ops = ("ftis_loss", "ftis_linear_loss", "ftis_logprobs")
+    for op in ops:
+        tree = ast.parse((ROOT / "ftis_kernels" / f"{op}.py").read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        others = {f"ftis_kernels.{o}" for o in ops if o != op}
+        assert not imported & others, (op, imported & others)
+    assert set(ftis_kernels.__all__) == {"FTISOptions", *ops}
