@@ -5,7 +5,9 @@ The built-in generator writes grade-school word problems whose worked answer fol
 rebuilds a peer's prompt from its 64-bit prompt id alone and nothing but ids crosses the wire.
 
 Splits: "train" and "test" (in distribution: 1-2 steps, operands 1-9) and "ood" (the stand-in for
-MATH-500: 3-4 steps and operands up to 19, never seen in training); `Difficulty` moves both. For
+MATH-500: 3-4 steps and operands up to 19, never seen in training); `Difficulty` moves both, and
+with `ood_surface` the ood problems also speak of people and things no train or test problem
+names (`OOD_NAMES`, `OOD_ITEMS`): the same arithmetic in words the model never trained on. For
 real data, `JsonlTask` reads local GSM8K (`question`/`answer` with "#### x") or MATH-500
 (`problem`/`answer`) files.
 
@@ -25,6 +27,10 @@ from typing import Optional
 
 NAMES = {"Ava": "She", "Ben": "He", "Cara": "She", "Dan": "He", "Eli": "He", "Fay": "She"}
 ITEMS = ("apples", "pens", "cards", "books", "coins", "shells")
+# The ood split's names and items under `Difficulty.ood_surface`: never in a train or test problem
+# (nor in the vocabulary of a task without it, so that its token ids stay the original ones).
+OOD_NAMES = {"Gus": "He", "Hana": "She", "Ivy": "She", "Jon": "He"}
+OOD_ITEMS = ("stamps", "beads", "cups", "keys")
 OPERATIONS = ("add", "sub")
 SPLITS = ("train", "test", "ood", "file")
 _SPLIT_CODE = {name: code for code, name in enumerate(SPLITS)}
@@ -86,8 +92,9 @@ def reward(completion: str, problem: Problem, format_credit: float = 0.0) -> flo
 @dataclass(frozen=True)
 class Difficulty:
     """How hard the generated problems are: the number of steps (drawn from [steps_min,
-    steps_max]) and the largest operand, for the train and test splits and for the ood split.
-    The defaults are the task's original ones."""
+    steps_max]) and the largest operand, for the train and test splits and for the ood split;
+    `ood_surface`: the ood problems use `OOD_NAMES` and `OOD_ITEMS`, words no train or test
+    problem contains. The defaults are the task's original ones."""
 
     steps_min: int = 1
     steps_max: int = 2
@@ -95,6 +102,7 @@ class Difficulty:
     ood_steps_min: int = 3
     ood_steps_max: int = 4
     ood_operand_max: int = 19
+    ood_surface: bool = False
 
     def __post_init__(self):
         for prefix in ("", "ood_"):
@@ -132,8 +140,11 @@ class ArithmeticTask:
         rng = random.Random(f"ftis-arith:{self.seed}:{split}:{index}:{','.join(operations)}")
         fewest, most, high = self.difficulty.of(split)
         steps = rng.randint(fewest, most)
-        name = rng.choice(sorted(NAMES))
-        pronoun, item = NAMES[name], rng.choice(ITEMS)
+        names, items = NAMES, ITEMS
+        if split == "ood" and self.difficulty.ood_surface:
+            names, items = OOD_NAMES, OOD_ITEMS
+        name = rng.choice(sorted(names))
+        pronoun, item = names[name], rng.choice(items)
         total = rng.randint(1, high)
         sentences = [f"{name} has {total} {item}."]
         work = []
@@ -164,6 +175,8 @@ class ArithmeticTask:
     def vocabulary_text(self) -> list[str]:
         """Every word and symbol a generated problem or answer can contain."""
         words = list(NAMES) + list(NAMES.values()) + list(ITEMS)
+        if self.difficulty.ood_surface:
+            words += list(OOD_NAMES) + list(OOD_ITEMS)
         words += "Q A The answer is has gives away gets more How many does have now ? . + - = ####".split()  # noqa: E501
         return words
 
