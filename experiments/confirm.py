@@ -208,20 +208,45 @@ def chunks() -> list[tuple[int, ...]]:
 # The pilot: the size pair's on-policy run (small and tiny, isolated) at each candidate on some of
 # PILOT_SEEDS, and the first candidate's F-TIS run on the first pilot seed (what the filter does
 # with the longer completions, and what a cell without the start evaluation costs). A candidate is
-# --set flags over the configs; (name, flags, seeds, modes), in the order they ran.
+# --set flags over the configs; (name, flags, seeds, modes), in the order they ran. The pilot ran
+# before the configs split the chains (`disjoint_splits`): its flags say so.
 PILOT = (
-    ("2-3x9", ("task_operand_max=9", "ood_operand_max=9"), PILOT_SEEDS, ("on-policy",)),
-    ("2-3x9", ("task_operand_max=9", "ood_operand_max=9"), PILOT_SEEDS[:1], ("f-tis",)),
+    (
+        "2-3x9",
+        ("task_operand_max=9", "ood_operand_max=9", "disjoint_splits=false"),
+        PILOT_SEEDS,
+        ("on-policy",),
+    ),
+    (
+        "2-3x9",
+        ("task_operand_max=9", "ood_operand_max=9", "disjoint_splits=false"),
+        PILOT_SEEDS[:1],
+        ("f-tis",),
+    ),
     # the learning rates halved and quartered (the first candidate's accuracy fell)
     (
         "lr-half",
-        ("nodes.0.lr=1.0e-4", "nodes.1.lr=1.5e-4", "eval_start=false"),
+        ("nodes.0.lr=1.0e-4", "nodes.1.lr=1.5e-4", "eval_start=false", "disjoint_splits=false"),
         (100,),
         ("on-policy",),
     ),
     (
         "lr-quarter",
-        ("nodes.0.lr=5.0e-5", "nodes.1.lr=7.5e-5", "eval_start=false"),
+        ("nodes.0.lr=5.0e-5", "nodes.1.lr=7.5e-5", "eval_start=false", "disjoint_splits=false"),
+        (100,),
+        ("on-policy",),
+    ),
+    # greedy accuracy still fell at lr / 4: the binary reward (no credit for a well-formed wrong
+    # answer), at lr / 4
+    (
+        "binary-lr-quarter",
+        (
+            "nodes.0.lr=5.0e-5",
+            "nodes.1.lr=7.5e-5",
+            "eval_start=false",
+            "format_credit=0.0",
+            "disjoint_splits=false",
+        ),
         (100,),
         ("on-policy",),
     ),
@@ -250,6 +275,92 @@ def cells(scale: str = "full", seeds: Optional[tuple[int, ...]] = None) -> list[
         for pair, modes in PAIR_MODES.items():
             out += [_pair_cell(pair, m, seed) for m in modes if m != "on-policy"]
     return out
+
+
+# -- the warm-up probe (the pilot's first step) ---------------------------------------------------
+def probe(
+    steps: tuple[int, int],
+    operand_max: int,
+    warmup_steps: int,
+    gsm8k_format: float,
+    seed: int = PILOT_SEEDS[0],
+    n: int = 256,
+) -> dict:
+    """What the warm-up alone gives `small` on a task: its final loss, the share of right answers
+    among samples at temperature 0.8 (train problems), and greedy accuracy on the test split and
+    on the ood split in unseen words (`ood_surface`); the CPU seconds it took. The node's own
+    warm-up (`models.warm_up`, the configs' lr and batch) and sampler, one thread."""
+    import time
+
+    import torch
+
+    from ftis_kernels.grpo.config import build_config
+    from ftis_kernels.grpo.models import build_model, warm_up
+    from ftis_kernels.grpo.rollout import sample
+    from ftis_kernels.grpo.task import (
+        ArithmeticTask,
+        Difficulty,
+        format_prompt,
+        make_prompt_id,
+        reward,
+    )
+    from ftis_kernels.grpo.tokenizer import build_tokenizer
+
+    torch.set_num_threads(1)
+    t0 = time.process_time()
+    cfg = build_config(config_file=str(HERE / "configs" / "confirm" / "size.yaml"))
+    spec = next(node for node in cfg.nodes if node.name == RECEIVER)
+    cfg.seed = seed
+    task = ArithmeticTask(seed, Difficulty(*steps, operand_max, *steps, operand_max, True))
+    tok = build_tokenizer(task.vocabulary_text())
+    init = cfg.init_seed(cfg.nodes.index(spec))
+    model = build_model(spec.arch, tok, init)
+    loss = warm_up(
+        model,
+        tok,
+        task,
+        steps=warmup_steps,
+        lr=spec.warmup_lr,
+        batch_size=cfg.warmup_batch,
+        seed=init,
+        operations=list(spec.warmup_ops),
+        gsm8k_format=gsm8k_format,
+    )
+
+    def accuracy(split: str, greedy: bool) -> float:
+        ids = [make_prompt_id(split, i) for i in range(n)]
+        gen, right = torch.Generator().manual_seed(seed), 0
+        for k in range(0, n, cfg.micro_batch):
+            batch = ids[k : k + cfg.micro_batch]
+            prompts = [tok(format_prompt(task.problem(i).question))["input_ids"] for i in batch]
+            tokens, _, lengths = sample(
+                model,
+                prompts,
+                max_new_tokens=cfg.eval_max_new_tokens,
+                temperature=cfg.temperature,
+                eos_id=tok.eos_token_id,
+                pad_id=tok.pad_token_id,
+                generator=gen,
+                greedy=greedy,
+            )
+            for j, i in enumerate(batch):
+                text = tok.decode(tokens[j, : int(lengths[j])].tolist(), skip_special_tokens=True)
+                right += reward(text, task.problem(i)) == 1.0
+        return right / n
+
+    with torch.no_grad():
+        out = dict(
+            steps=list(steps),
+            operand_max=operand_max,
+            warmup_steps=warmup_steps,
+            format=gsm8k_format,
+            seed=seed,
+            loss=loss,
+            sampled=accuracy("train", False),
+            greedy_id=accuracy("test", True),
+            greedy_ood=accuracy("ood", True),
+        )
+    return dict(out, cpu_seconds=round(time.process_time() - t0, 1))
 
 
 # -- cost ------------------------------------------------------------------------------------------
@@ -632,7 +743,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments.confirm", description=__doc__.split("\n")[0]
     )
-    p.add_argument("action", choices=("run", "report", "list", "estimate"))
+    p.add_argument("action", choices=("run", "report", "list", "estimate", "probe"))
     p.add_argument("--scale", choices=("full", "pilot"), default="full")
     p.add_argument(
         "--chunk",
@@ -647,7 +758,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     p.add_argument("--results", type=Path, default=None, help="default experiments/results/confirm")
     p.add_argument("--readme", default=None, help="'none' to leave experiments/README.md as it is")
+    p.add_argument(
+        "--probe",
+        nargs=5,
+        type=float,
+        metavar=("FEWEST", "MOST", "OPERAND_MAX", "WARMUP_STEPS", "FORMAT"),
+        default=(2, 3, OPERAND_MAX, 300, 0.8),
+        help="probe: the task (steps, largest operand) and the warm-up (steps, share in "
+        "GSM8K's format) to measure",
+    )
+    p.add_argument("--seed", type=int, default=PILOT_SEEDS[0], help="probe: the seed")
     args = p.parse_args(argv)
+    if args.action == "probe":
+        lo, hi, high, warm, fmt = args.probe
+        print(json.dumps(probe((int(lo), int(hi)), int(high), int(warm), fmt, args.seed)))
+        return 0
     work = args.work or HERE / "runs-confirm"
     results = args.results or HERE / "results" / "confirm"
     readme = None if args.readme == "none" else Path(args.readme or HERE / "README.md")

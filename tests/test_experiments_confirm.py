@@ -3,7 +3,9 @@ cells, the pairing of each baseline with its modes, the claim family, and the ta
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,8 +79,8 @@ def test_each_baseline_runs_on_its_modes_prompt_stream_sampler_and_warm_up():
             assert [a for a in c.argv(WORK) if a not in _own(c)] == common
             assert cfgs[c.variant].loss == c.variant
             assert cfgs[c.variant].eval_start == (c.variant == "on-policy")
-            full = c.variant in ("on-policy", "f-tis") and pair in confirm.HETERO
-            assert cfgs[c.variant].eval_size == (confirm.EVAL_SIZE if full else confirm.SMALL_EVAL)
+            big = c.variant in ("on-policy", "f-tis") and pair in confirm.HETERO
+            assert cfgs[c.variant].eval_size == (confirm.EVAL_SIZE if big else confirm.SMALL_EVAL)
         ref = next(iter(cfgs.values()))
         for cfg in cfgs.values():
             # The prompt stream of rank r is train_ids((round * N + r) * P ...): N, P and the task
@@ -242,13 +244,45 @@ def test_ood_is_the_same_arithmetic_in_words_no_train_or_test_problem_uses():
     ) == ArithmeticTask(0).problem(make_prompt_id("ood", 0))
 
 
-def test_no_evaluation_problem_is_a_training_prompt_a_run_draws():
+def test_no_test_or_ood_problem_computes_a_chain_a_train_problem_computes():
     task, cfg = _frozen()
-    drawn = cfg.rounds * len(cfg.nodes) * cfg.prompts_per_node
-    train = {task.problem(make_prompt_id("train", i)).question for i in range(drawn)}
+    assert cfg.disjoint_splits
+    train = {task.problem(make_prompt_id("train", i)).solution for i in range(3000)}
     for split in ("test", "ood"):
-        evals = {task.problem(make_prompt_id(split, i)).question for i in range(cfg.eval_size)}
-        assert not evals & train, split
+        held = {task.problem(make_prompt_id(split, i)).solution for i in range(cfg.eval_size)}
+        assert not held & train, split
+        assert len(held) > cfg.eval_size // 2  # many distinct chains, not a handful
+    # Without the split the same generator repeats training chains in the test split.
+    plain = ArithmeticTask(confirm.SEEDS[0], replace(cfg.difficulty(), disjoint_splits=False))
+    train = {plain.problem(make_prompt_id("train", i)).solution for i in range(3000)}
+    test = {plain.problem(make_prompt_id("test", i)).solution for i in range(cfg.eval_size)}
+    assert test & train
+    # The warm-up draws train problems: its steps keep to the train side too.
+    warm = [task.problem(make_prompt_id("train", (1 << 40) + i)) for i in range(200)]
+    assert not {p.solution for p in warm} & held
+
+
+def test_disjoint_splits_is_another_warm_up_cache_entry(tmp_path, monkeypatch):
+    from ftis_kernels.grpo import node as node_module
+    from ftis_kernels.grpo.node import Node
+    from ftis_kernels.grpo.tokenizer import build_tokenizer
+
+    def cache_file(**overrides) -> str:
+        seen = []
+        cfg = build_config(
+            "smoke",
+            overrides=dict(out=str(tmp_path / "run"), warmup_cache=str(tmp_path), **overrides),
+        )
+        node = Node(cfg, 0, 2, torch.device("cpu"))
+        node.tokenizer = build_tokenizer(node.problems.arith.vocabulary_text())
+        node.model = None
+        monkeypatch.setattr(
+            node_module, "warm_up_cached", lambda *a, **kw: seen.append(a[3]) or 0.0
+        )
+        node.warm_up()
+        return seen[0].name
+
+    assert cache_file(disjoint_splits=True) != cache_file()
 
 
 # -- the statistics it adds ------------------------------------------------------------------------
@@ -289,3 +323,11 @@ def test_eval_start_false_skips_only_the_evaluation_before_the_first_round(tmp_p
     assert rounds(rounds=30, eval_every=30, eval_start=False) == [29]
     assert rounds(rounds=7, eval_every=3, eval_start=False) == [3, 6]
     assert rounds(rounds=7, eval_every=3) == [0, 3, 6]
+
+
+def test_the_warm_up_probe_measures_a_task_at_the_smallest_scale():
+    out = confirm.probe((2, 3), 9, warmup_steps=2, gsm8k_format=0.8, n=8)
+    assert out["steps"] == [2, 3] and out["operand_max"] == 9 and out["warmup_steps"] == 2
+    assert math.isfinite(out["loss"]) and out["cpu_seconds"] > 0
+    for key in ("sampled", "greedy_id", "greedy_ood"):
+        assert out[key] in {k / 8 for k in range(9)}, key

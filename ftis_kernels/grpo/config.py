@@ -281,6 +281,11 @@ class RunConfig:
         description="arith: ood problems name people and things no train or test problem names "
         "(the same arithmetic in unseen words)",
     )
+    disjoint_splits: bool = Field(
+        False,
+        description="arith: no test or ood problem computes a chain of steps that a train "
+        "problem computes (a hash of the worked solution puts each chain in one side)",
+    )
     verify_rewards: bool = Field(
         False, description="rescore each received completion; drop it if its reward lies"
     )
@@ -333,6 +338,7 @@ class RunConfig:
             *self.ood_steps,
             self.ood_operand_max,
             self.ood_surface,
+            self.disjoint_splits,
         )
 
     def validate(self, world: int) -> None:

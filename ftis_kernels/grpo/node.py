@@ -292,6 +292,8 @@ class Node:
             # difficulty keeps the key earlier versions wrote, so their caches stay valid.
             train = self.problems.arith.difficulty.of("train")
             harder = {} if train == Difficulty().of("train") else {"difficulty": list(train)}
+            if self.problems.arith.difficulty.disjoint_splits:  # train draws 7 chains in 8
+                harder["disjoint_splits"] = True
             cached = warmup_cache_file(
                 cfg.warmup_cache,
                 spec.arch,
