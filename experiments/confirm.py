@@ -11,10 +11,11 @@ What differs from the first round (`experiments/study.py`, kept as it ran, as th
 round), each for a reason its data gave:
 
 - **A task with headroom** (`configs/confirm/`): problems of two or three steps with operands up
-  to `OPERAND_MAX` (carries, two-digit numbers), chosen by the pilot (`--scale pilot`, recorded
-  in the README) so that isolated nodes start low and still rise at the last round; the
-  out-of-domain split is the same arithmetic in words no training problem uses
-  (`ood_surface`), evaluated on `EVAL_SIZE` problems.
+  to `OPERAND_MAX` (carries), test and ood chains never trained on (`disjoint_splits`), to be
+  frozen by the pilot (`--scale pilot`, `probe`, recorded in the README) once isolated nodes
+  start low and still rise at the last round: the candidate here does not rise yet. The
+  out-of-domain split is the same arithmetic in words no training problem uses (`ood_surface`),
+  evaluated on `EVAL_SIZE` problems.
 - **Paired baselines.** The receiver (`small`) is rank 0 and its peer rank 1 in every pair, so a
   node's prompts (`first = (round * N + rank) * P`), sampling seed (`sampler_seed(seed, rank)`),
   initial weights and warm-up are the same in every mode of its pair: each pair's on-policy
@@ -66,9 +67,12 @@ PAIR_MODES = {
     "lora": ARMS,
     "stale": ("nois", "f-tis"),
 }
-# The frozen task (the pilot's choice; `configs/confirm/*.yaml` state it, a test checks both).
+# The task (the pilot's candidate, not frozen yet; `configs/confirm/*.yaml` state it, a test checks
+# both agree).
 TASK_STEPS = (2, 3)
 OPERAND_MAX = 9
+# Whether the pilot has frozen the task: until then `run` refuses the confirmatory cells.
+FROZEN = False
 EVAL_SIZE = 512
 SMALL_EVAL = 128
 ROUNDS = 30
@@ -247,6 +251,13 @@ PILOT = (
             "format_credit=0.0",
             "disjoint_splits=false",
         ),
+        (100,),
+        ("on-policy",),
+    ),
+    # it fell with the binary reward too: twice the samples per update (is it the noise?)
+    (
+        "prompts8",
+        ("prompts_per_node=8", "eval_start=false", "disjoint_splits=false"),
         (100,),
         ("on-policy",),
     ),
@@ -724,7 +735,8 @@ def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str
     if scale == "pilot":
         table = pilot_table(rows, curves) if rows else "(no pilot cell has finished)"
         marks = (PILOT_BEGIN, PILOT_END)
-        (results / "pilot.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for name, items in (("pilot", rows), ("pilot_curves", curves)):
+            (results / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
     else:
         claims = analyse(rows)
         for name, items in (("cells", rows), ("curves", curves), ("claims", claims)):
@@ -795,6 +807,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.action == "estimate":
         print(estimate(work))
         return 0
+    if args.action == "run" and args.scale == "full" and not FROZEN:
+        raise SystemExit(
+            "run: the task is not frozen yet (experiments/README.md, the pilot): no confirmatory "
+            "seed may run before it is; set FROZEN in experiments/confirm.py when it is"
+        )
     rc = run(todo, work, args.jobs) if args.action == "run" else 0
     print(report(args.scale, work, results, readme))
     return rc

@@ -331,3 +331,10 @@ def test_the_warm_up_probe_measures_a_task_at_the_smallest_scale():
     assert math.isfinite(out["loss"]) and out["cpu_seconds"] > 0
     for key in ("sampled", "greedy_id", "greedy_ood"):
         assert out[key] in {k / 8 for k in range(9)}, key
+
+
+def test_no_confirmatory_cell_runs_before_the_task_is_frozen(tmp_path, monkeypatch):
+    monkeypatch.setattr(confirm, "FROZEN", False)
+    with pytest.raises(SystemExit, match="not frozen"):
+        confirm.main(["run", "--chunk", "1", "--work", str(tmp_path), "--readme", "none"])
+    assert not any(tmp_path.iterdir())  # nothing started
