@@ -5,7 +5,8 @@
     python -m experiments.confirm run                    # every chunk
     python -m experiments.confirm list                   # every cell id and its ftis-grpo command
     python -m experiments.confirm report                 # claims and tables from finished cells
-    python -m experiments.confirm run --scale pilot      # the pilot that chose the task
+    python -m experiments.confirm run --scale pilot      # the pilot that chooses the task
+    python -m experiments.confirm probe --probe 2 3 9 300 0.8   # what a warm-up alone gives
 
 What differs from the first round (`experiments/study.py`, kept as it ran, as the exploratory
 round), each for a reason its data gave:
@@ -29,10 +30,11 @@ round), each for a reason its data gave:
 - **A small family**: the gate P, then C3, C1 (non-inferiority) and C5 under Holm (`CLAIMS`,
   `FAMILY`); the other comparisons are reported as estimates without a verdict (`ESTIMATES`).
   `SEEDS` come from the first round's measured spreads (`power_table`).
-- **Cost**: the evaluation before the first round runs once per seed (the on-policy cells;
-  `eval_start: false` elsewhere), and warm-ups are cached per seed (`warmup_cache`).
+- **Cost**: the evaluation before the first round runs in the on-policy cells only (it is the
+  same in every mode of a seed; `eval_start: false` elsewhere), the final one on `SMALL_EVAL`
+  problems where no comparison reads it, and warm-ups are cached per seed (`warmup_cache`).
 - **Chunks**: `--chunk K` runs the seeds `chunks()[K - 1]`; finished cells are skipped, so a
-  chunk stopped early continues where it stopped.
+  chunk stopped early continues where it stopped. `run` refuses them until `FROZEN`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from experiments.study import Cell, ClaimSpec, _finished, _out, _units
 HERE = Path(__file__).resolve().parent
 # Fresh seeds: 0-9 ran the first round, 100-102 the pilot.
 SEEDS = tuple(range(10, 26))
-CHUNK_SEEDS = 4  # a chunk: this many seeds, about one working session on 2 idle cores
+CHUNK_SEEDS = 4  # a chunk: this many seeds, about 73 min on 2 idle cores (`estimate`)
 PILOT_SEEDS = (100, 101, 102)
 RECEIVER = "small"
 HETERO = ("size", "expertise", "lora")
@@ -521,6 +523,10 @@ def analyse(rows: list[dict]) -> list[dict]:
             ci = stats.t_interval(list(d.values()))
             row.update(mean=ci.mean, ci=[ci.lo, ci.hi], verdict="estimate")
             row["per_seed"] = {str(k): v for k, v in d.items()}
+            if spec.test.metric == "acc_ood":  # an out-of-domain baseline must be reachable
+                base = study._baseline_mean(rows, spec)
+                if base is not None and base < FLOOR:
+                    row["left_out"] += f"; its baseline ({base:.3f}) is under the floor {FLOOR}"
         else:
             row["verdict"] = "pending"
         out.append(row)

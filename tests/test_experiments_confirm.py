@@ -168,6 +168,9 @@ def test_a_failed_gate_makes_the_family_untestable_and_a_passed_one_leaves_it():
     assert out["C1"]["verdict"] == "reproduced"
     assert out["C5"]["verdict"] == "reproduced"
     assert out["C4"]["verdict"] == "estimate" and "p" not in out["C4"]
+    assert "floor" not in out["C6"]["left_out"]
+    low = [dict(r, acc_ood=0.05) for r in rows]
+    assert "under the floor 0.15" in {c["id"]: c for c in confirm.analyse(low)}["C6"]["left_out"]
     assert confirm.baseline_agreement(rows) == 0.0
     for r in rows:
         if r["group"] == "stale" and r["variant"] == "nois":
