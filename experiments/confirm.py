@@ -263,6 +263,13 @@ PILOT = (
         (100,),
         ("on-policy",),
     ),
+    # it fell with 64 samples per update too: the control, learning rates of 1e-12 (no update)
+    (
+        "lr-zero",
+        ("nodes.0.lr=1.0e-12", "nodes.1.lr=1.0e-12", "disjoint_splits=false"),
+        (100,),
+        ("on-policy",),
+    ),
 )
 CANDIDATES = tuple(dict.fromkeys(name for name, *_ in PILOT))
 
