@@ -13,8 +13,15 @@ per-seed difference d_s = (metric under the mode) - (metric under the baseline),
 - `tost(d, margin)`: two one-sided t-tests of mean(d) <= -margin and mean(d) >= +margin; its
   p-value is the larger of the two. p < alpha exactly when the (1 - 2 alpha) t interval lies
   inside (-margin, +margin).
+- `noninferiority(d, margin)`: the one-sided t-test of mean(d) <= -margin, its p-value doubled,
+  so that p < alpha exactly when the two-sided (1 - alpha) t interval's lower bound lies above
+  -margin ("not worse than the baseline by more than the margin").
 - `holm(ps)`: Holm's step-down adjusted p-values over a family (controls the chance of any false
   "reproduced" or "contradicted" in the family at alpha).
+- `gatekeep(gate, family)`: serial gatekeeping: a family is tested only if its gate claim (a
+  positive control) is reproduced; otherwise every claim of it is "untestable at this scale".
+- `seeds_needed(sd, effect, ...)`: the seeds a paired t-test needs for a power, from the noncentral
+  t distribution (the power calculation of a pre-registered design).
 - `pool(per_unit)`: a claim about every node is tested on the per-seed mean of the nodes'
   differences (nodes of one seed share runs, so they are not independent replicates).
 - `verdict(...)`: the mechanical rule, `RULES` in words (the README quotes it).
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 import numpy as np
@@ -33,6 +40,7 @@ from scipy import stats as sps
 ALPHA = 0.05
 BOOTSTRAP_RESAMPLES = 10_000
 Verdict = Literal["reproduced", "contradicted", "inconclusive", "untestable at this scale"]
+KINDS = ("direction", "equivalence", "noninferiority")
 
 RULES = """\
 Every claim has one primary metric and one test, fixed before the run. Its data are the per-seed
@@ -130,6 +138,41 @@ def tost(d: Sequence[float], margin: float) -> float:
     return float(max(p_low, p_high))
 
 
+def noninferiority(d: Sequence[float], margin: float) -> float:
+    """p-value that mean(d) > -margin: the one-sided t-test of mean(d) <= -margin, doubled (and
+    capped at 1), so that p < alpha exactly when the (1 - alpha) t interval's lower bound is
+    above -margin."""
+    if not margin > 0:
+        raise ValueError(f"margin: expected a value > 0, got {margin}")
+    x = _clean(d)
+    return float(min(1.0, 2 * sps.t.sf(_t_stat(x, -margin), x.size - 1)))
+
+
+def seeds_needed(
+    sd: float,
+    effect: float,
+    alpha: float = ALPHA,
+    power: float = 0.8,
+    margin: float = 0.0,
+    most: int = 1000,
+) -> Optional[int]:
+    """The fewest seeds n (>= 3) at which a paired t-test at two-sided level `alpha` detects a
+    true mean difference `effect` (in the claimed direction, sign ignored) with probability
+    `power`, for per-seed differences of standard deviation `sd`; with `margin`, the
+    non-inferiority test against -margin (`noninferiority`) of a true difference `effect`
+    (signed: a true loss is negative). None if `most` seeds are not enough."""
+    if not sd > 0:
+        raise ValueError(f"sd: expected a value > 0, got {sd}")
+    if not 0 < alpha < 1 or not 0 < power < 1:
+        raise ValueError(f"alpha, power: expected values in (0, 1), got {alpha}, {power}")
+    shift = effect + margin if margin else abs(effect)
+    for n in range(3, most + 1):
+        crit = sps.t.ppf(1 - alpha / 2, n - 1)
+        if sps.nct.sf(crit, n - 1, shift / (sd / math.sqrt(n))) >= power:
+            return n
+    return None
+
+
 def holm(ps: Sequence[float]) -> list[float]:
     """Holm's step-down adjusted p-values, in the order given: the k-th smallest p times
     (m - k + 1), made non-decreasing along that order, capped at 1."""
@@ -154,7 +197,7 @@ class Claim:
     baseline with sign `sign` (+1 above, -1 below); kind "equivalence": |difference| < margin."""
 
     name: str
-    kind: Literal["direction", "equivalence"]
+    kind: Literal["direction", "equivalence", "noninferiority"]
     metric: str
     sign: int = 0
     margin: Optional[float] = None
@@ -162,8 +205,10 @@ class Claim:
     def __post_init__(self):
         if self.kind == "direction" and self.sign not in (-1, 1):
             raise ValueError(f"{self.name}: a direction claim needs sign +1 or -1")
-        if self.kind == "equivalence" and not (self.margin and self.margin > 0):
-            raise ValueError(f"{self.name}: an equivalence claim needs a margin > 0")
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.name}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind != "direction" and not (self.margin and self.margin > 0):
+            raise ValueError(f"{self.name}: an {self.kind} claim needs a margin > 0")
 
 
 @dataclass(frozen=True)
@@ -179,9 +224,26 @@ class Result:
     why: str
 
 
+RULE_NONINFERIORITY = """\
+- **Non-inferiority claims** ("A is not worse than B"): the 95% t interval's lower bound
+  against -m, i.e. a one-sided t-test of mean(d) <= -m, its p-value doubled and Holm-adjusted.
+  *Reproduced* if p_Holm < 0.05; *contradicted* if the 95% t interval lies wholly below -m;
+  otherwise *inconclusive*."""
+RULE_GATE = """\
+- **A gate**: the claims of the family are tested only if their gate (the positive control,
+  tested alone at 0.05) is reproduced; otherwise each is *untestable at this scale*, its
+  interval still reported (serial gatekeeping: the chance of any false verdict over the gate
+  and the family stays at most 0.05)."""
+
+
 def p_value(claim: Claim, d: Sequence[float]) -> float:
-    """The claim's unadjusted p-value: the t-test for a direction, TOST for an equivalence."""
-    return t_test(d) if claim.kind == "direction" else tost(d, claim.margin)
+    """The claim's unadjusted p-value: the t-test for a direction, TOST for an equivalence, the
+    doubled one-sided test for a non-inferiority."""
+    if claim.kind == "direction":
+        return t_test(d)
+    if claim.kind == "noninferiority":
+        return noninferiority(d, claim.margin)
+    return tost(d, claim.margin)
 
 
 def verdict(
@@ -198,6 +260,13 @@ def verdict(
                 "direction",
             )
         word, why = "inconclusive", f"p_Holm = {p_holm:.3g} >= {ALPHA}"
+    elif claim.kind == "noninferiority":
+        if p_holm < ALPHA:
+            return "reproduced", f"p_Holm = {p_holm:.3g}: above -{claim.margin:g}"
+        if ci.hi <= -claim.margin:
+            return "contradicted", f"the 95% interval lies below -{claim.margin:g}"
+        word = "inconclusive"
+        why = f"p_Holm = {p_holm:.3g}: the interval reaches below -{claim.margin:g}"
     elif p_holm < ALPHA:
         return "reproduced", f"TOST p_Holm = {p_holm:.3g}: within +-{claim.margin:g}"
     elif ci.outside(claim.margin):
@@ -223,3 +292,14 @@ def evaluate(
         word, reason = verdict(claim, ci, p_h, why)
         out.append(Result(claim, ci, bootstrap_interval(d), p, p_h, word, reason))
     return out
+
+
+def gatekeep(gate: Result, family: Sequence[Result]) -> list[Result]:
+    """Serial gatekeeping: `family` (tested together, Holm within it) stands only if its `gate`
+    (a positive control, tested alone at ALPHA) is reproduced; otherwise each of its claims is
+    "untestable at this scale", its interval still reported. The chance of any false verdict
+    over gate and family stays at most ALPHA."""
+    if gate.verdict == "reproduced":
+        return list(family)
+    why = f"its gate {gate.claim.name} was not reproduced ({gate.verdict})"
+    return [replace(r, verdict="untestable at this scale", why=why) for r in family]

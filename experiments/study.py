@@ -947,9 +947,9 @@ def rules_section() -> str:
     lines = [
         stats.RULES,
         "",
-        f'Margin of "behaves like": ±{MARGIN} in reward. Floor of an accuracy: a baseline mean '
-        f"below {FLOOR}. Seeds: {SEEDS[0]}-{SEEDS[-1]} ({len(SEEDS)}). All claims below form one "
-        "Holm family.",
+        f'Margin of "behaves like": ±{MARGIN} in sample accuracy. Floor of an accuracy: a baseline '
+        f"mean below {FLOOR}. Seeds: {SEEDS[0]}-{SEEDS[-1]} ({len(SEEDS)}). All claims below form "
+        "one Holm family.",
         "",
         "| id | claim | primary metric | test | compared (pair: node, mode − baseline) "
         "| precondition |",

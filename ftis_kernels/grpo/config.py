@@ -236,6 +236,11 @@ class RunConfig:
     grad_clip: Positive = Field(1.0, description="gradient norm clip")
     eval_size: Count = Field(64, description="problems per accuracy evaluation")
     eval_every: Count = Field(1, description="rounds between evaluations")
+    eval_start: bool = Field(
+        True,
+        description="evaluate before the first round too; false: only every eval_every rounds "
+        "after it and after the last (runs that share a start need its evaluation once)",
+    )
     eval_max_new_tokens: Count = Field(48, description="completion length limit in evaluation")
     ckpt_every: Count = Field(5, description="rounds between checkpoints")
     max_skipped_steps: Count = Field(
@@ -271,6 +276,16 @@ class RunConfig:
         default_factory=lambda: [3, 4], description="arith: [fewest, most] steps of an ood problem"
     )
     ood_operand_max: Count = Field(19, description="arith: largest operand of an ood problem")
+    ood_surface: bool = Field(
+        False,
+        description="arith: ood problems name people and things no train or test problem names "
+        "(the same arithmetic in unseen words)",
+    )
+    disjoint_splits: bool = Field(
+        False,
+        description="arith: no test or ood problem computes a chain of steps that a train "
+        "problem computes (a hash of the worked solution puts each chain in one side)",
+    )
     verify_rewards: bool = Field(
         False, description="rescore each received completion; drop it if its reward lies"
     )
@@ -318,7 +333,12 @@ class RunConfig:
     def difficulty(self) -> Difficulty:
         """The built-in task's difficulty (`task_steps`, `task_operand_max`, `ood_*`)."""
         return Difficulty(
-            *self.task_steps, self.task_operand_max, *self.ood_steps, self.ood_operand_max
+            *self.task_steps,
+            self.task_operand_max,
+            *self.ood_steps,
+            self.ood_operand_max,
+            self.ood_surface,
+            self.disjoint_splits,
         )
 
     def validate(self, world: int) -> None:

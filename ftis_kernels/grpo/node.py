@@ -292,6 +292,8 @@ class Node:
             # difficulty keeps the key earlier versions wrote, so their caches stay valid.
             train = self.problems.arith.difficulty.of("train")
             harder = {} if train == Difficulty().of("train") else {"difficulty": list(train)}
+            if self.problems.arith.difficulty.disjoint_splits:  # train draws 7 chains in 8
+                harder["disjoint_splits"] = True
             cached = warmup_cache_file(
                 cfg.warmup_cache,
                 spec.arch,
@@ -407,13 +409,20 @@ class Node:
             for pid, (tok, lp, rew), adv in zip(ids, done, advantages.flatten().tolist())
         ]
 
+    def evaluates(self, round_: int) -> bool:
+        """Whether round `round_` starts with an evaluation: every `eval_every` rounds (round 0
+        only with `eval_start`) and the last round."""
+        cfg = self.cfg
+        skipped = round_ == 0 and not cfg.eval_start
+        return (round_ % cfg.eval_every == 0 and not skipped) or round_ == cfg.rounds - 1
+
     def run_round(self, round_: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
         if self.spec.fail_at_round == round_:
             why = f"node {self.rank}: fault injection (fail_at_round={round_}): exiting now"
             log.error("%s", why)
             _leave(EXIT_FAULT_INJECTION, self.rank, why)
-        evaluate = round_ % cfg.eval_every == 0 or round_ == cfg.rounds - 1
+        evaluate = self.evaluates(round_)
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
         own = self.rollout(round_)

@@ -5,7 +5,10 @@ The built-in generator writes grade-school word problems whose worked answer fol
 rebuilds a peer's prompt from its 64-bit prompt id alone and nothing but ids crosses the wire.
 
 Splits: "train" and "test" (in distribution: 1-2 steps, operands 1-9) and "ood" (the stand-in for
-MATH-500: 3-4 steps and operands up to 19, never seen in training); `Difficulty` moves both. For
+MATH-500: 3-4 steps and operands up to 19, never seen in training); `Difficulty` moves both, and
+with `ood_surface` the ood problems also speak of people and things no train or test problem
+names (`OOD_NAMES`, `OOD_ITEMS`): the same arithmetic in words the model never trained on; with
+`disjoint_splits` no test or ood problem computes a chain a train problem computes. For
 real data, `JsonlTask` reads local GSM8K (`question`/`answer` with "#### x") or MATH-500
 (`problem`/`answer`) files.
 
@@ -15,6 +18,7 @@ well-formed final answer ('#### x') that is wrong earns `format_credit`, a right
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -25,6 +29,10 @@ from typing import Optional
 
 NAMES = {"Ava": "She", "Ben": "He", "Cara": "She", "Dan": "He", "Eli": "He", "Fay": "She"}
 ITEMS = ("apples", "pens", "cards", "books", "coins", "shells")
+# The ood split's names and items under `Difficulty.ood_surface`: never in a train or test problem
+# (nor in the vocabulary of a task without it, so that its token ids stay the original ones).
+OOD_NAMES = {"Gus": "He", "Hana": "She", "Ivy": "She", "Jon": "He"}
+OOD_ITEMS = ("stamps", "beads", "cups", "keys")
 OPERATIONS = ("add", "sub")
 SPLITS = ("train", "test", "ood", "file")
 _SPLIT_CODE = {name: code for code, name in enumerate(SPLITS)}
@@ -32,6 +40,17 @@ _INDEX_BITS = 48
 
 # The answer is the number after the last "####"; anything else after it makes the answer wrong.
 _ANSWER_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+
+
+# Under `Difficulty.disjoint_splits`, one chain of computations in HELD_OUT goes to the test and
+# ood splits only, the rest to train only: a chain is in one split, whatever its words.
+HELD_OUT = 8
+
+
+def _held_out(solution: str) -> bool:
+    """Whether the chain `solution` ('7+5=12. 12-3=9.') belongs to the held-out (test, ood)
+    side: the first byte of its SHA-256, modulo HELD_OUT, is 0."""
+    return hashlib.sha256(solution.encode()).digest()[0] % HELD_OUT == 0
 
 
 def make_prompt_id(split: str, index: int) -> int:
@@ -86,8 +105,11 @@ def reward(completion: str, problem: Problem, format_credit: float = 0.0) -> flo
 @dataclass(frozen=True)
 class Difficulty:
     """How hard the generated problems are: the number of steps (drawn from [steps_min,
-    steps_max]) and the largest operand, for the train and test splits and for the ood split.
-    The defaults are the task's original ones."""
+    steps_max]) and the largest operand, for the train and test splits and for the ood split;
+    `ood_surface`: the ood problems use `OOD_NAMES` and `OOD_ITEMS`, words no train or test
+    problem contains; `disjoint_splits`: no test or ood problem computes a chain (its worked
+    solution) that a train problem computes (`_held_out`). The defaults are the task's original
+    ones."""
 
     steps_min: int = 1
     steps_max: int = 2
@@ -95,6 +117,8 @@ class Difficulty:
     ood_steps_min: int = 3
     ood_steps_max: int = 4
     ood_operand_max: int = 19
+    ood_surface: bool = False
+    disjoint_splits: bool = False
 
     def __post_init__(self):
         for prefix in ("", "ood_"):
@@ -130,10 +154,20 @@ class ArithmeticTask:
         if split == "file":
             raise ValueError(f"prompt_id: {prompt_id} names a file problem, not a generated one")
         rng = random.Random(f"ftis-arith:{self.seed}:{split}:{index}:{','.join(operations)}")
+        while True:
+            question, solution, answer = self._draw(rng, split, operations)
+            if not self.difficulty.disjoint_splits or _held_out(solution) == (split != "train"):
+                return Problem(prompt_id, question, solution, answer)
+
+    def _draw(self, rng: random.Random, split: str, operations: Sequence[str]):
+        """(question, worked solution, answer) of one problem drawn from `rng`."""
         fewest, most, high = self.difficulty.of(split)
         steps = rng.randint(fewest, most)
-        name = rng.choice(sorted(NAMES))
-        pronoun, item = NAMES[name], rng.choice(ITEMS)
+        names, items = NAMES, ITEMS
+        if split == "ood" and self.difficulty.ood_surface:
+            names, items = OOD_NAMES, OOD_ITEMS
+        name = rng.choice(sorted(names))
+        pronoun, item = names[name], rng.choice(items)
         total = rng.randint(1, high)
         sentences = [f"{name} has {total} {item}."]
         work = []
@@ -152,7 +186,7 @@ class ArithmeticTask:
                 work.append(f"{total}+{amount}={total + amount}.")
                 total += amount
         sentences.append(f"How many {item} does {name} have now?")
-        return Problem(prompt_id, " ".join(sentences), " ".join(work), str(total))
+        return " ".join(sentences), " ".join(work), str(total)
 
     def target(self, problem: Problem, *, gsm8k_format: bool = True) -> str:
         """A supervised completion for warm-up: worked steps then '#### answer' (GSM8K's format),
@@ -164,6 +198,8 @@ class ArithmeticTask:
     def vocabulary_text(self) -> list[str]:
         """Every word and symbol a generated problem or answer can contain."""
         words = list(NAMES) + list(NAMES.values()) + list(ITEMS)
+        if self.difficulty.ood_surface:
+            words += list(OOD_NAMES) + list(OOD_ITEMS)
         words += "Q A The answer is has gives away gets more How many does have now ? . + - = ####".split()  # noqa: E501
         return words
 

@@ -1,0 +1,834 @@
+"""The confirmatory study: the claims study's second round, pre-registered before its data.
+
+    python -m experiments.confirm estimate               # the cost of what is left, per chunk
+    python -m experiments.confirm run --chunk 1          # one chunk (a set of seeds), resumable
+    python -m experiments.confirm run                    # every chunk
+    python -m experiments.confirm list                   # every cell id and its ftis-grpo command
+    python -m experiments.confirm report                 # claims and tables from finished cells
+    python -m experiments.confirm run --scale pilot      # the pilot that chooses the task
+    python -m experiments.confirm probe --probe 2 3 9 300 0.8   # what a warm-up alone gives
+
+What differs from the first round (`experiments/study.py`, kept as it ran, as the exploratory
+round), each for a reason its data gave:
+
+- **A task with headroom** (`configs/confirm/`): problems of two or three steps with operands up
+  to `OPERAND_MAX` (carries), test and ood chains never trained on (`disjoint_splits`), to be
+  frozen by the pilot (`--scale pilot`, `probe`, recorded in the README) once isolated nodes
+  start low and still rise at the last round: the candidate here does not rise yet. The
+  out-of-domain split is the same arithmetic in words no training problem uses (`ood_surface`),
+  evaluated on `EVAL_SIZE` problems.
+- **Paired baselines.** The receiver (`small`) is rank 0 and its peer rank 1 in every pair, so a
+  node's prompts (`first = (round * N + rank) * P`), sampling seed (`sampler_seed(seed, rank)`),
+  initial weights and warm-up are the same in every mode of its pair: each pair's on-policy
+  baseline is the pair's own config with `--loss on-policy`. Without an exchange the receiver's
+  on-policy run does not depend on its peer, so its three on-policy runs (size, expertise, lora)
+  are one run three times; `report` checks that they agree. The twin's NoIS run (the receiver
+  with an identical peer: twice the on-policy data) is the second, equal-data baseline.
+- **Arms that separate the mechanisms**: NoIS, TIS (the cap without the filter), F-TIS, F-VIS
+  (the filter without the cap) and on-policy in each heterogeneous pair; NoIS and F-TIS with the
+  stale peer, the positive control.
+- **A small family**: the gate P, then C3, C1 (non-inferiority) and C5 under Holm (`CLAIMS`,
+  `FAMILY`); the other comparisons are reported as estimates without a verdict (`ESTIMATES`).
+  `SEEDS` come from the first round's measured spreads (`power_table`).
+- **Cost**: the evaluation before the first round runs in the on-policy cells only (it is the
+  same in every mode of a seed; `eval_start: false` elsewhere), the final one on `SMALL_EVAL`
+  problems where no comparison reads it, and warm-ups are cached per seed (`warmup_cache`).
+- **Chunks**: `--chunk K` runs the seeds `chunks()[K - 1]`; finished cells are skipped, so a
+  chunk stopped early continues where it stopped. `run` refuses them until `FROZEN`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+from experiments import stats, study
+from experiments.study import Cell, ClaimSpec, _finished, _out, _units
+
+HERE = Path(__file__).resolve().parent
+# Fresh seeds: 0-9 ran the first round, 100-102 the pilot.
+SEEDS = tuple(range(10, 26))
+CHUNK_SEEDS = 4  # a chunk: this many seeds, about 73 min on 2 idle cores (`estimate`)
+PILOT_SEEDS = (100, 101, 102)
+RECEIVER = "small"
+HETERO = ("size", "expertise", "lora")
+PEER = study.PEER  # the peers' names, as in the first round
+ARMS = ("on-policy", "nois", "tis", "f-tis", "f-vis")
+# The pairs and the modes each runs: every arm in the heterogeneous pairs, the positive control's
+# two, and the twin's NoIS (the equal-data baseline).
+PAIR_MODES = {
+    "identical": ("nois",),
+    "size": ARMS,
+    "expertise": ARMS,
+    "lora": ARMS,
+    "stale": ("nois", "f-tis"),
+}
+# The task (the pilot's candidate, not frozen yet; `configs/confirm/*.yaml` state it, a test checks
+# both agree).
+TASK_STEPS = (2, 3)
+OPERAND_MAX = 9
+# Whether the pilot has frozen the task: until then `run` refuses the confirmatory cells.
+FROZEN = False
+EVAL_SIZE = 512
+SMALL_EVAL = 128
+ROUNDS = 30
+MARGIN = 0.05  # C1: "not worse than on-policy training by more than 5 points of sample accuracy"
+FLOOR = 0.15  # an out-of-domain baseline below this is at its floor (the pilot's bar)
+# The first round's per-seed standard deviations and effects (`experiments/results/claims.jsonl`,
+# seeds 0-9) the seeds are planned from; C1's true difference is taken as 0 (the first round
+# measured +0.01 to +0.07: planning at 0 is conservative).
+PLAN = {
+    "C3": dict(sd=0.027, effect=0.029),
+    "C1": dict(sd=0.055, effect=0.0),
+    "C5": dict(sd=0.032, effect=0.037),
+    "C4": dict(sd=0.109, effect=0.043),
+}
+
+
+def _confirm_units(pairs, mode: str, base_mode: str, nodes: str = "both"):
+    """(pair, node, mode, baseline pair, baseline mode): within each pair, same node and seed."""
+    return _units(pairs, (mode, None, base_mode), nodes)
+
+
+# The gate, then the family (Holm over these three), fixed before any confirmatory data.
+GATE = ClaimSpec(
+    "P",
+    "positive control (gate): NoIS with the stale peer trains the receiver worse than its paired "
+    "on-policy run",
+    stats.Claim("P", "direction", "acc_late", sign=-1),
+    (("stale", RECEIVER, "nois", "size", "on-policy"),),
+)
+FAMILY = (
+    ClaimSpec(
+        "C3",
+        "F-TIS trains better than NoIS (pooled over the 6 nodes of the heterogeneous pairs)",
+        stats.Claim("C3", "direction", "acc_late", sign=+1),
+        _confirm_units(HETERO, "f-tis", "nois"),
+    ),
+    ClaimSpec(
+        "C1",
+        "F-TIS trains no worse than on-policy training, by at most the margin (pooled over the 6 "
+        "nodes of the heterogeneous pairs, each against its paired on-policy run)",
+        stats.Claim("C1", "noninferiority", "acc_late", margin=MARGIN),
+        _confirm_units(HETERO, "f-tis", "on-policy"),
+    ),
+    ClaimSpec(
+        "C5",
+        "F-VIS (the filter, IS weights uncapped) falls below F-TIS late in training (pooled over "
+        "the 6 nodes of the heterogeneous pairs)",
+        stats.Claim("C5", "direction", "acc_last", sign=-1),
+        _confirm_units(HETERO, "f-vis", "f-tis"),
+    ),
+)
+CLAIMS = (GATE, *FAMILY)
+# Reported with their 95% intervals, no verdict: what the family leaves out, and why.
+ESTIMATES = (
+    (
+        ClaimSpec(
+            "TIS-NoIS",
+            "the cap alone: TIS above NoIS (6 heterogeneous nodes)",
+            stats.Claim("TIS-NoIS", "direction", "acc_late", sign=+1),
+            _confirm_units(HETERO, "tis", "nois"),
+        ),
+        "a mechanism question the first round could not ask (no TIS arm): no spread to plan on",
+    ),
+    (
+        ClaimSpec(
+            "F-TIS-TIS",
+            "the filter on top of the cap: F-TIS above TIS (6 heterogeneous nodes)",
+            stats.Claim("F-TIS-TIS", "direction", "acc_late", sign=+1),
+            _confirm_units(HETERO, "f-tis", "tis"),
+        ),
+        "no spread to plan on; the mechanism test saw no gradient benefit of the filter",
+    ),
+    (
+        ClaimSpec(
+            "C2",
+            "NoIS trains worse than on-policy training (6 heterogeneous nodes)",
+            stats.Claim("C2", "direction", "acc_late", sign=-1),
+            _confirm_units(HETERO, "nois", "on-policy"),
+        ),
+        "the first round measured +0.012 (SD 0.076): no seed count within reach could resolve it",
+    ),
+    (
+        ClaimSpec(
+            "C4",
+            "F-TIS removes the stale peer's harm: F-TIS above NoIS with the stale peer (receiver)",
+            stats.Claim("C4", "direction", "acc_late", sign=+1),
+            (("stale", RECEIVER, "f-tis", "stale", "nois"),),
+        ),
+        "needs about 70 seeds at the first round's spread (`power_table`)",
+    ),
+    (
+        ClaimSpec(
+            "C6",
+            "F-TIS collaboration raises out-of-domain accuracy over on-policy training "
+            "(6 heterogeneous nodes; greedy, unseen words)",
+            stats.Claim("C6", "direction", "acc_ood", sign=+1),
+            _confirm_units(HETERO, "f-tis", "on-policy"),
+        ),
+        "a new split: no spread to plan on; a fourth Holm member would cost the others power",
+    ),
+    (
+        ClaimSpec(
+            "twin",
+            "F-TIS with a heterogeneous peer against the equal-data baseline: the receiver's F-TIS "
+            "run minus its NoIS run with an identical twin (3 pairs)",
+            stats.Claim("twin", "direction", "acc_late", sign=+1),
+            tuple((p, RECEIVER, "f-tis", "identical", "nois") for p in HETERO),
+        ),
+        "the second baseline (twice the on-policy data), reported beside C1",
+    ),
+)
+
+
+# -- cells -----------------------------------------------------------------------------------------
+def eval_flags(pair: str, mode: str) -> list[str]:
+    """What a cell evaluates beyond the configs' final EVAL_SIZE problems per split: the
+    on-policy cells also the start (the same in every mode of a seed); the cells whose greedy
+    accuracy no comparison reads (all but on-policy and F-TIS in the heterogeneous pairs: C6 and
+    the pilot's bar) only `SMALL_EVAL` problems, as the first round did."""
+    if mode == "on-policy":
+        return ["--set", "eval_start=true"]
+    if pair in HETERO and mode == "f-tis":
+        return []
+    return ["--set", f"eval_size={SMALL_EVAL}"]
+
+
+def _pair_cell(pair: str, mode: str, seed: int, flags: tuple[str, ...] = ()) -> Cell:
+    evals = eval_flags(pair, mode)
+    return Cell("pairs", pair, mode, seed, f"confirm/{pair}", ["--loss", mode, *evals, *flags])
+
+
+def chunks() -> list[tuple[int, ...]]:
+    """The seeds of each chunk, in order: `CHUNK_SEEDS` seeds each."""
+    return [SEEDS[i : i + CHUNK_SEEDS] for i in range(0, len(SEEDS), CHUNK_SEEDS)]
+
+
+# The pilot: the size pair's on-policy run (small and tiny, isolated) at each candidate on some of
+# PILOT_SEEDS, and the first candidate's F-TIS run on the first pilot seed (what the filter does
+# with the longer completions, and what a cell without the start evaluation costs). A candidate is
+# --set flags over the configs; (name, flags, seeds, modes), in the order they ran. The pilot ran
+# before the configs split the chains (`disjoint_splits`): its flags say so.
+PILOT = (
+    (
+        "2-3x9",
+        ("task_operand_max=9", "ood_operand_max=9", "disjoint_splits=false"),
+        PILOT_SEEDS,
+        ("on-policy",),
+    ),
+    (
+        "2-3x9",
+        ("task_operand_max=9", "ood_operand_max=9", "disjoint_splits=false"),
+        PILOT_SEEDS[:1],
+        ("f-tis",),
+    ),
+    # the learning rates halved and quartered (the first candidate's accuracy fell)
+    (
+        "lr-half",
+        ("nodes.0.lr=1.0e-4", "nodes.1.lr=1.5e-4", "eval_start=false", "disjoint_splits=false"),
+        (100,),
+        ("on-policy",),
+    ),
+    (
+        "lr-quarter",
+        ("nodes.0.lr=5.0e-5", "nodes.1.lr=7.5e-5", "eval_start=false", "disjoint_splits=false"),
+        (100,),
+        ("on-policy",),
+    ),
+    # greedy accuracy still fell at lr / 4: the binary reward (no credit for a well-formed wrong
+    # answer), at lr / 4
+    (
+        "binary-lr-quarter",
+        (
+            "nodes.0.lr=5.0e-5",
+            "nodes.1.lr=7.5e-5",
+            "eval_start=false",
+            "format_credit=0.0",
+            "disjoint_splits=false",
+        ),
+        (100,),
+        ("on-policy",),
+    ),
+    # it fell with the binary reward too: twice the samples per update (is it the noise?)
+    (
+        "prompts8",
+        ("prompts_per_node=8", "eval_start=false", "disjoint_splits=false"),
+        (100,),
+        ("on-policy",),
+    ),
+    # it fell with 64 samples per update too: the control, learning rates of 1e-12 (no update)
+    (
+        "lr-zero",
+        ("nodes.0.lr=1.0e-12", "nodes.1.lr=1.0e-12", "disjoint_splits=false"),
+        (100,),
+        ("on-policy",),
+    ),
+)
+CANDIDATES = tuple(dict.fromkeys(name for name, *_ in PILOT))
+
+
+def _pilot_cells() -> list[Cell]:
+    out = []
+    for name, sets, seeds, modes in PILOT:
+        flags = tuple(x for s in sets for x in ("--set", s))
+        for seed in seeds:
+            for mode in modes:
+                cell = _pair_cell("size", mode, seed, flags)
+                out.append(Cell("pilot", f"size-{name}", mode, seed, cell.config, cell.flags))
+    return out
+
+
+def cells(scale: str = "full", seeds: Optional[tuple[int, ...]] = None) -> list[Cell]:
+    """Every cell, seed by seed (the on-policy baselines first in each seed)."""
+    if scale == "pilot":
+        return _pilot_cells()
+    out = []
+    for seed in seeds if seeds is not None else SEEDS:
+        out += [_pair_cell(p, "on-policy", seed) for p in HETERO]
+        for pair, modes in PAIR_MODES.items():
+            out += [_pair_cell(pair, m, seed) for m in modes if m != "on-policy"]
+    return out
+
+
+# -- the warm-up probe (the pilot's first step) ---------------------------------------------------
+def probe(
+    steps: tuple[int, int],
+    operand_max: int,
+    warmup_steps: int,
+    gsm8k_format: float,
+    seed: int = PILOT_SEEDS[0],
+    n: int = 256,
+) -> dict:
+    """What the warm-up alone gives `small` on a task: its final loss, the share of right answers
+    among samples at temperature 0.8 (train problems), and greedy accuracy on the test split and
+    on the ood split in unseen words (`ood_surface`); the CPU seconds it took. The node's own
+    warm-up (`models.warm_up`, the configs' lr and batch) and sampler, one thread."""
+    import time
+
+    import torch
+
+    from ftis_kernels.grpo.config import build_config
+    from ftis_kernels.grpo.models import build_model, warm_up
+    from ftis_kernels.grpo.rollout import sample
+    from ftis_kernels.grpo.task import (
+        ArithmeticTask,
+        Difficulty,
+        format_prompt,
+        make_prompt_id,
+        reward,
+    )
+    from ftis_kernels.grpo.tokenizer import build_tokenizer
+
+    torch.set_num_threads(1)
+    t0 = time.process_time()
+    cfg = build_config(config_file=str(HERE / "configs" / "confirm" / "size.yaml"))
+    spec = next(node for node in cfg.nodes if node.name == RECEIVER)
+    cfg.seed = seed
+    task = ArithmeticTask(seed, Difficulty(*steps, operand_max, *steps, operand_max, True))
+    tok = build_tokenizer(task.vocabulary_text())
+    init = cfg.init_seed(cfg.nodes.index(spec))
+    model = build_model(spec.arch, tok, init)
+    loss = warm_up(
+        model,
+        tok,
+        task,
+        steps=warmup_steps,
+        lr=spec.warmup_lr,
+        batch_size=cfg.warmup_batch,
+        seed=init,
+        operations=list(spec.warmup_ops),
+        gsm8k_format=gsm8k_format,
+    )
+
+    def accuracy(split: str, greedy: bool) -> float:
+        ids = [make_prompt_id(split, i) for i in range(n)]
+        gen, right = torch.Generator().manual_seed(seed), 0
+        for k in range(0, n, cfg.micro_batch):
+            batch = ids[k : k + cfg.micro_batch]
+            prompts = [tok(format_prompt(task.problem(i).question))["input_ids"] for i in batch]
+            tokens, _, lengths = sample(
+                model,
+                prompts,
+                max_new_tokens=cfg.eval_max_new_tokens,
+                temperature=cfg.temperature,
+                eos_id=tok.eos_token_id,
+                pad_id=tok.pad_token_id,
+                generator=gen,
+                greedy=greedy,
+            )
+            for j, i in enumerate(batch):
+                text = tok.decode(tokens[j, : int(lengths[j])].tolist(), skip_special_tokens=True)
+                right += reward(text, task.problem(i)) == 1.0
+        return right / n
+
+    with torch.no_grad():
+        out = dict(
+            steps=list(steps),
+            operand_max=operand_max,
+            warmup_steps=warmup_steps,
+            format=gsm8k_format,
+            seed=seed,
+            loss=loss,
+            sampled=accuracy("train", False),
+            greedy_id=accuracy("test", True),
+            greedy_ood=accuracy("ood", True),
+        )
+    return dict(out, cpu_seconds=round(time.process_time() - t0, 1))
+
+
+# -- cost ------------------------------------------------------------------------------------------
+# CPU seconds per cell, measured by the pilot on this machine (AMD EPYC, one thread per node, a
+# load of 2.5-4 from other work) for the size pair (small + tiny): a cell with the final
+# evaluation of EVAL_SIZE problems per split (the F-TIS cell: 101), one that evaluates the start
+# too (the on-policy cell: 230 with its seed's warm-ups of small and tiny, of which about 100),
+# and one whose final evaluation is SMALL_EVAL problems (the 512-problem cell less 3/4 of its
+# evaluation, 29 CPU-s per 1024 problems and 2 nodes: an estimate). A pair of two small models
+# costs TWO_SMALL times as much (a small node's round takes 1.0 s, tiny's 0.6); a seed's
+# warm-ups (small, tiny, add-expert, stale) about 230.
+CPU_S = {"cell": 101.0, "cell_start": 130.0, "cell_small_eval": 80.0, "warmups": 230.0}
+TWO_SMALL = 1.25
+
+
+def _kind(cell: Cell) -> str:
+    if "eval_start=true" in cell.flags:
+        return "cell_start"
+    return "cell_small_eval" if f"eval_size={SMALL_EVAL}" in cell.flags else "cell"
+
+
+def cell_cpu(cell: Cell) -> float:
+    """The estimated CPU seconds of one cell (its seed's warm-ups not included)."""
+    return CPU_S[_kind(cell)] * (1.0 if cell.group.startswith("size") else TWO_SMALL)
+
+
+def cost(todo: list[Cell], work: Path) -> tuple[float, int]:
+    """(CPU seconds, seeds to warm up) of the cells of `todo` not yet finished."""
+    left = [c for c in todo if not _finished(_out(c, work, ()))]
+    started = {c.seed for c in todo if c not in left}
+    fresh = {c.seed for c in left} - started
+    return sum(cell_cpu(c) for c in left) + len(fresh) * CPU_S["warmups"], len(fresh)
+
+
+def estimate(work: Path, cores: int = 2) -> str:
+    """What is left of each chunk: cells, CPU-minutes, and the wall time on `cores` idle cores."""
+    lines, total = [], 0.0
+    for k, seeds in enumerate(chunks(), 1):
+        todo = cells("full", seeds)
+        cpu, fresh = cost(todo, work)
+        left = sum(not _finished(_out(c, work, ())) for c in todo)
+        total += cpu
+        lines.append(
+            f"chunk {k} (seeds {seeds[0]}-{seeds[-1]}): {left} of {len(todo)} cells to run, "
+            f"{cpu / 60:.0f} CPU-min, about {cpu / cores / 60:.0f} min on {cores} idle cores"
+        )
+    seed = cells("full", (-1,))
+    per_seed = cost(seed, work)[0]
+    # every cell evaluating the start and EVAL_SIZE problems, as the first round's cells did
+    unshared = sum(CPU_S["cell_start"] * cell_cpu(c) / CPU_S[_kind(c)] for c in seed)
+    lines.append(
+        f"all: {total / 60:.0f} CPU-min, about {total / cores / 3600:.1f} h on {cores} idle cores; "
+        f"{per_seed / 60:.1f} CPU-min per seed ({(unshared + CPU_S['warmups']) / 60:.1f} if every "
+        f"cell evaluated the start and {EVAL_SIZE} problems); CPU seconds: {CPU_S}"
+    )
+    return "\n".join(lines)
+
+
+def run(todo: list[Cell], work: Path, jobs: int) -> int:
+    """Run the cells (finished ones are skipped), `jobs` at a time; 1 if any failed."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0, failed, cpu_total = time.time(), [], 0.0
+    bar = study._progress(len(todo))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for cid, seconds, cpu, rc in pool.map(lambda c: study.run_cell(c, work, ()), todo):
+            cpu_total += cpu
+            if rc:
+                failed.append(cid)
+            if bar is not None:
+                bar.set_postfix_str(f"{cid} {seconds:.0f}s{' FAILED' if rc else ''}")
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    print(
+        f"{len(todo)} cells in {(time.time() - t0) / 60:.1f} min, {cpu_total / 60:.1f} CPU-min"
+        + (f"; FAILED (see each cell's log.txt): {failed}" if failed else ""),
+        flush=True,
+    )
+    return 1 if failed else 0
+
+
+# -- the claims ------------------------------------------------------------------------------------
+def power_table() -> list[dict]:
+    """Seeds each planned claim needs for 80% power at the first round's spread and effect, at
+    the Holm family's smallest level (0.05 / 3) and its largest (0.05)."""
+    out = []
+    for cid, plan in PLAN.items():
+        margin = MARGIN if cid == "C1" else 0.0
+        out.append(
+            dict(
+                id=cid,
+                **plan,
+                holm_first=stats.seeds_needed(plan["sd"], plan["effect"], 0.05 / 3, margin=margin),
+                holm_last=stats.seeds_needed(plan["sd"], plan["effect"], 0.05, margin=margin),
+            )
+        )
+    return out
+
+
+def _row(spec: ClaimSpec, res: Optional[stats.Result], d: dict[int, float]) -> dict:
+    base = dict(id=spec.id, claim=spec.text, kind=spec.test.kind, metric=spec.test.metric, n=len(d))
+    if res is None:
+        return dict(base, verdict="pending", why="fewer than 2 seeds with every cell of the claim")
+    ci90 = stats.t_interval(list(d.values()), 0.90)
+    return dict(
+        base,
+        margin=spec.test.margin,
+        sign=spec.test.sign,
+        mean=res.ci.mean,
+        ci=[res.ci.lo, res.ci.hi],
+        ci90=[ci90.lo, ci90.hi],
+        bootstrap=[res.boot.lo, res.boot.hi],
+        p=res.p,
+        p_holm=res.p_holm,
+        verdict=res.verdict,
+        why=res.why,
+        per_seed={str(k): v for k, v in d.items()},
+    )
+
+
+def analyse(rows: list[dict]) -> list[dict]:
+    """The gate's and the family's verdicts (Holm over the family, gated by P), then the
+    estimates (mean and 95% interval, `verdict` "estimate")."""
+    pooled = {s.id: stats.pool(study.unit_differences(rows, s)) for s in CLAIMS}
+    out = []
+    gate_d = pooled[GATE.id]
+    gate = (
+        stats.evaluate([(GATE.test, list(gate_d.values()), None)])[0] if len(gate_d) >= 2 else None
+    )
+    out.append(_row(GATE, gate, gate_d))
+    ready = [s for s in FAMILY if len(pooled[s.id]) >= 2]
+    results = stats.evaluate([(s.test, list(pooled[s.id].values()), None) for s in ready])
+    if gate is None:
+        results = [
+            stats.replace(r, verdict="pending", why="the gate P is pending") for r in results
+        ]
+    else:
+        results = stats.gatekeep(gate, results)
+    done = dict(zip([s.id for s in ready], results))
+    out += [_row(s, done.get(s.id), pooled[s.id]) for s in FAMILY]
+    for spec, reason in ESTIMATES:
+        d = stats.pool(study.unit_differences(rows, spec))
+        row = dict(id=spec.id, claim=spec.text, metric=spec.test.metric, n=len(d), left_out=reason)
+        if len(d) >= 2:
+            ci = stats.t_interval(list(d.values()))
+            row.update(mean=ci.mean, ci=[ci.lo, ci.hi], verdict="estimate")
+            row["per_seed"] = {str(k): v for k, v in d.items()}
+            if spec.test.metric == "acc_ood":  # an out-of-domain baseline must be reachable
+                base = study._baseline_mean(rows, spec)
+                if base is not None and base < FLOOR:
+                    row["left_out"] += f"; its baseline ({base:.3f}) is under the floor {FLOOR}"
+        else:
+            row["verdict"] = "pending"
+        out.append(row)
+    return out
+
+
+def baseline_agreement(rows: list[dict]) -> Optional[float]:
+    """The largest difference, over seeds, between the receiver's on-policy runs of the three
+    heterogeneous pairs' configs (acc_late): 0 when a pair's on-policy run of the receiver does
+    not depend on its peer, as the pairing assumes; None before any seed has two."""
+    worst = None
+    for seed in sorted({r["seed"] for r in rows}):
+        vals = [
+            study._value(rows, pair, RECEIVER, "on-policy", seed, "acc_late") for pair in HETERO
+        ]
+        vals = [v for v in vals if v is not None]
+        if len(vals) >= 2:
+            worst = max(worst or 0.0, max(vals) - min(vals))
+    return worst
+
+
+# -- tables and the README -------------------------------------------------------------------------
+def _fmt(x: Optional[float], signed: bool = True) -> str:
+    if x is None:
+        return "-"
+    return f"{x:+.3f}" if signed else f"{x:.3f}"
+
+
+def _claim_line(c: dict) -> str:
+    if c["verdict"] == "pending":
+        return (
+            f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | - | - | - | - | **pending** |"
+        )
+    return (
+        f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | {c['mean']:+.3f} | "
+        f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] | {c['p']:.3g} | {c['p_holm']:.3g} | "
+        f"**{c['verdict']}** |"
+    )
+
+
+def tables(rows: list[dict], claims: list[dict]) -> str:
+    n_seeds = len({r["seed"] for r in rows})
+    parts = [
+        f"### Claims ({n_seeds} of {len(SEEDS)} seeds with a finished cell; 95% t intervals of "
+        "the per-seed difference)\n",
+        "| id | claim | metric | seeds | mean diff | 95% t interval | p | p Holm | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    tested = {c.id for c in CLAIMS}
+    parts += [_claim_line(c) for c in claims if c["id"] in tested]
+    parts += [
+        "",
+        "### Estimates (not tested: no verdict)\n",
+        "| id | comparison | metric | seeds | mean diff | 95% t interval | why not in the family |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in claims:
+        if c["id"] in tested:
+            continue
+        ci = f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]" if "ci" in c else "-"
+        parts.append(
+            f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | {_fmt(c.get('mean'))} | "
+            f"{ci} | {c['left_out']} |"
+        )
+    agree = baseline_agreement(rows)
+    parts += [
+        "",
+        "The receiver's on-policy runs in the size, expertise and lora configs (one run three "
+        "times, if the pairing holds): largest difference in acc_late over the seeds "
+        + ("-" if agree is None else f"{agree:.3g}")
+        + ".",
+        "",
+        "### Per node and mode (mean ± sd over seeds)\n",
+        "| pair | node | mode | seeds | sample acc, 2nd half | sample acc, last third | acc_id "
+        "| acc_ood | CPU-s per cell |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for pair, modes in PAIR_MODES.items():
+        for name in (RECEIVER, PEER[pair]):
+            for m in modes:
+                sel = study._select(rows, study="pairs", group=pair, variant=m, name=name)
+                if sel:
+                    parts.append(
+                        f"| {pair} | {name} | {m} | {len(sel)} | {study._stat(sel, 'acc_late')} | "
+                        f"{study._stat(sel, 'acc_last')} | {study._stat(sel, 'acc_id')} | "
+                        f"{study._stat(sel, 'acc_ood')} | {study._stat(sel, 'cpu_seconds')} |"
+                    )
+    return "\n".join(parts)
+
+
+def _slope(xs: list[float]) -> float:
+    """Least-squares change per round of `xs`."""
+    n = len(xs)
+    mx, my = (n - 1) / 2, statistics.fmean(xs)
+    return sum((i - mx) * (x - my) for i, x in enumerate(xs)) / sum((i - mx) ** 2 for i in range(n))
+
+
+def pilot_table(rows: list[dict], curves: list[dict]) -> str:
+    """Per candidate task, mode and node, over the pilot seeds: sampled accuracy at the start
+    (rounds 0-4) and the end (the last 5 rounds), its slope over the second half (per 10 rounds),
+    the final greedy accuracies (the on-policy cells also at the start), what the filter did, and
+    each cell's CPU time. Each column: the mean, then the seeds' values."""
+    parts = [
+        "| task | mode | node | seeds | sample acc, rounds 0-4 | last 5 rounds | slope, 2nd half "
+        "(per 10 rounds) | acc_id start -> final | acc_ood start -> final | received KL "
+        "| filter changed (of negative) | CPU-s per cell |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def col(vals) -> str:
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            return "-"
+        each = ", ".join(f"{v:.2f}" for v in vals)
+        return f"{statistics.fmean(vals):.3f}" + (f" ({each})" if len(vals) > 1 else "")
+
+    for name in CANDIDATES:
+        for mode in ("on-policy", "f-tis"):
+            for node in (RECEIVER, PEER["size"]):
+                prefix = f"pilot/size-{name}/{mode}/"
+                sel = [c for c in curves if c["id"].startswith(prefix) and c["name"] == node]
+                rs = [r for r in rows if r["id"].startswith(prefix) and r["name"] == node]
+                if not sel:
+                    continue
+                acc = [c["sample_acc"] for c in sel]
+                start = col([statistics.fmean(a[:5]) for a in acc])
+                end = col([statistics.fmean(a[-5:]) for a in acc])
+                slope = col([10 * _slope(a[len(a) // 2 :]) for a in acc])
+                acc_id = (
+                    f"{col([r['acc_id_start'] for r in rs])} -> {col([r['acc_id'] for r in rs])}"
+                )
+                ood = (
+                    f"{col([r['acc_ood_start'] for r in rs])} -> {col([r['acc_ood'] for r in rs])}"
+                )
+                if not all(r["command"].split().count("eval_start=true") for r in rs) or any(
+                    "eval_start=false" in r["command"].split() for r in rs
+                ):  # no evaluation before the first round
+                    acc_id, ood = col([r["acc_id"] for r in rs]), col([r["acc_ood"] for r in rs])
+                kl = col([r["metrics"].get("recv_kl_mean") for r in rs])
+                changed = col([r["metrics"].get("filter_changed_neg") for r in rs])
+                cpu = statistics.fmean(r["cpu_seconds"] for r in rs)
+                parts.append(
+                    f"| {name} | {mode} | {node} | {len(sel)} | {start} | {end} | {slope} | "
+                    f"{acc_id} | {ood} | {kl} | {changed} | {cpu:.0f} |"
+                )
+    return "\n".join(parts)
+
+
+def rules_section() -> str:
+    """The confirmatory rules, as the code states them (the README's section, before any data)."""
+    claim_rows = []
+    for spec in CLAIMS:
+        if spec.test.kind == "noninferiority":
+            test = f"non-inferiority, margin {spec.test.margin:g}"
+        else:
+            test = f"paired t, predicted sign {'+' if spec.test.sign > 0 else '−'}"
+        units = "; ".join(
+            f"{p}: {n}, {m} − {bm}" + ("" if bp == p else f" ({bp} config)")
+            for p, n, m, bp, bm in spec.units
+        )
+        role = "gate" if spec is GATE else "family (Holm)"
+        claim_rows.append(
+            f"| {spec.id} | {role} | {spec.text} | {spec.test.metric} "
+            f"({study.METRICS[spec.test.metric]}) | {test} | {units} |"
+        )
+    power = [
+        f"| {p['id']} | {p['sd']:.3f} | {p['effect']:+.3f} | {p['holm_first']} | {p['holm_last']} |"
+        for p in power_table()
+    ]
+    left = [f"- **{spec.id}** ({spec.text}): {reason}." for spec, reason in ESTIMATES]
+    return "\n".join(
+        [
+            stats.RULES,
+            stats.RULE_NONINFERIORITY,
+            stats.RULE_GATE,
+            "",
+            f"Unit: sample accuracy (the share of right answers, reward 1, among a node's own "
+            f"training samples; the run's format credit is not counted). Margin of C1: "
+            f"{MARGIN} in sample accuracy. Seeds: {SEEDS[0]}-{SEEDS[-1]} ({len(SEEDS)}), in "
+            f"chunks of {CHUNK_SEEDS}; never seeds 0-9 (the first round) or "
+            f"{PILOT_SEEDS[0]}-{PILOT_SEEDS[-1]} (the pilot). The gate is tested alone; the "
+            f"family is {', '.join(s.id for s in FAMILY)} under Holm.",
+            "",
+            "| id | role | claim | metric | test | compared (pair: node, mode − baseline) |",
+            "|---|---|---|---|---|---|",
+            *claim_rows,
+            "",
+            "Seeds for 80% power (paired t) at the first round's per-seed spread and effect "
+            "(`experiments/results/claims.jsonl`; C1 planned at a true difference of 0), at the "
+            "family's smallest Holm level (0.05 / 3) and its largest (0.05):",
+            "",
+            "| claim | sd | effect | seeds at 0.05 / 3 | seeds at 0.05 |",
+            "|---|---|---|---|---|",
+            *power,
+            "",
+            "Left out of the family, reported as estimates with their intervals:",
+            "",
+            *left,
+        ]
+    )
+
+
+RULES_BEGIN, RULES_END = "<!-- confirm-rules:begin -->", "<!-- confirm-rules:end -->"
+BEGIN, END = "<!-- confirm:begin -->", "<!-- confirm:end -->"
+PILOT_BEGIN, PILOT_END = "<!-- pilot:begin -->", "<!-- pilot:end -->"
+
+
+def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str:
+    todo = cells(scale)
+    rows, curves = study.collect(todo, work, ())
+    results.mkdir(parents=True, exist_ok=True)
+    if scale == "pilot":
+        table = pilot_table(rows, curves) if rows else "(no pilot cell has finished)"
+        marks = (PILOT_BEGIN, PILOT_END)
+        for name, items in (("pilot", rows), ("pilot_curves", curves)):
+            (results / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+    else:
+        claims = analyse(rows)
+        for name, items in (("cells", rows), ("curves", curves), ("claims", claims)):
+            (results / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+        table = tables(rows, claims)
+        marks = (BEGIN, END)
+    (results / f"{scale}.md").write_text(table + "\n")
+    if readme is not None and readme.exists():
+        text = study._replace(readme.read_text(), *marks, table)
+        text = study._replace(text, RULES_BEGIN, RULES_END, rules_section())
+        readme.write_text(text)
+    return table
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.confirm", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("action", choices=("run", "report", "list", "estimate", "probe"))
+    p.add_argument("--scale", choices=("full", "pilot"), default="full")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        metavar="K",
+        help=f"run the K-th chunk of {CHUNK_SEEDS} seeds only (1-{len(chunks())})",
+    )
+    p.add_argument("--only", action="append", metavar="GLOB", help="cell ids to run (repeatable)")
+    p.add_argument("--jobs", type=int, default=2, help="cells run at once (default 2)")
+    p.add_argument(
+        "--work", type=Path, default=None, help="run folders (default experiments/runs-confirm)"
+    )
+    p.add_argument("--results", type=Path, default=None, help="default experiments/results/confirm")
+    p.add_argument("--readme", default=None, help="'none' to leave experiments/README.md as it is")
+    p.add_argument(
+        "--probe",
+        nargs=5,
+        type=float,
+        metavar=("FEWEST", "MOST", "OPERAND_MAX", "WARMUP_STEPS", "FORMAT"),
+        default=(2, 3, OPERAND_MAX, 300, 0.8),
+        help="probe: the task (steps, largest operand) and the warm-up (steps, share in "
+        "GSM8K's format) to measure",
+    )
+    p.add_argument("--seed", type=int, default=PILOT_SEEDS[0], help="probe: the seed")
+    args = p.parse_args(argv)
+    if args.action == "probe":
+        lo, hi, high, warm, fmt = args.probe
+        print(json.dumps(probe((int(lo), int(hi)), int(high), int(warm), fmt, args.seed)))
+        return 0
+    work = args.work or HERE / "runs-confirm"
+    results = args.results or HERE / "results" / "confirm"
+    readme = None if args.readme == "none" else Path(args.readme or HERE / "README.md")
+    if args.chunk is not None:
+        if args.scale != "full" or not 1 <= args.chunk <= len(chunks()):
+            raise SystemExit(
+                f"--chunk: expected 1-{len(chunks())} with --scale full, got {args.chunk}"
+            )
+        todo = cells("full", chunks()[args.chunk - 1])
+    else:
+        todo = cells(args.scale)
+    if args.only:
+        todo = [c for c in todo if any(fnmatch.fnmatchcase(c.id, g) for g in args.only)]
+        if not todo:
+            raise SystemExit(f"--only: no cell matches {args.only}; see `list`")
+    if args.action == "list":
+        for c in todo:
+            print(f"{c.id:40s} {shlex.join(c.argv(work))}")
+        return 0
+    if args.action == "estimate":
+        print(estimate(work))
+        return 0
+    if args.action == "run" and args.scale == "full" and not FROZEN:
+        raise SystemExit(
+            "run: the task is not frozen yet (experiments/README.md, the pilot): no confirmatory "
+            "seed may run before it is; set FROZEN in experiments/confirm.py when it is"
+        )
+    rc = run(todo, work, args.jobs) if args.action == "run" else 0
+    print(report(args.scale, work, results, readme))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
