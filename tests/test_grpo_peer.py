@@ -22,6 +22,15 @@ from tests.memory_swarm import MemorySwarm, MemoryTransport
 TIMEOUT_S = 240  # a whole in-process swarm test; each is a few seconds on 2 cores
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """The loss on the torch backend, as a CPU run outside the tests has it: the Triton
+    interpreter the tests otherwise run is not thread-safe, and these peers are threads."""
+    from ftis_kernels.kernels import logp_lse
+
+    monkeypatch.setattr(logp_lse, "triton_is_interpreted", lambda: False)
+
+
 def _peer_cfg(tmp_path, name: str, **over):
     small = dict(
         out=str(tmp_path / name),
@@ -39,7 +48,8 @@ def _peer_cfg(tmp_path, name: str, **over):
         collect_timeout_s=20.0,
     )
     small.update(over)
-    return build_config("smoke", overrides=small, sets=(f"nodes=[{{name: {name}}}]",))
+    spec = f"nodes=[{{name: {name}, warmup_steps: 2, init_seed: {len(name)}}}]"
+    return build_config("smoke", overrides=small, sets=(spec,))
 
 
 def _connect(swarm: MemorySwarm, peer_id: str, seen: dict):
@@ -81,28 +91,34 @@ def _rows(folder, name="metrics.jsonl"):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_three_peers_train_on_each_others_samples_with_their_staleness(tmp_path):
+def test_three_peers_train_on_each_others_samples_with_their_staleness(tmp_path, torch_kernels):
     swarm, seen = MemorySwarm(), {}
     ids = ["QmAlpha", "QmBeta", "QmGamma"]
-    cfgs = [(pid, _peer_cfg(tmp_path, pid, collect_timeout_s=60.0)) for pid in ids]
+    cfgs = [(pid, _peer_cfg(tmp_path, pid, rounds=4, collect_timeout_s=60.0)) for pid in ids]
     assert _run_peers(cfgs, swarm, seen) == {pid: 0 for pid in ids}
+    heard = set()
     for pid in ids:
         rows = _rows(tmp_path / pid)
-        assert [r["round"] for r in rows] == [0, 1, 2]
-        assert all(r["samples_received"] > 0 for r in rows)
+        # A peer whose warm-up ends after the others' first round joins at the swarm's round.
+        assert [r["round"] for r in rows] == list(range(rows[0]["round"], 4))
+        assert sum(r["samples_received"] for r in rows) > 0
         log = _rows(tmp_path / pid, "received.jsonl")
         senders = {r["sender"] for r in log if r["dropped"] is None}
-        assert senders == {source_of(p) for p in ids if p != pid}
+        assert senders and senders <= {source_of(p) for p in ids if p != pid}
+        heard |= senders
         # Each sample is used once, at most max_staleness (1) rounds after it was generated.
         assert {r["staleness"] for r in log} <= {0, 1}
-        stale = [sum(r["staleness"] > 0 for r in log if r["round"] == k) for k in range(3)]
-        assert [r["samples_stale"] for r in rows] == stale
+        for row in rows:
+            mine = [r for r in log if r["round"] == row["round"] and r["dropped"] is None]
+            assert row["samples_received"] == len(mine)
+            assert row["samples_stale"] == sum(r["staleness"] > 0 for r in mine)
         for name in ("curves.png", "summary.txt", "peer.json"):
             assert (tmp_path / pid / name).is_file()
         assert json.loads((tmp_path / pid / "peer.json").read_text())["peer_id"] == pid
+    assert heard == {source_of(p) for p in ids}
 
 
-def test_a_late_peer_joins_at_the_swarms_round_and_a_resumed_one_continues(tmp_path):
+def test_a_late_peer_joins_at_the_swarms_round_and_a_resumed_one_continues(tmp_path, torch_kernels):
     swarm, seen = MemorySwarm(), {}
     cfgs = [(pid, _peer_cfg(tmp_path, pid, rounds=4)) for pid in ("QmEarly", "QmLate")]
     cfgs[1] = ("QmLate", _peer_cfg(tmp_path, "QmLate", rounds=4, max_staleness=2))
