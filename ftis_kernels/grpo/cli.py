@@ -1,8 +1,11 @@
-"""`ftis-grpo`: start a local swarm (it calls torchrun itself) or, under torchrun, run one node.
+"""`ftis-grpo`: start a local swarm (it calls torchrun itself) or, under torchrun, run one node;
+`ftis-grpo peer`: one peer of a swarm over hivemind, on any host.
 
     ftis-grpo --preset demo --nodes 3 --out runs/demo
     ftis-grpo --preset demo --out runs/demo --resume --rounds 80
     ftis-grpo --config swarm.yaml --loss nois --set nodes.1.hostile=random_tokens
+    ftis-grpo --preset demo --transport hivemind --nodes 3 --out runs/swarm   (peer processes)
+    ftis-grpo peer --config node.yaml --out runs/b --initial-peers /ip4/10.0.0.1/tcp/31337/p2p/Qm...
 
 Run by hand with torchrun (for example across hosts) the same command runs one node: the CLI
 sees torchrun's environment (RANK, WORLD_SIZE, ...) and does not launch again; rank 0 then checks
@@ -68,6 +71,8 @@ examples:
   ftis-grpo --preset demo --print-config > swarm.yaml      edit it, then: --config swarm.yaml
   ftis-grpo export runs/demo --node 1 --to models/small    a node's checkpoint as a model folder
   ftis-grpo report runs/demo --baseline runs/on-policy     curves.png with a baseline run
+  ftis-grpo peer --config node.yaml --out runs/a           one peer of a swarm over hivemind
+  ftis-grpo report runs/a runs/b --to runs/ab              several peers' runs merged
 
 Configuration layers, later wins: defaults < --preset < --config FILE < flags < --set.
 Every key, its allowed values and default: ftis-grpo --list-keys."""
