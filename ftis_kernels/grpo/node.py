@@ -157,6 +157,7 @@ class Node:
         self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, self.source))
         self._prompt_cache: dict[int, list[int]] = {}
         self.last_received: list[Sample] = []
+        self.start = 0  # the first round this process runs (`run`)
 
     # -- set-up -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -411,6 +412,14 @@ class Node:
             for pid, (tok, lp, rew), adv in zip(ids, done, advantages.flatten().tolist())
         ]
 
+    def max_staleness(self, round_: int) -> int:
+        """How old the peers' samples this round trains on may be: `max_staleness`, but after a
+        --resume none of the rounds before it (their samples may have been used before the
+        stop; a transport's memory of what it gave starts afresh)."""
+        if self.cfg.resume:
+            return min(self.cfg.max_staleness, round_ - self.start)
+        return self.cfg.max_staleness
+
     def run_round(self, round_: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
         if self.spec.fail_at_round == round_:
@@ -435,7 +444,7 @@ class Node:
                 prompt_ok=self.problems.is_train,
                 transport=self.transport,
                 round_=round_,
-                max_staleness=cfg.max_staleness,
+                max_staleness=self.max_staleness(round_),
                 timeout_s=cfg.collect_timeout_s,
             )
             self.last_received = received  # what a "replay" node sends next round
@@ -670,7 +679,7 @@ class Node:
             except ValueError as exc:
                 raise SystemExit(f"--resume: {exc}") from None
         self.build()
-        start = self.prepare(join)
+        start = self.start = self.prepare(join)
         bar = None
         if self.rank == 0:
             kept = [r for r in previous if r["round"] < start]
