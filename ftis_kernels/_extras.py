@@ -33,6 +33,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "plot": ("matplotlib",),
     "trl": ("trl", "transformers"),
     "genrl": ("genrl", "transformers"),
+    "swarm": ("hivemind",),
 }
 
 

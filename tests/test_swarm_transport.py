@@ -1,0 +1,271 @@
+"""The hivemind transport on loopback: peers exchange a round's payloads, with the staleness
+window, the dedupe, the wait bound, the refusals (forged, untrusted, size, incompatible), the
+identity kept across a restart, the start errors and the late joiner's round."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+
+import pytest
+
+pytest.importorskip("hivemind", reason="the hivemind transport needs the `swarm` extra")
+
+from hivemind import DHT  # noqa: E402
+from hivemind.dht.validation import RecordValidatorBase  # noqa: E402
+from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
+from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
+
+from ftis_kernels.grpo.swarm import KEY_FILE, HivemindTransport, SwarmStartError  # noqa: E402
+from ftis_kernels.grpo.transport import REJECT_KINDS  # noqa: E402
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    """start(name, joins=None, **overrides) -> a transport; all closed at the end."""
+    started: list[HivemindTransport] = []
+
+    def start(name, joins=None, **overrides):
+        kwargs = dict(
+            out=tmp_path / name,
+            swarm_key="test",
+            fingerprints={"configuration": "c1", "vocabulary": "v1", "wire": "w1"},
+            initial_peers=[] if joins is None else joins.visible_maddrs,
+            host_maddrs=LOOPBACK,
+            trusted_peers=None,
+            max_payload_bytes=4096,
+            record_ttl_s=60.0,
+            start_timeout_s=10.0,
+        )
+        kwargs.update(overrides)
+        transport = HivemindTransport(**kwargs)
+        started.append(transport)
+        return transport
+
+    yield start
+    for transport in started:
+        transport.close()
+
+
+def payloads(incoming):
+    return sorted((item.peer, item.round, item.payload) for item in incoming)
+
+
+def test_three_peers_exchange_a_round(swarm):
+    a = swarm("a")
+    b, c = swarm("b", joins=a), swarm("c", joins=a)
+    assert a.kind == "hivemind" and len({a.peer_id, b.peer_id, c.peer_id}) == 3
+    for peer in (a, b, c):
+        peer.publish(0, peer.peer_id.encode())
+    for peer in (a, b, c):
+        started = time.monotonic()
+        incoming, rejected = peer.collect(0, max_staleness=0, timeout_s=10.0)
+        others = sorted({a.peer_id, b.peer_id, c.peer_id} - {peer.peer_id})
+        assert payloads(incoming) == [(p, 0, p.encode()) for p in others]
+        assert rejected == []
+        # Every live peer had published: no waiting for the timeout.
+        assert time.monotonic() - started < 5.0
+    assert (a.barrier("x"), a.gather({"k": 1}), a.common_round([3, 5]), a.common_round([])) == (
+        None,
+        [{"k": 1}],
+        5,
+        None,
+    )
+
+
+def test_staleness_window_and_dedupe(swarm):
+    a = swarm("a")
+    b = swarm("b", joins=a)
+    for r in range(4):
+        a.publish(r, f"r{r}".encode())
+    incoming, _ = b.collect(3, max_staleness=1, timeout_s=5.0)
+    assert [(i.round, i.payload) for i in incoming] == [(2, b"r2"), (3, b"r3")]
+    # Collected once: the same call again brings nothing new, and returns at once.
+    started = time.monotonic()
+    assert b.collect(3, max_staleness=3, timeout_s=5.0)[0] == [
+        dataclasses.replace(incoming[0], round=r, payload=f"r{r}".encode()) for r in (0, 1)
+    ]
+    assert b.collect(3, max_staleness=3, timeout_s=5.0) == ([], [])
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_silent_peer_costs_at_most_the_timeout(swarm):
+    a = swarm("a")
+    b = swarm("b", joins=a)  # announces itself, never publishes
+    a.publish(0, b"x")
+    started = time.monotonic()
+    assert a.collect(0, max_staleness=0, timeout_s=1.5) == ([], [])
+    waited = time.monotonic() - started
+    assert 1.5 <= waited < 4.0
+    # It let a round pass: later rounds do not wait for it until it announces itself again.
+    started = time.monotonic()
+    assert a.collect(1, max_staleness=0, timeout_s=1.5) == ([], [])
+    assert time.monotonic() - started < 1.5
+    b.publish(1, b"late")
+    assert payloads(a.collect(1, max_staleness=0, timeout_s=5.0)[0]) == [(b.peer_id, 1, b"late")]
+
+
+class _SignedByAnotherKey(RecordValidatorBase):
+    """An attacker's signer: appends a signature in hivemind's format made with its own key,
+    whatever owner the subkey names."""
+
+    def __init__(self):
+        self.key = RSAPrivateKey()
+
+    def sign_value(self, record):
+        signature = self.key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
+        return record.value + b"[signature:" + signature + b"]"
+
+    def validate(self, record):
+        return True
+
+
+@pytest.mark.parametrize("signer", ["none", "another key"])
+def test_a_record_under_another_peers_subkey_is_forged(swarm, signer):
+    a = swarm("a")
+    b = swarm("b", joins=a)
+    attacker = DHT(
+        initial_peers=a.visible_maddrs,
+        start=True,
+        host_maddrs=LOOPBACK,
+        record_validators=[_SignedByAnotherKey()] if signer == "another key" else [],
+    )
+    try:
+        a.publish(0, b"honest")
+        # The attacker writes round 0 under a's subkey: a's owner marker, not its key.
+        attacker.store("test/round/0", b"forged", get_dht_time() + 60, subkey=a._owner)
+    finally:
+        attacker.shutdown()
+    incoming, rejected = b.collect(0, max_staleness=0, timeout_s=5.0)
+    assert payloads(incoming) == [(a.peer_id, 0, b"honest")]
+    assert [(r.peer, r.kind) for r in rejected] == [(a.peer_id, "forged")]
+    assert "not signed by its key" in rejected[0].reason
+
+
+def test_untrusted_and_incompatible_peers_are_refused(swarm):
+    a = swarm("a")
+    stranger = swarm("stranger", joins=a)
+    b = swarm("b", joins=a, trusted_peers=[a.peer_id, "QmSomebodyElse"])
+    other_vocab = swarm("vocab", joins=a, fingerprints={"configuration": "c1", "vocabulary": "v2"})
+    for peer in (a, stranger, b, other_vocab):
+        peer.publish(0, peer.peer_id.encode())
+    incoming, rejected = b.collect(0, max_staleness=0, timeout_s=5.0)
+    assert payloads(incoming) == [(a.peer_id, 0, a.peer_id.encode())]
+    # The allowlist is checked first: the peer of another vocabulary is untrusted here.
+    assert sorted((r.peer, r.kind) for r in rejected) == sorted(
+        [(stranger.peer_id, "untrusted"), (other_vocab.peer_id, "untrusted")]
+    )
+
+    incoming, rejected = a.collect(0, max_staleness=0, timeout_s=5.0)
+    assert payloads(incoming) == sorted((p.peer_id, 0, p.peer_id.encode()) for p in (stranger, b))
+    [refused] = rejected
+    assert (refused.peer, refused.kind) == (other_vocab.peer_id, "incompatible")
+    assert refused.reason == "round 0: vocabulary, wire differ"
+    assert {r.kind for r in rejected} <= set(REJECT_KINDS)
+
+    # agree(): a fingerprint recorded later makes a peer incompatible from then on.
+    stranger.agree("checkpoint", "step-7")
+    for peer in (stranger, b):
+        peer.publish(1, b"after")
+    incoming, rejected = a.collect(1, max_staleness=0, timeout_s=5.0)
+    assert payloads(incoming) == [(b.peer_id, 1, b"after")]
+    assert [(r.peer, r.kind, r.reason) for r in rejected] == [
+        (stranger.peer_id, "incompatible", "round 1: checkpoint differs")
+    ]
+
+
+def test_size_cap(swarm):
+    a = swarm("a", max_payload_bytes=100_000)
+    b = swarm("b", joins=a, max_payload_bytes=1000)
+    # Far over b's cap: b's DHT node refuses to hold or return the record at all.
+    a.publish(0, bytes(5000))
+    # Just over: the record passes the DHT, the collect refuses the payload.
+    a.publish(1, bytes(1001))
+    incoming, rejected = b.collect(1, max_staleness=1, timeout_s=1.0)
+    assert incoming == []
+    # The record's bytes are the payload's, msgpack's header and the signature.
+    assert [(r.peer, r.kind) for r in rejected] == [(a.peer_id, "size")] * 2
+    assert re.fullmatch(r"a signed record of 5\d\d\d B, over the cap", rejected[1].reason)
+    assert rejected[0].reason == "round 1: 1001 B, over the cap of 1000 B"
+    with pytest.raises(ValueError, match="max_payload_bytes"):
+        b.publish(0, bytes(1001))
+
+
+def test_identity_is_kept_across_a_restart(swarm, tmp_path):
+    a = swarm("a")
+    b = swarm("b", joins=a)
+    first = b.peer_id
+    assert os.stat(tmp_path / "b" / KEY_FILE).st_mode & 0o777 == 0o600
+    b.close()
+    again = swarm("b", joins=a)
+    assert again.peer_id == first != a.peer_id
+    again.publish(0, b"back")
+    assert payloads(a.collect(0, max_staleness=0, timeout_s=5.0)[0]) == [(first, 0, b"back")]
+
+
+def test_a_late_joiner_learns_the_round(swarm):
+    a = swarm("a")
+    b = swarm("b", joins=a)
+    assert b.latest_round() is None
+    for r in range(3):
+        a.publish(r, b"x")
+    late = swarm("late", joins=b)
+    assert late.latest_round() == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, flag, message",
+    [
+        ({"initial_peers": ["/ip4/127.0.0.1/tcp/1x/p2p/Qm"]}, "--initial-peers", "not a multiaddr"),
+        ({"initial_peers": ["/ip4/127.0.0.1/tcp/4001"]}, "--initial-peers", "names no peer"),
+        ({"host_maddrs": ["/ip4/300.0.0.1/tcp/0"]}, "--host-maddr", "not a multiaddr"),
+    ],
+)
+def test_malformed_multiaddrs(swarm, overrides, flag, message):
+    started = time.monotonic()
+    with pytest.raises(SwarmStartError, match=message) as caught:
+        swarm("x", **overrides)
+    assert caught.value.flag == flag and str(caught.value).startswith(flag)
+    assert time.monotonic() - started < 1.0
+
+
+def test_an_unreachable_initial_peer(swarm):
+    # A peer id that no one runs, on a port where no one listens.
+    gone = swarm("gone")
+    address = gone.visible_maddrs[0]
+    gone.close()
+    started = time.monotonic()
+    with pytest.raises(SwarmStartError, match="could not join through") as caught:
+        swarm("x", initial_peers=[address], start_timeout_s=5.0)
+    assert caught.value.flag == "--initial-peers" and address in str(caught.value)
+    assert time.monotonic() - started < 10.0
+
+
+def test_a_damaged_key_file_names_out(swarm, tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / KEY_FILE).write_bytes(b"not a key")
+    with pytest.raises(SwarmStartError, match="is not a peer key") as caught:
+        swarm("x")
+    assert caught.value.flag == "--out"
+
+
+def test_without_hivemind_the_error_names_the_extra(monkeypatch, tmp_path):
+    from ftis_kernels import _extras
+
+    monkeypatch.setattr(_extras, "missing", lambda extra: ["hivemind"] if extra == "swarm" else [])
+    with pytest.raises(_extras.MissingExtraError, match="needs the 'swarm' extra"):
+        HivemindTransport(
+            out=tmp_path,
+            swarm_key="test",
+            fingerprints={},
+            initial_peers=[],
+            host_maddrs=LOOPBACK,
+            trusted_peers=None,
+            max_payload_bytes=1,
+            record_ttl_s=1.0,
+            start_timeout_s=1.0,
+        )
