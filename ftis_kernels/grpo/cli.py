@@ -33,7 +33,6 @@ from ftis_kernels.grpo.config import (
     TRANSPORTS,
     ConfigError,
     RunConfig,
-    Verbatim,
     build_config,
     render_config,
     render_keys,
@@ -465,23 +464,16 @@ def peer_main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         flags = {k: f"--{k}" for k, v in overrides.items() if v is not None}
         return _usage_lines("ftis-grpo peer", exc.renamed(flags))
-    from ftis_kernels.grpo.node import setup_logging, stop_on_signals
-    from ftis_kernels.grpo.peer import RECORD_TTL_S, run_peer
+    from ftis_kernels.grpo.node import setup_logging
+    from ftis_kernels.grpo.peer import RECORD_TTL_S, Stopped, run_peer, stop_on_signals
 
     setup_logging(0, tag=cfg.node(0).name)
-    stop_on_signals(0)
+    stop_on_signals()
 
     def connect(out, fingerprints, max_payload_bytes):
-        try:
-            from ftis_kernels.grpo.swarm import HivemindTransport, SwarmStartError
-        except ImportError as exc:
-            raise ConfigError(
-                (
-                    "transport",
-                    "'hivemind' with the swarm extra installed (pip install 'ftis-kernels[swarm]')",
-                    Verbatim(f"'hivemind' without it ({exc})"),
-                )
-            ) from None
+        _require_swarm()
+        from ftis_kernels.grpo.swarm import HivemindTransport, SwarmStartError
+
         try:
             return HivemindTransport(
                 out=out,
@@ -495,12 +487,24 @@ def peer_main(argv: Sequence[str]) -> int:
                 start_timeout_s=cfg.timeout_s,
             )
         except SwarmStartError as exc:
-            raise ConfigError(f"{exc.flag}: {exc}") from None
+            raise ConfigError(str(exc)) from None  # "--flag: what is wrong"
 
     try:
         return run_peer(cfg, connect, overwrite=args.overwrite)
     except ConfigError as exc:
         return _usage_lines("ftis-grpo peer", exc)
+    except Stopped as exc:  # before the peer joined
+        return 128 + exc.signum
+
+
+def _require_swarm() -> None:
+    """ConfigError naming `transport` when the swarm extra (hivemind) is not installed."""
+    from ftis_kernels._extras import MissingExtraError, require
+
+    try:
+        require("swarm", "'hivemind'")
+    except MissingExtraError as exc:
+        raise ConfigError(f"transport: {exc}") from None
 
 
 def _usage_lines(prog: str, exc: ConfigError) -> int:
@@ -553,6 +557,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ftis_kernels.grpo.launch import launch, launch_peers
 
         if cfg.transport == "hivemind":
+            _require_swarm()
             return launch_peers(cfg, overwrite=args.overwrite)
         return launch(argv, cfg, overwrite=args.overwrite)
     except ConfigError as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional, Protocol
@@ -49,6 +50,25 @@ PEER_FILE = "peer.json"
 # How long a published round stays in the DHT: long enough for a peer `max_staleness` rounds
 # behind to collect it.
 RECORD_TTL_S = 900.0
+
+
+class Stopped(BaseException):
+    """SIGINT, SIGTERM or SIGHUP reached the peer (`stop_on_signals`): it leaves the swarm
+    (closing its transport, so that its DHT daemon goes too) with exit code 128 + `signum`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stop_on_signals() -> None:
+    """SIGINT, SIGTERM and SIGHUP raise `Stopped` in the peer's main thread."""
+
+    def stop(signum: int, _frame) -> None:
+        raise Stopped(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 class SwarmTransport(Transport, Protocol):
@@ -168,6 +188,10 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             raise
         log.error("%s", exc.code)
         return EXIT_REFUSED
+    except Stopped as exc:
+        name = signal.Signals(exc.signum).name
+        log.warning("peer %s: stopped by %s; leaving the swarm", transport.peer_id, name)
+        return 128 + exc.signum
     except OSError as exc:
         why = f"cannot write {exc.filename or 'its output'}: {exc.strerror or exc}"
         log.error(
