@@ -351,7 +351,7 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
     over the peers' codes, a peer killed by a signal as 128 + its number), and merges the peers'
     metrics into `cfg.out`/curves.png and summary.txt. ConfigError before anything starts."""
     from ftis_kernels.grpo.config import to_dict
-    from ftis_kernels.grpo.peer import read_peer_file
+    from ftis_kernels.grpo.peer import READY_FILE, START_ENV, read_peer_file
     from ftis_kernels.grpo.report import merge
 
     out, n = Path(cfg.out), len(cfg.nodes)
@@ -377,6 +377,10 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         env["OMP_NUM_THREADS"] = str(threads)
         flags = (["--resume"] if cfg.resume else []) + (["--overwrite"] if overwrite else [])
+        # The peers' first rounds start together, once every one is warmed up (`wait_for_start`).
+        start_file = out / ".ftis-grpo-start"
+        start_file.unlink(missing_ok=True)
+        env[START_ENV] = str(start_file)
 
         def start(k: int, join: list[str]) -> subprocess.Popen:
             folder = peer_folder(out, k)
@@ -387,6 +391,7 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
 
         for k in range(n):
             (peer_folder(out, k) / "peer.json").unlink(missing_ok=True)
+            (peer_folder(out, k) / READY_FILE).unlink(missing_ok=True)
         log.info("starting a local swarm of %d peers over loopback in %s", n, out)
         procs = [start(0, [])]
         deadline = time.monotonic() + PEER_START_S
@@ -403,7 +408,13 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
             return procs[0].returncode  # it said why
         log.info("peer 0 listens at %s", " ".join(first["maddrs"]))
         procs += [start(k, first["maddrs"]) for k in range(1, n)]
-        codes = supervise_peers(procs)
+
+        def start_when_ready() -> None:
+            ready = all((peer_folder(out, k) / READY_FILE).exists() for k in range(n))
+            if not start_file.exists() and (ready or any(p.poll() is not None for p in procs)):
+                start_file.touch()
+
+        codes = supervise_peers(procs, tick=start_when_ready)
     reports = {
         k: (c, f"peer {k} ({cfg.node(k).name}) exited with code {c}") for k, c in codes.items()
     }
@@ -420,10 +431,13 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
     return code
 
 
-def supervise_peers(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> dict[int, int]:
+def supervise_peers(
+    procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S, tick=lambda: None
+) -> dict[int, int]:
     """Wait for every peer; SIGINT, SIGTERM or SIGHUP to this process is forwarded to each (a
     second one kills them), and what is alive `grace_s` seconds after the first is killed.
-    Returns {peer: exit code}, a peer stopped by a signal as 128 + its number."""
+    `tick()` runs every poll. Returns {peer: exit code}, a peer stopped by a signal as 128 + its
+    number."""
     received: list[int] = []
 
     def forward(signum: int, _frame) -> None:
@@ -437,6 +451,7 @@ def supervise_peers(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S
         deadline = None
         while any(p.poll() is None for p in procs):
             time.sleep(_POLL_S)
+            tick()
             if received and deadline is None:
                 deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:

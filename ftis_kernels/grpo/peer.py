@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional, Protocol
@@ -47,6 +49,11 @@ log = logging.getLogger("ftis_kernels.grpo")
 PEER_SLOTS = 1 << 16
 # Written into --out once the peer is reachable: its peer id and the multiaddrs others join by.
 PEER_FILE = "peer.json"
+# The local swarm of `ftis-grpo --transport hivemind` starts its peers' first rounds together:
+# each peer, warmed up, leaves READY_FILE in its --out and waits for the file this variable names
+# (the launcher writes it once every peer is ready, or one has exited).
+START_ENV = "FTIS_GRPO_START_FILE"
+READY_FILE = ".ftis-grpo-ready"
 # How long a published round stays in the DHT: long enough for a peer `max_staleness` rounds
 # behind to collect it.
 RECORD_TTL_S = 900.0
@@ -169,6 +176,7 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
         )
 
         def join_round() -> int:
+            wait_for_start(out, cfg.setup_timeout_s)
             latest = transport.latest_round()
             if latest is not None:
                 log.info(
@@ -201,6 +209,18 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
     finally:
         transport.close()
         lock.release()
+
+
+def wait_for_start(out: Path, timeout_s: float) -> None:
+    """Under the local swarm's launcher (`START_ENV` set): say this peer is ready, then wait for
+    the launcher's start (at most `timeout_s`); nothing otherwise."""
+    start = os.environ.get(START_ENV)
+    if not start:
+        return
+    (out / READY_FILE).touch()
+    deadline = time.monotonic() + timeout_s
+    while not Path(start).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def read_peer_file(out: Path) -> Optional[dict]:
