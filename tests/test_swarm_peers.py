@@ -90,13 +90,13 @@ def test_a_local_swarm_of_three_peers_trains_on_each_others_samples(tmp_path):
     assert "merged:" in got.stdout
 
 
-def _peer_config(tmp_path: Path, k: int, rounds: int) -> Path:
+def _peer_config(tmp_path: Path, k: int, rounds: int, warmup_steps: int = 2) -> Path:
     """node.yaml of peer k: the smoke preset's node k % 2, small."""
     from ftis_kernels.grpo.config import build_config, to_dict
 
     cfg = build_config("smoke", overrides=dict(rounds=rounds, progress=False))
     d = to_dict(cfg)
-    spec = dict(d["nodes"][k % 2], name=f"peer{k}", warmup_steps=2, init_seed=k)
+    spec = dict(d["nodes"][k % 2], name=f"peer{k}", warmup_steps=warmup_steps, init_seed=k)
     d.update(nodes=[spec], transport="hivemind")
     for item in SMALL[1::2]:
         key, value = item.split("=", 1)
@@ -106,13 +106,17 @@ def _peer_config(tmp_path: Path, k: int, rounds: int) -> Path:
     return path
 
 
-def _start(tmp_path, k, rounds, join=(), resume=False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ftis_kernels.grpo", "peer"]
-    cmd += ["--config", str(_peer_config(tmp_path, k, rounds)), "--out", str(tmp_path / f"p{k}")]
+def _start(tmp_path, k, rounds, join=(), resume=False, warmup_steps=2, gate=None):
+    """Peer k as its own process; `gate`: the start file its first round waits for."""
+    from ftis_kernels.grpo.peer import START_ENV
+
+    cmd = [sys.executable, "-m", "ftis_kernels.grpo", "peer", "--out", str(tmp_path / f"p{k}")]
+    cmd += ["--config", str(_peer_config(tmp_path, k, rounds, warmup_steps))]
     cmd += ["--host-maddr", "/ip4/127.0.0.1/tcp/0"] + (["--resume"] if resume else [])
     cmd += ["--initial-peers", *join] if join else []
+    env = _env() if gate is None else dict(_env(), **{START_ENV: str(gate)})
     log = open(tmp_path / f"p{k}.log", "a")
-    return subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=log, stderr=log)
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)
 
 
 def _wait(predicate, what: str, procs, timeout=RUN_S):
@@ -125,28 +129,7 @@ def _wait(predicate, what: str, procs, timeout=RUN_S):
         time.sleep(0.2)
 
 
-def test_sigkill_a_late_joiner_and_a_resumed_peer(tmp_path):
-    """Peers 0 and 1 run 6 rounds. Peer 2 starts once peer 0 has done 2 rounds: it joins at the
-    swarm's round. Peer 1 is killed with SIGKILL after its third round: the others lose at most
-    collect_timeout_s once and go on; restarted with --resume it continues from its checkpoint
-    as the same peer."""
-    rounds = 6
-    p0 = _start(tmp_path, 0, rounds)
-    procs = [p0]
-    _wait(lambda: (tmp_path / "p0" / "peer.json").exists(), "peer 0's multiaddr", procs)
-    join = json.loads((tmp_path / "p0" / "peer.json").read_text())["maddrs"]
-    p1 = _start(tmp_path, 1, rounds, join)
-    procs.append(p1)
-    _wait(lambda: len(_rows(tmp_path / "p0")) >= 2, "peer 0's second round", procs)
-    p2 = _start(tmp_path, 2, rounds, join)
-    procs.append(p2)
-    _wait(lambda: len(_rows(tmp_path / "p1")) >= 3, "peer 1's third round", procs)
-    first_id = json.loads((tmp_path / "p1" / "peer.json").read_text())["peer_id"]
-    os.kill(p1.pid, signal.SIGKILL)
-    p1.wait(30)
-    killed_after = _rows(tmp_path / "p1")[-1]["round"]
-    p1 = _start(tmp_path, 1, rounds, join, resume=True)
-    procs[1] = p1
+def _finish(procs):
     for p in procs:
         try:
             p.wait(RUN_S)
@@ -154,23 +137,54 @@ def test_sigkill_a_late_joiner_and_a_resumed_peer(tmp_path):
             for q in procs:
                 q.kill()
             pytest.fail("a peer hung")
-    logs = {k: (tmp_path / f"p{k}.log").read_text()[-3000:] for k in range(3)}
-    assert [p.returncode for p in procs] == [0, 0, 0], logs
 
-    r0, r1, r2 = (_rows(tmp_path / f"p{k}") for k in range(3))
+
+def test_sigkill_a_late_joiner_and_a_resumed_peer(tmp_path):
+    """Peers 0 and 1 start their 8 rounds together; peer 2, started with them but with a longer
+    warm-up, joins at the swarm's round. Peer 1 is killed with SIGKILL after its third round:
+    the others lose at most collect_timeout_s once and go on. Restarted with --resume (alone,
+    the others done), it continues from its checkpoint as the same peer."""
+    from ftis_kernels.grpo.peer import READY_FILE
+
+    rounds, gate = 8, tmp_path / "start"
+    p0 = _start(tmp_path, 0, rounds, gate=gate)
+    procs = [p0]
+    _wait(lambda: (tmp_path / "p0" / "peer.json").exists(), "peer 0's multiaddr", procs)
+    join = json.loads((tmp_path / "p0" / "peer.json").read_text())["maddrs"]
+    procs.append(_start(tmp_path, 1, rounds, join, gate=gate))
+    procs.append(_start(tmp_path, 2, rounds, join, warmup_steps=60))
+    ready = [tmp_path / f"p{k}" / READY_FILE for k in (0, 1)]
+    _wait(lambda: all(f.exists() for f in ready), "peers 0 and 1 warmed up", procs)
+    gate.touch()
+    _wait(lambda: len(_rows(tmp_path / "p1")) >= 3, "peer 1's third round", procs)
+    first_id = json.loads((tmp_path / "p1" / "peer.json").read_text())["peer_id"]
+    os.kill(procs[1].pid, signal.SIGKILL)
+    _finish(procs)
+    killed_after = _rows(tmp_path / "p1")[-1]["round"]
+    logs = {k: (tmp_path / f"p{k}.log").read_text()[-3000:] for k in range(3)}
+    assert [p.returncode for p in procs] == [0, -signal.SIGKILL, 0], logs
+
+    r0, r2 = _rows(tmp_path / "p0"), _rows(tmp_path / "p2")
     assert [r["round"] for r in r0] == list(range(rounds))
     # The late joiner started at the swarm's round, not at 0, and trained on its peers' samples.
-    assert r2[0]["round"] >= 2 and [r["round"] for r in r2] == list(range(r2[0]["round"], rounds))
+    assert r2[0]["round"] >= 1 and [r["round"] for r in r2] == list(range(r2[0]["round"], rounds))
     assert sum(r["samples_received"] for r in r2) > 0
-    # The killed peer resumed as itself from its last checkpoint (every round is one).
-    assert json.loads((tmp_path / "p1" / "peer.json").read_text())["peer_id"] == first_id
-    assert [r["round"] for r in r1] == list(range(rounds))
-    assert "resumed after round" in logs[1] and killed_after < rounds - 1
     # No round of peer 0 waited for the dead peer more than collect_timeout_s (plus the work).
     work = sorted(r["seconds"] for r in r0)[len(r0) // 2]
     assert max(r["seconds"] for r in r0) < work + COLLECT_S + 15, [r["seconds"] for r in r0]
     print("peer 0's round seconds:", [round(r["seconds"], 2) for r in r0])
     print("peer 2's round seconds:", [round(r["seconds"], 2) for r in r2])
+
+    # The killed peer, restarted with --resume, is the same peer and continues after its last
+    # checkpoint (every round is one).
+    resumed = _start(tmp_path, 1, rounds, resume=True)
+    _finish([resumed])
+    log = (tmp_path / "p1.log").read_text()
+    assert resumed.returncode == 0, log[-3000:]
+    assert json.loads((tmp_path / "p1" / "peer.json").read_text())["peer_id"] == first_id
+    r1 = _rows(tmp_path / "p1")
+    assert [r["round"] for r in r1] == list(range(rounds))  # its rows before the kill kept
+    assert "resumed after round" in log and killed_after < rounds - 1
 
 
 def test_a_malformed_or_unreachable_initial_peer_is_one_line_and_exit_code_2(tmp_path):
