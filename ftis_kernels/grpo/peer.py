@@ -16,10 +16,12 @@ writes its own metrics.jsonl, curves.png and summary.txt; `ftis-grpo report DIR.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,6 +135,27 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
     }
 
 
+# The output folder's lock of the peer running in this process (its file), for `_forked`.
+_HELD: list = []
+
+
+def _forked() -> None:
+    """In a child the peer's process forks (hivemind's DHT process): drop the child's copy of
+    the lock on --out, so that the lock goes with the peer, and die with the peer (Linux), so
+    that a peer killed with SIGKILL leaves no DHT process holding its identity behind."""
+    for f in _HELD:
+        try:
+            os.close(f.fileno())
+        except OSError:
+            pass
+    if _HELD and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+os.register_at_fork(after_in_child=_forked)
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
 def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
     """Run one peer into `cfg.out` (checked and locked as a run's folder is), its samples moved
     by the transport `connect` starts; returns the exit code (`launch`'s: 0 done, 1 refused, 3
@@ -148,8 +171,10 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
         check_out(cfg, overwrite)
         (out / PEER_FILE).unlink(missing_ok=True)
         cap = cfg.samples_per_round(1) * record_bytes(cfg.max_new_tokens)
+        _HELD[:] = [lock._file]
         transport = connect(out, fingerprints(cfg), cap)
     except BaseException:
+        _HELD.clear()
         lock.release()
         raise
     try:
@@ -208,6 +233,7 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
         return EXIT_WRITE
     finally:
         transport.close()
+        _HELD.clear()
         lock.release()
 
 
