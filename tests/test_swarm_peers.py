@@ -142,22 +142,24 @@ def _finish(procs):
 
 
 def test_sigkill_a_late_joiner_and_a_resumed_peer(tmp_path):
-    """Peers 0 and 1 start their 8 rounds together; peer 2, started with them but with a longer
-    warm-up, joins at the swarm's round. Peer 1 is killed with SIGKILL after its third round:
-    the others lose at most collect_timeout_s once and go on. Restarted with --resume (alone,
-    the others done), it continues from its checkpoint as the same peer."""
+    """Peers 0 and 1 start their 8 rounds together; peer 2, started with them, starts its rounds
+    once peer 0 has done 2: it joins at the swarm's round. Peer 1 is killed with SIGKILL after
+    its third round: the others lose at most collect_timeout_s once and go on. Restarted with
+    --resume (alone, the others done), it continues from its checkpoint as the same peer."""
     from ftis_kernels.grpo.peer import READY_FILE
 
-    rounds, gate = 8, tmp_path / "start"
+    rounds, gate, late_gate = 8, tmp_path / "start", tmp_path / "start-late"
     p0 = _start(tmp_path, 0, rounds, gate=gate)
     procs = [p0]
     _wait(lambda: (tmp_path / "p0" / "peer.json").exists(), "peer 0's multiaddr", procs)
     join = json.loads((tmp_path / "p0" / "peer.json").read_text())["maddrs"]
     procs.append(_start(tmp_path, 1, rounds, join, gate=gate))
-    procs.append(_start(tmp_path, 2, rounds, join, warmup_steps=60))
+    procs.append(_start(tmp_path, 2, rounds, join, gate=late_gate))
     ready = [tmp_path / f"p{k}" / READY_FILE for k in (0, 1)]
     _wait(lambda: all(f.exists() for f in ready), "peers 0 and 1 warmed up", procs)
     gate.touch()
+    _wait(lambda: len(_rows(tmp_path / "p0")) >= 2, "peer 0's second round", procs)
+    late_gate.touch()
     _wait(lambda: len(_rows(tmp_path / "p1")) >= 3, "peer 1's third round", procs)
     first_id = json.loads((tmp_path / "p1" / "peer.json").read_text())["peer_id"]
     os.kill(procs[1].pid, signal.SIGKILL)
