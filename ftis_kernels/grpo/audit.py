@@ -12,7 +12,8 @@ the ones the filter acted on.
 receiving node: round, receiver, sender, prompt_id, n_tokens, reward, advantage, kl (the loss's
 per-sample KL, in its `kl_reduction`), filtered, changed, truncated (the share of the sample's
 tokens whose IS weight the cap truncated) and dropped (null; for a record a defence dropped, the
-`Drop` kind, with `reason`, and null statistics).
+`Drop` kind, with `reason`, and null statistics) and staleness (the rounds between the sample's
+generation and its use: always 0 under torch's lockstep; null for a dropped record).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def sample_rows(
                 changed=filtered and s.advantage != 0,
                 truncated=per_sample["truncated"][i],
                 dropped=None,
+                staleness=s.staleness,
             )
         )
     for d in drops:
@@ -131,6 +133,7 @@ def sample_rows(
                 truncated=None,
                 dropped=d.kind,
                 reason=str(d),
+                staleness=None,
             )
         )
     return rows

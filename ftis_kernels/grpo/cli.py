@@ -1,8 +1,11 @@
-"""`ftis-grpo`: start a local swarm (it calls torchrun itself) or, under torchrun, run one node.
+"""`ftis-grpo`: start a local swarm (it calls torchrun itself) or, under torchrun, run one node;
+`ftis-grpo peer`: one peer of a swarm over hivemind, on any host.
 
     ftis-grpo --preset demo --nodes 3 --out runs/demo
     ftis-grpo --preset demo --out runs/demo --resume --rounds 80
     ftis-grpo --config swarm.yaml --loss nois --set nodes.1.hostile=random_tokens
+    ftis-grpo --preset demo --transport hivemind --nodes 3 --out runs/swarm   (peer processes)
+    ftis-grpo peer --config node.yaml --out runs/b --initial-peers /ip4/10.0.0.1/tcp/31337/p2p/Qm...
 
 Run by hand with torchrun (for example across hosts) the same command runs one node: the CLI
 sees torchrun's environment (RANK, WORLD_SIZE, ...) and does not launch again; rank 0 then checks
@@ -27,6 +30,7 @@ from ftis_kernels.grpo.config import (
     LOSSES,
     PRESET_HELP,
     PRESETS,
+    TRANSPORTS,
     ConfigError,
     RunConfig,
     build_config,
@@ -53,6 +57,7 @@ _KEY_FLAGS = (
     "timeout_s",
     "threads",
     "progress",
+    "transport",
 )
 
 EPILOG = """presets:
@@ -65,6 +70,8 @@ examples:
   ftis-grpo --preset demo --print-config > swarm.yaml      edit it, then: --config swarm.yaml
   ftis-grpo export runs/demo --node 1 --to models/small    a node's checkpoint as a model folder
   ftis-grpo report runs/demo --baseline runs/on-policy     curves.png with a baseline run
+  ftis-grpo peer --config node.yaml --out runs/a           one peer of a swarm over hivemind
+  ftis-grpo report runs/a runs/b --to runs/ab              several peers' runs merged
 
 Configuration layers, later wins: defaults < --preset < --config FILE < flags < --set.
 Every key, its allowed values and default: ftis-grpo --list-keys."""
@@ -208,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proc = p.add_argument_group("processes and output")
     proc.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="what moves the samples: torch (one torchrun world, lockstep) or hivemind (one "
+        "`ftis-grpo peer` process per node over loopback, no barrier; the swarm extra) "
+        f"(default {_default('transport')})",
+    )
+    proc.add_argument(
         "--timeout",
         type=float,
         dest="timeout_s",
@@ -337,21 +351,37 @@ def export_main(argv: Sequence[str]) -> int:
 
 
 def report_main(argv: Sequence[str]) -> int:
-    """`ftis-grpo report RUN [--baseline OTHER]`: curves.png again, with a baseline run."""
+    """`ftis-grpo report RUN [RUN ...] [--baseline OTHER] [--to DIR]`: curves.png again, with a
+    baseline run; several RUNs (the peers of a swarm, each its own folder) merged into one."""
     p = _Parser(
         prog="ftis-grpo report",
         description="Draw a run's curves.png again from its metrics.jsonl, with another run of "
-        "the same nodes (for example --loss on-policy) dashed beside it as the baseline.",
+        "the same nodes (for example --loss on-policy) dashed beside it as the baseline. "
+        "Several RUNs (the peers of a swarm, each with its own --out) are merged: their nodes "
+        "in one curves.png and summary.txt, written into --to.",
     )
-    p.add_argument("run", metavar="RUN", help="the run's output folder (its --out)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a run's output folder (its --out)")
     p.add_argument("--baseline", metavar="OTHER", help="the baseline run's output folder")
+    p.add_argument(
+        "--to",
+        metavar="DIR",
+        help="where the merged curves.png and summary.txt of several RUNs go (default: their "
+        "common parent folder)",
+    )
     args = p.parse_args(argv)
+    import os
     from pathlib import Path
 
-    from ftis_kernels.grpo.report import redraw
+    from ftis_kernels.grpo.report import merge, redraw
 
+    runs = [Path(r) for r in args.runs]
     try:
-        path = redraw(Path(args.run), Path(args.baseline) if args.baseline else None)
+        if len(runs) == 1 and args.to is None:
+            path = redraw(runs[0], Path(args.baseline) if args.baseline else None)
+        else:
+            to = Path(args.to or os.path.commonpath([r.resolve() for r in runs]))
+            path, summary = merge(runs, to, Path(args.baseline) if args.baseline else None)
+            print(summary)
     except (OSError, ValueError) as exc:
         where = "--baseline" if args.baseline and args.baseline in str(exc) else "RUN"
         what = "the output folder of a run (with metrics.jsonl)"
@@ -359,6 +389,129 @@ def report_main(argv: Sequence[str]) -> int:
         return EXIT_USAGE
     print(f"curves: {path}")
     return 0
+
+
+def build_peer_parser() -> argparse.ArgumentParser:
+    """`ftis-grpo peer`: one peer of a swarm over hivemind's DHT, in this process."""
+    p = _Parser(
+        prog="ftis-grpo peer",
+        description="Run one peer of a swarm without lockstep, on this host: its samples go "
+        "to the others over hivemind's DHT (pip install 'ftis-kernels[swarm]'). The first "
+        "peer logs the multiaddrs the others pass to --initial-peers. Every peer writes its "
+        "own metrics.jsonl, curves.png and summary.txt into its --out; ftis-grpo report "
+        "DIR... merges several.",
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="the peer's run configuration (YAML or TOML): any config key, and `nodes` with "
+        "one spec, this peer's (transport: hivemind is implied)",
+    )
+    p.add_argument("--out", metavar="DIR", help="the peer's output folder (default: the config's)")
+    p.add_argument("--rounds", type=int, metavar="N", help="rounds to run in all")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of running peers to join by (default: none, this peer starts a swarm)",
+    )
+    p.add_argument(
+        "--host-maddr",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs to listen on (default /ip4/0.0.0.0/tcp/0: every interface, any port)",
+    )
+    p.add_argument(
+        "--trusted-peers",
+        nargs="+",
+        metavar="ID",
+        help="a closed swarm: take samples only from these peer ids (default: any peer)",
+    )
+    p.add_argument(
+        "--swarm-key",
+        default="ftis-grpo",
+        metavar="NAME",
+        help="the name the swarm's records are kept under in the DHT (default ftis-grpo)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", default=None, help="continue from --out's checkpoint"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the run already in --out (its key stays)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, value in YAML (repeatable; applied last)",
+    )
+    return p
+
+
+def peer_main(argv: Sequence[str]) -> int:
+    """`ftis-grpo peer --config FILE ...`; every usage error, and an unreachable or malformed
+    multiaddr, is one line naming the flag or key, exit code 2."""
+    args = build_peer_parser().parse_args(argv)
+    overrides = {"out": args.out, "rounds": args.rounds, "resume": args.resume}
+    try:
+        cfg = build_config(
+            None, args.config, {**overrides, "transport": "hivemind"}, tuple(args.set)
+        )
+    except ConfigError as exc:
+        flags = {k: f"--{k}" for k, v in overrides.items() if v is not None}
+        return _usage_lines("ftis-grpo peer", exc.renamed(flags))
+    from ftis_kernels.grpo.node import setup_logging
+    from ftis_kernels.grpo.peer import RECORD_TTL_S, Stopped, run_peer, stop_on_signals
+
+    setup_logging(0, tag=cfg.node(0).name)
+    stop_on_signals()
+
+    def connect(out, fingerprints, max_payload_bytes):
+        _require_swarm()
+        from ftis_kernels.grpo.swarm import HivemindTransport, SwarmStartError
+
+        try:
+            return HivemindTransport(
+                out=out,
+                swarm_key=args.swarm_key,
+                fingerprints=fingerprints,
+                initial_peers=list(args.initial_peers),
+                host_maddrs=list(args.host_maddr) or ["/ip4/0.0.0.0/tcp/0"],
+                trusted_peers=args.trusted_peers,
+                max_payload_bytes=max_payload_bytes,
+                record_ttl_s=RECORD_TTL_S,
+                start_timeout_s=cfg.timeout_s,
+            )
+        except SwarmStartError as exc:
+            raise ConfigError(str(exc)) from None  # "--flag: what is wrong"
+
+    try:
+        return run_peer(cfg, connect, overwrite=args.overwrite)
+    except ConfigError as exc:
+        return _usage_lines("ftis-grpo peer", exc)
+    except Stopped as exc:  # before the peer joined
+        return 128 + exc.signum
+
+
+def _require_swarm() -> None:
+    """ConfigError naming `transport` when the swarm extra (hivemind) is not installed."""
+    from ftis_kernels._extras import MissingExtraError, require
+
+    try:
+        require("swarm", "'hivemind'")
+    except MissingExtraError as exc:
+        raise ConfigError(f"transport: {exc}") from None
+
+
+def _usage_lines(prog: str, exc: ConfigError) -> int:
+    """Print each line of `exc` as `prog: line`; returns EXIT_USAGE."""
+    for line in exc.lines:
+        print(f"{prog}: {line}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _model_flag(args: argparse.Namespace, cfg: RunConfig) -> dict[str, str]:
@@ -376,6 +529,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return export_main(argv[1:])
     if argv[:1] == ["report"]:
         return report_main(argv[1:])
+    if argv[:1] == ["peer"]:
+        return peer_main(argv[1:])
     args = parse_args(argv)
     if args.list_keys:
         print(render_keys())
@@ -390,7 +545,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             cfg.validate(len(cfg.nodes))
         except ConfigError as exc:
-            raise exc.renamed(_model_flag(args, cfg)) from None
+            raise exc.renamed({**_flags_setting(args), **_model_flag(args, cfg)}) from None
         if args.print_config:
             print(render_config(cfg, _layers(args)))
             return 0
@@ -399,8 +554,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             datefmt="%H:%M:%S",
             format="%(asctime)s launcher %(levelname)s: %(message)s",
         )
-        from ftis_kernels.grpo.launch import launch
+        from ftis_kernels.grpo.launch import launch, launch_peers
 
+        if cfg.transport == "hivemind":
+            _require_swarm()
+            return launch_peers(cfg, overwrite=args.overwrite)
         return launch(argv, cfg, overwrite=args.overwrite)
     except ConfigError as exc:
         for line in exc.lines:

@@ -27,6 +27,9 @@ from ftis_kernels.options import OPTION_NAMES, FTISOptions, option_choices, opti
 from ftis_kernels.options import PRESETS as LOSS_PRESETS
 
 COLLABS = ("vertical", "horizontal")
+# What moves the exchange's bytes (`transport.Transport`): torchrun's lockstep world on this host,
+# or hivemind's DHT, one peer per process on any host (`ftis-grpo peer`).
+TRANSPORTS = ("torch", "hivemind")
 # A run's loss: a preset of FTISOptions (README), or on-policy (isolated nodes, plain GRPO).
 LOSSES = ("on-policy",) + tuple(LOSS_PRESETS)
 # The loss options a run config names as its own keys (null: the preset's value); any other
@@ -73,6 +76,24 @@ RESUMABLE = (
     "max_skipped_steps",
     "pack",
     "pack_row_tokens",
+    "max_staleness",
+    "collect_timeout_s",
+)
+# What peers of a hivemind swarm must share to exchange samples (`RunConfig.swarm_fingerprint`):
+# the problems and their rewards, the groups and the wire's bounds. The rest (the node spec, the
+# loss, the defences, the schedule) is each peer's own.
+SWARM_KEYS = (
+    "seed",
+    "collab",
+    "prompts_per_node",
+    "group_size",
+    "max_new_tokens",
+    "task",
+    "format_credit",
+    "task_steps",
+    "task_operand_max",
+    "ood_steps",
+    "ood_operand_max",
 )
 # Seed strides: `--seed s` moves every node's init seed by s * RUN_SEED_STRIDE; `--nodes n` beyond
 # the config's list repeats its specs, the k-th repetition with init seeds k * REPEAT_SEED_STRIDE
@@ -303,6 +324,23 @@ class RunConfig:
     setup_timeout_s: Seconds = Field(
         3600.0, description="seconds nodes wait for each other's warm-up or model load"
     )
+    transport: Literal[TRANSPORTS] = Field(
+        "torch",
+        description="what moves the samples: torch: one torchrun world on this host, every "
+        "round in lockstep (bit-reproducible); hivemind: one peer per process on any host over "
+        "hivemind's DHT, no barrier (ftis-grpo peer; needs the swarm extra)",
+    )
+    max_staleness: Index = Field(
+        1,
+        description="hivemind: a peer trains on its peers' samples of rounds up to this many "
+        "before its own, each once (0: its own round only); under torch every sample is of "
+        "the round (staleness 0)",
+    )
+    collect_timeout_s: Seconds = Field(
+        30.0,
+        description="hivemind: how long a peer waits for its live peers' samples of its round "
+        "before it trains without the missing ones",
+    )
     threads: Index = Field(0, description="torch threads per node; 0 = cores / nodes")
     progress: bool = Field(True, description="a progress bar over the rounds")
     resume: bool = Field(False, description="continue from the last checkpoint in `out`")
@@ -348,7 +386,17 @@ class RunConfig:
         for key in ("task_steps", "ood_steps"):
             if getattr(self, key)[0] > getattr(self, key)[1]:
                 problems.append((key, "[fewest, most] with fewest <= most", getattr(self, key)))
-        if self.collab == "horizontal" and self.loss != "on-policy" and self.group_size % world:
+        horizontal = self.collab == "horizontal" and self.loss != "on-policy"
+        if self.transport == "hivemind" and horizontal:
+            problems.append(
+                (
+                    "collab",
+                    "vertical under transport hivemind (horizontal mode needs every peer's "
+                    "rewards of the same round: a lockstep exchange, torch only)",
+                    self.collab,
+                )
+            )
+        elif horizontal and self.group_size % world:
             problems.append(
                 (
                     "group_size",
@@ -424,10 +472,30 @@ class RunConfig:
             json.dumps(_shared(to_dict(self)), sort_keys=True).encode()
         ).hexdigest()[:16]
 
+    def swarm_fingerprint(self) -> str:
+        """Hash of what every node must share to exchange samples: under torch the whole run
+        (`fingerprint`: every node runs one configuration); under hivemind, where each peer has
+        its own node spec, loss and schedule, the `SWARM_KEYS` and the data files' contents."""
+        if self.transport == "torch":
+            return self.fingerprint()
+        shared: dict[str, Any] = {k: getattr(self, k) for k in SWARM_KEYS}
+        shared["data"] = {
+            split: hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            for split, path in sorted(self.data.items())
+        }
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+    def samples_per_round(self, world: int) -> int:
+        """How many samples a node sends each round in a swarm of `world` nodes."""
+        if self.collab == "horizontal" and self.loss != "on-policy":
+            return self.prompts_per_node * (self.group_size // world)
+        return self.prompts_per_node * self.group_size
+
 
 def _shared(d: dict[str, Any]) -> dict[str, Any]:
     """The part of a config dict a resumed run must share with the run it continues."""
-    d = {k: v for k, v in d.items() if k not in RESUMABLE}
+    # The transport is not the run's state (and runs from before the key keep their fingerprint).
+    d = {k: v for k, v in d.items() if k not in RESUMABLE and k != "transport"}
     d["nodes"] = [{k: v for k, v in n.items() if k != "fail_at_round"} for n in d["nodes"]]
     return d
 

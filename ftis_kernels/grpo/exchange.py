@@ -1,15 +1,15 @@
-"""The sample exchange: a fixed binary record per sample, sent through torch.distributed.
+"""The sample exchange: a fixed binary record per sample, moved by a `transport.Transport`.
 
 Wire format of one sample (little-endian), `HEADER_BYTES` + 8 bytes per completion token:
 
     int64 prompt_id | int32 source node | int32 n_tokens | float32 reward | float32 advantage
     int32 tokens[n_tokens] | float32 logprobs[n_tokens]
 
-A node's payload is its records back to back. One round is two `all_gather`s: the payload lengths
-(int64), then the payloads padded to the longest (uint8). `bytes_sent` counts the payload only
-(the 8-byte length word and the padding are transport details of the collective). No pickle
-crosses the wire: a receiver parses bytes with bounds checks and drops, with a logged reason, any
-record that is malformed, so nothing a peer sends can crash it.
+A node's payload is its records back to back, published for one round through the transport
+(under torch two `all_gather`s: the payload lengths (int64), then the payloads padded to the
+longest (uint8)). `bytes_sent` counts the payload only (the transport's framing is its own).
+No pickle crosses the wire: a receiver parses bytes with bounds checks and drops, with a logged
+reason, any record that is malformed, so nothing a peer sends can crash it.
 """
 
 from __future__ import annotations
@@ -19,19 +19,29 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ftis_kernels.grpo.rollout import group_advantages
+from ftis_kernels.grpo.transport import (
+    REJECT_KINDS,
+    SwarmError,  # noqa: F401 (callers import it from here too)
+    TorchTransport,
+    Transport,
+    collective,  # noqa: F401 (callers import it from here too)
+    source_of,
+)
 
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<qiiff")
 HEADER_BYTES = _HEADER.size  # 24
 BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob
+# The wire format's version: peers of another version are refused before their bytes are parsed.
+WIRE_VERSION = 1
 HOSTILE_KINDS = (
     "forged_logprobs",
     "flipped_rewards",
@@ -50,7 +60,8 @@ IMPROBABLE_LOGPROB = -100.0
 MAX_WEIGHT_LOGPROB = -30.0
 # Why a record was dropped: the parser's checks (`unpack`), then the receiver's own: an advantage
 # that the group's rewards do not give ("advantage"), a reward its rescoring refutes ("verify"),
-# samples without which a non-finite update is finite ("diverged", `blame_peers`).
+# samples without which a non-finite update is finite ("diverged", `blame_peers`); then the
+# transport's refusals before the parser (`transport.REJECT_KINDS`).
 DROP_KINDS = (
     "length",
     "source",
@@ -61,6 +72,7 @@ DROP_KINDS = (
     "advantage",
     "verify",
     "diverged",
+    *REJECT_KINDS,
 )
 
 
@@ -80,18 +92,6 @@ class Drop(str):
         return Drop, (str(self), self.kind, self.sender)
 
 
-class SwarmError(RuntimeError):
-    """A collective failed or timed out: some peer node died or stopped answering."""
-
-
-def collective(phase: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Run the collective `fn`; any failure becomes a SwarmError naming `phase`."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:  # gloo/nccl raise RuntimeError or DistBackendError subclasses
-        raise SwarmError(f"during {phase}: {type(exc).__name__}: {exc}") from exc
-
-
 @dataclass
 class Sample:
     """One completion as exchanged: tokens (L,) int32 and logprobs (L,) float32 of the generator."""
@@ -102,6 +102,7 @@ class Sample:
     logprobs: torch.Tensor
     reward: float
     advantage: float
+    staleness: int = 0  # rounds between its generation and its use (received samples)
 
     @property
     def n_tokens(self) -> int:
@@ -214,50 +215,46 @@ def exchange(
     max_tokens: int,
     max_samples: int,
     prompt_ok: Callable[[int], bool] = lambda pid: True,
+    transport: Optional[Transport] = None,
+    round_: int = 0,
+    max_staleness: int = 0,
+    timeout_s: float = 0.0,
     group: Optional[dist.ProcessGroup] = None,
 ) -> tuple[list[Sample], list[Drop], int]:
-    """Send `samples` to every node and receive theirs (one all_gather of lengths, one of bytes).
+    """Send `samples` (of round `round_`) to the peers and receive theirs: `pack`, then the
+    transport's `publish` and `collect` (payloads of rounds within `max_staleness` of `round_`,
+    waiting at most `timeout_s`), then `unpack` of each peer's payload. Without a `transport`,
+    the lockstep one over `group` (`TorchTransport`: one all_gather of lengths, one of bytes).
 
-    Returns (valid samples from the other nodes, in rank order; drop reasons; bytes this node sent).
+    Returns (valid samples from the peers, in the order the transport gave their payloads, each
+    with its `staleness`: `round_` minus the round it was generated in; drop reasons, a record
+    the transport refused among them with its `REJECT_KINDS` kind; bytes this node sent).
     `max_samples` and `max_tokens` must be the same on every node (they come from the shared run
-    configuration, checked at start-up): they fix the buffer width every node computes. A peer
-    payload longer than `max_samples` records of `max_tokens` tokens is cut at that cap (the cut
-    record is then dropped), so a peer cannot make the others allocate without bound.
+    configuration, checked at start-up): a peer payload longer than `max_samples` records of
+    `max_tokens` tokens is cut at that cap (kind "size"; the cut record is then dropped too), so
+    a peer cannot make the others allocate without bound.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    payload = pack(samples)
     cap = max_samples * record_bytes(max_tokens)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), group=group)
-    claimed = [int(t.item()) for t in lengths]
-    width = max(1, min(max(claimed), cap))
-    mine = torch.zeros(width, dtype=torch.uint8)
-    sent = payload[:width]
-    if sent:
-        mine[: len(sent)] = torch.frombuffer(bytearray(sent), dtype=torch.uint8)
-    buffers = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(buffers, mine, group=group)
-    received, drops = [], []
-    for peer in range(world):
-        if peer == rank:
-            continue
-        size = min(max(claimed[peer], 0), width)
-        got, dropped = unpack(
-            buffers[peer][:size].numpy().tobytes(),
-            sender=peer,
-            vocab_size=vocab_size,
-            max_tokens=max_tokens,
-            prompt_ok=prompt_ok,
+    if transport is None:
+        transport = TorchTransport(max_payload_bytes=cap, group=group)
+    payload = pack(samples)
+    transport.publish(round_, payload)
+    incoming, rejected = transport.collect(round_, max_staleness=max_staleness, timeout_s=timeout_s)
+    drops = [Drop(r.reason, r.kind, source_of(r.peer)) for r in rejected]
+    received = []
+    for got in incoming:
+        sender = source_of(got.peer)
+        body = got.payload
+        if len(body) > cap:
+            body = body[:cap]
+            why = f"node {sender}: payload of {len(got.payload)} bytes cut at the cap {cap}"
+            drops.append(Drop(why, "size", sender))
+        samples_in, dropped = unpack(
+            body, sender=sender, vocab_size=vocab_size, max_tokens=max_tokens, prompt_ok=prompt_ok
         )
-        if claimed[peer] > width:
-            dropped.append(
-                Drop(
-                    f"node {peer}: payload of {claimed[peer]} bytes cut at the cap {cap}",
-                    "length",
-                    peer,
-                )
-            )
-        received.extend(got)
+        for s in samples_in:
+            s.staleness = round_ - got.round
+        received.extend(samples_in)
         drops.extend(dropped)
     for reason in drops:
         log.warning("dropped peer sample: %s", reason)

@@ -32,6 +32,7 @@ from typing import IO, Optional
 
 import psutil
 import torch.distributed as torch_dist
+import yaml
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.cli import EXIT_USAGE
@@ -330,6 +331,139 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
         hint = "" if code in (EXIT_REFUSED, EXIT_USAGE) else _resume_hint(argv, cfg)
         log.error("the swarm stopped with exit code %d: %s%s", code, reason, hint)
     return code
+
+
+# The local swarm of separate peers (`--transport hivemind`): how long the first peer may take to
+# start listening, and where it listens (loopback, any port).
+PEER_START_S = 120.0
+LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
+
+
+def peer_folder(out: Path, k: int) -> Path:
+    """Where peer `k` of a local swarm writes: `out`/node_`k`."""
+    return out / f"node_{k}"
+
+
+def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
+    """Start a local swarm of separate `ftis-grpo peer` processes over loopback, one per node,
+    each into `cfg.out`/node_k with its `node.yaml` there; node 0 first, the others joining by its
+    multiaddr. Signals are forwarded as `launch` does; returns the swarm's exit code (`swarm_exit`
+    over the peers' codes, a peer killed by a signal as 128 + its number), and merges the peers'
+    metrics into `cfg.out`/curves.png and summary.txt. ConfigError before anything starts."""
+    from ftis_kernels.grpo.config import to_dict
+    from ftis_kernels.grpo.peer import READY_FILE, START_ENV, read_peer_file
+    from ftis_kernels.grpo.report import merge
+
+    out, n = Path(cfg.out), len(cfg.nodes)
+    make_out(out)
+    with OutLock(out):  # one local swarm per folder; each peer locks its own node_k
+        threads = threads_per_node(cfg.threads, n)
+        configs = []
+        for k in range(n):
+            folder = peer_folder(out, k)
+            make_out(folder)
+            d = to_dict(cfg)
+            d.update(
+                nodes=[d["nodes"][k]],
+                out=str(folder),
+                resume=False,
+                threads=threads,
+                progress=cfg.progress and k == 0,
+            )
+            (folder / "node.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
+            configs.append(folder / "node.yaml")
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env["OMP_NUM_THREADS"] = str(threads)
+        flags = (["--resume"] if cfg.resume else []) + (["--overwrite"] if overwrite else [])
+        # The peers' first rounds start together, once every one is warmed up (`wait_for_start`).
+        start_file = out / ".ftis-grpo-start"
+        start_file.unlink(missing_ok=True)
+        env[START_ENV] = str(start_file)
+
+        def start(k: int, join: list[str]) -> subprocess.Popen:
+            folder = peer_folder(out, k)
+            cmd = [sys.executable, "-m", "ftis_kernels.grpo", "peer", "--config", str(configs[k])]
+            cmd += ["--out", str(folder), "--host-maddr", LOOPBACK_MADDR, *flags]
+            cmd += ["--initial-peers", *join] if join else []
+            return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+        for k in range(n):
+            (peer_folder(out, k) / "peer.json").unlink(missing_ok=True)
+            (peer_folder(out, k) / READY_FILE).unlink(missing_ok=True)
+        log.info("starting a local swarm of %d peers over loopback in %s", n, out)
+        procs = [start(0, [])]
+        deadline = time.monotonic() + PEER_START_S
+        first = None
+        while first is None and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            first = read_peer_file(peer_folder(out, 0))
+        if first is None:
+            if procs[0].poll() is None:
+                procs[0].kill()
+                procs[0].wait()
+                log.error("peer 0 did not start listening within %.0f s", PEER_START_S)
+                return EXIT_SWARM
+            return procs[0].returncode  # it said why
+        log.info("peer 0 listens at %s", " ".join(first["maddrs"]))
+        procs += [start(k, first["maddrs"]) for k in range(1, n)]
+
+        def start_when_ready() -> None:
+            ready = all((peer_folder(out, k) / READY_FILE).exists() for k in range(n))
+            if not start_file.exists() and (ready or any(p.poll() is not None for p in procs)):
+                start_file.touch()
+
+        codes = supervise_peers(procs, tick=start_when_ready)
+    reports = {
+        k: (c, f"peer {k} ({cfg.node(k).name}) exited with code {c}") for k, c in codes.items()
+    }
+    code, reason = swarm_exit(1 if any(codes.values()) else 0, reports)
+    try:
+        _, table = merge([peer_folder(out, k) for k in range(n)], out)
+        print(
+            f"\n{table}\n\nmerged: {out / 'summary.txt'}\ncurves: {out / 'curves.png'}", flush=True
+        )
+    except (OSError, ValueError) as exc:
+        log.warning("no merged summary of the peers: %s", exc)
+    if code != 0:
+        log.error("the swarm stopped with exit code %d: %s", code, reason)
+    return code
+
+
+def supervise_peers(
+    procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S, tick=lambda: None
+) -> dict[int, int]:
+    """Wait for every peer; SIGINT, SIGTERM or SIGHUP to this process is forwarded to each (a
+    second one kills them), and what is alive `grace_s` seconds after the first is killed.
+    `tick()` runs every poll. Returns {peer: exit code}, a peer stopped by a signal as 128 + its
+    number."""
+    received: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum if len(received) == 1 else signal.SIGKILL)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    try:
+        deadline = None
+        while any(p.poll() is None for p in procs):
+            time.sleep(_POLL_S)
+            tick()
+            if received and deadline is None:
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return {
+        k: (128 - p.returncode if p.returncode < 0 else p.returncode) for k, p in enumerate(procs)
+    }
 
 
 def read_exit_reports(folder: Path) -> dict[int, tuple[int, str]]:

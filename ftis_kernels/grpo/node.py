@@ -1,8 +1,11 @@
-"""One node of the swarm, as started by torchrun: set up, then generate, exchange, train each round.
+"""One node of the swarm: set up, then generate, exchange, train each round.
 
-Every collective goes through `collective`, so a peer that dies or falls silent surfaces as a
-`SwarmError` naming the phase (after at most `timeout_s`, the process group's timeout), and the
-node stops with a clear message and exit code `EXIT_SWARM` instead of hanging. A node whose
+The node talks to its peers only through a `transport.Transport` (the agreement checks, the
+barriers, the checkpoint check, the reward and sample exchanges, the gathers of metrics and
+sample-log rows), and never asks which one runs. Under torchrun (`run_worker`) it is the lockstep
+`TorchTransport`, whose collectives turn a peer that dies or falls silent into a `SwarmError`
+naming the phase (after at most `timeout_s`, the process group's timeout), and the node stops
+with a clear message and exit code `EXIT_SWARM` instead of hanging. A node whose
 optimizer steps keep coming out non-finite (`max_skipped_steps` in a row) stops the whole swarm
 with exit code `EXIT_DIVERGED`.
 """
@@ -17,6 +20,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn, Optional
@@ -38,9 +42,9 @@ from ftis_kernels.grpo.exchange import (
     Drop,
     Sample,
     SwarmError,
-    collective,
     exchange,
     make_hostile,
+    record_bytes,
 )
 from ftis_kernels.grpo.launch import (
     EXIT_DIVERGED,
@@ -74,6 +78,7 @@ from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_ad
 from ftis_kernels.grpo.task import Difficulty, Problems, format_prompt, reward
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
 from ftis_kernels.grpo.train import grpo_update, packing_keeps_sequences_apart, skip_cause
+from ftis_kernels.grpo.transport import TorchTransport, Transport, source_of
 
 log = logging.getLogger("ftis_kernels.grpo")
 
@@ -105,14 +110,28 @@ def signal_metrics(own: list[Sample]) -> dict[str, float]:
     )
 
 
+def staleness_metrics(received: list[Sample]) -> dict[str, float]:
+    """How off-policy asynchrony made the received samples trained on: staleness_mean, their
+    mean staleness in rounds (NaN without any), and samples_stale, how many are of an earlier
+    round than the receiver's (always 0 under torch's lockstep)."""
+    return dict(
+        staleness_mean=(
+            sum(s.staleness for s in received) / len(received) if received else math.nan
+        ),
+        samples_stale=float(sum(s.staleness > 0 for s in received)),
+    )
+
+
 class Diverged(Exception):
     """A node skipped `max_skipped_steps` optimizer steps in a row; every node raises it."""
 
 
 class Node:
-    """One node's state and its round loop. `setup_group` carries the collectives of the set-up
-    (the agreement checks and the barrier after the warm-ups), whose timeout covers a warm-up or
-    a model load; None uses the default group."""
+    """One node's state and its round loop. `rank` picks its spec in `cfg.nodes` and its row in
+    the metrics; `world` is how many nodes `transport.gather` returns rows of (1 for a peer that
+    runs alone in its process). The node's exchange `source` is `source_of(transport.peer_id)`
+    (its rank under torch); it moves its sampling seed, and its prompts in vertical mode are
+    those of slot `slot` of `slots` (default: `rank` of `world`)."""
 
     def __init__(
         self,
@@ -120,18 +139,25 @@ class Node:
         rank: int,
         world: int,
         device: torch.device,
-        setup_group: Optional[dist.ProcessGroup] = None,
+        transport: Optional[Transport] = None,
+        *,
+        slot: Optional[int] = None,
+        slots: Optional[int] = None,
     ):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
-        self.setup_group = setup_group
+        self.transport = transport
+        self.source = rank if transport is None else source_of(transport.peer_id)
+        self.slot = rank if slot is None else slot
+        self.slots = world if slots is None else slots
         self.spec = cfg.node(rank)
         self.out = Path(cfg.out)
         self.ckpt = self.out / "ckpt"
         self.problems = Problems(cfg.seed, cfg.task, cfg.data, cfg.difficulty())
         self.options = cfg.ftis_options(rank)
-        self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, rank))
+        self.sampler = torch.Generator().manual_seed(sampler_seed(cfg.seed, self.source))
         self._prompt_cache: dict[int, list[int]] = {}
         self.last_received: list[Sample] = []
+        self.start = 0  # the first round this process runs (`run`)
 
     # -- set-up -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -145,21 +171,6 @@ class Node:
         self.vocab_size = min(len(self.tokenizer), self.model.get_input_embeddings().num_embeddings)
         self.check_vocabulary()
 
-    def _agree(self, what: str, fingerprint: str) -> None:
-        """SystemExit unless every node reports the same `fingerprint` (a hex digest)."""
-        mine = torch.frombuffer(bytearray(fingerprint[:64].ljust(64).encode()), dtype=torch.uint8)
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        collective(f"the {what} check", dist.all_gather, everyone, mine, group=self.setup_group)
-        prints = [bytes(t.tolist()).decode(errors="replace").strip() for t in everyone]
-        if len(set(prints)) > 1:
-            detail = ", ".join(
-                f"node {i} ({self.cfg.node(i).name}): {p[:12]}" for i, p in enumerate(prints)
-            )
-            raise SystemExit(
-                f"{what} mismatch, refusing to start: every node must use the "
-                f"same {what} (fingerprints {detail})"
-            )
-
     def check_vocabulary(self) -> None:
         """All nodes must share one token -> id map, or exchanged token ids mean nothing; and one
         run configuration, which fixes the exchange's buffer sizes."""
@@ -168,8 +179,8 @@ class Node:
                 f"node {self.rank}: tokenizer has {len(self.tokenizer)} tokens but "
                 f"the model only {self.model.get_input_embeddings().num_embeddings}"
             )
-        self._agree("configuration", self.cfg.fingerprint())
-        self._agree("vocabulary", vocab_fingerprint(self.tokenizer))
+        self.transport.agree("configuration", self.cfg.swarm_fingerprint())
+        self.transport.agree("vocabulary", vocab_fingerprint(self.tokenizer))
         log.info(
             "node %d (%s): vocabulary of %d tokens shared by all %d nodes",
             self.rank,
@@ -178,8 +189,9 @@ class Node:
             self.world,
         )
 
-    def prepare(self) -> int:
-        """Warm up (fresh run) or restore (--resume); returns the first round to run."""
+    def prepare(self, join: Optional[Callable[[], int]] = None) -> int:
+        """Warm up (fresh run) or restore (--resume); returns the first round to run: a fresh
+        run's is `join()` once warmed up (the round a swarm is at), else 0."""
         cfg, spec = self.cfg, self.spec
         start, bar = 0, None
         if cfg.resume:
@@ -223,13 +235,10 @@ class Node:
             bar.set_description_str("warm-up: waiting for the other nodes' warm-up")
         # Warm-ups and loads take different times on different nodes: wait for the slowest here,
         # under the set-up timeout, so that no later collective's timeout has to cover them.
-        collective(
-            "the set-up barrier (waiting for every node's warm-up)",
-            dist.barrier,
-            group=self.setup_group,
-        )
+        self.transport.barrier("the set-up barrier (waiting for every node's warm-up)", setup=True)
         if not cfg.resume:
-            self.save(0)
+            start = join() if join is not None else 0
+            self.save(start)
         if bar is not None:
             bar.close()
         return start
@@ -254,12 +263,9 @@ class Node:
                     round_,
                     problem,
                 )
-        everyone: list = [None] * self.world
-        collective(
-            "the checkpoint check", dist.all_gather_object, everyone, good, group=self.setup_group
-        )
-        start = checkpoint.newest_common(everyone)
+        start = self.transport.common_round(good)
         if start is None:
+            everyone = self.transport.gather(good)
             detail = "; ".join(f"node {i}: {rounds or 'none'}" for i, rounds in enumerate(everyone))
             raise SystemExit(
                 f"--resume: no checkpoint under {self.ckpt} is good on every node "
@@ -337,7 +343,7 @@ class Node:
             self.sampler,
             {"config": self.cfg.fingerprint(), "name": self.spec.name},
         )
-        collective("the checkpoint barrier", dist.barrier)
+        self.transport.barrier("the checkpoint barrier")
         if self.rank == 0:
             checkpoint.mark_latest(self.ckpt, completed)
 
@@ -389,23 +395,22 @@ class Node:
             prompts = self.problems.train_ids(range(round_ * P, (round_ + 1) * P))
             per_prompt = G // N
         else:
-            first = (round_ * N + self.rank) * P
+            first = (round_ * self.slots + self.slot) * P
             prompts = self.problems.train_ids(range(first, first + P))
             per_prompt = G
         ids = [p for p in prompts for _ in range(per_prompt)]
         done = self.generate(ids, greedy=False, max_new_tokens=cfg.max_new_tokens)
         rewards = torch.tensor([r for _, _, r in done], dtype=torch.float32).view(P, per_prompt)
         if horizontal:
-            swarm = [torch.empty_like(rewards) for _ in range(N)]
-            collective("the reward exchange", dist.all_gather, swarm, rewards)
+            swarm = self.transport.gather(rewards.flatten().tolist())
             # What a receiver checks each peer's samples against (`check_advantages`).
-            self.swarm_rewards = torch.stack(swarm)
+            self.swarm_rewards = torch.tensor(swarm, dtype=torch.float32).view(N, P, per_prompt)
             self.shared_prompts = {pid: p for p, pid in enumerate(prompts)}
             advantages = horizontal_advantages(self.swarm_rewards)[self.rank]
         else:
             advantages = vertical_advantages(rewards)
         return [
-            Sample(pid, self.rank, tok, lp, rew, float(adv))
+            Sample(pid, self.source, tok, lp, rew, float(adv))
             for pid, (tok, lp, rew), adv in zip(ids, done, advantages.flatten().tolist())
         ]
 
@@ -415,6 +420,14 @@ class Node:
         cfg = self.cfg
         skipped = round_ == 0 and not cfg.eval_start
         return (round_ % cfg.eval_every == 0 and not skipped) or round_ == cfg.rounds - 1
+
+    def max_staleness(self, round_: int) -> int:
+        """How old the peers' samples this round trains on may be: `max_staleness`, but after a
+        --resume none of the rounds before it (their samples may have been used before the
+        stop; a transport's memory of what it gave starts afresh)."""
+        if self.cfg.resume:
+            return min(self.cfg.max_staleness, round_ - self.start)
+        return self.cfg.max_staleness
 
     def run_round(self, round_: int) -> dict[str, float]:
         cfg, t0 = self.cfg, time.time()
@@ -428,18 +441,20 @@ class Node:
         own = self.rollout(round_)
         received, drops, sent = [], [], 0
         if cfg.loss != "on-policy":
-            hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.rank))
+            hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.source))
             outgoing = make_hostile(
                 own, self.spec.hostile, self.vocab_size, hostile_gen, self.last_received
             )
-            received, drops, sent = collective(
-                "the sample exchange",
-                exchange,
+            received, drops, sent = exchange(
                 outgoing,
                 vocab_size=self.vocab_size,
                 max_tokens=cfg.max_new_tokens,
                 max_samples=len(own),
                 prompt_ok=self.problems.is_train,
+                transport=self.transport,
+                round_=round_,
+                max_staleness=self.max_staleness(round_),
+                timeout_s=cfg.collect_timeout_s,
             )
             self.last_received = received  # what a "replay" node sends next round
         if received:
@@ -478,6 +493,7 @@ class Node:
             seconds=time.time() - t0,
             **stats,
             **defence_metrics(own, received, per_sample, drops),
+            **staleness_metrics(received),
         )
 
     def update(self, samples: list[Sample], per_sample: dict[str, list[float]]) -> dict[str, float]:
@@ -586,7 +602,11 @@ class Node:
                     drops.append(Drop(f"node {source}: {why}", "verify", source))
                 else:
                     adv = rescored[i] if self.cfg.verify_rewards and not horizontal else expected[i]
-                    kept.append(Sample(s.prompt_id, s.source, s.tokens, s.logprobs, s.reward, adv))
+                    kept.append(
+                        Sample(
+                            s.prompt_id, s.source, s.tokens, s.logprobs, s.reward, adv, s.staleness
+                        )
+                    )
         for reason in drops[:3]:
             log.warning("dropped peer sample: %s", reason)
         if len(drops) > 3:
@@ -625,18 +645,13 @@ class Node:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict]:
-        vec = torch.tensor([float(metrics[k]) for k in METRIC_KEYS], dtype=torch.float64)
-        everyone = [torch.empty_like(vec) for _ in range(self.world)]
-        collective("the metrics gather", dist.all_gather, everyone, vec)
-        names = [self.cfg.node(i).name for i in range(self.world)]
-        return metric_rows(
-            round_, [v.tolist() for v in everyone], names, self.cfg.loss, self.cfg.collab
-        )
+        everyone = self.transport.gather([float(metrics[k]) for k in METRIC_KEYS])
+        names = [self.cfg.node(i).name for i in range(len(everyone))]
+        return metric_rows(round_, everyone, names, self.cfg.loss, self.cfg.collab)
 
     def log_samples(self) -> None:
         """Node 0 appends every node's `received.jsonl` lines of the round (`sample_log`)."""
-        everyone: list = [None] * self.world
-        collective("the sample-log gather", dist.all_gather_object, everyone, self.sample_rows)
+        everyone = self.transport.gather(self.sample_rows)
         if self.rank == 0:
             append_sample_log(self.out / SAMPLE_LOG, [r for rows in everyone for r in rows])
 
@@ -661,7 +676,9 @@ class Node:
             f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}"
         )
 
-    def run(self) -> None:
+    def run(self, join: Optional[Callable[[], int]] = None) -> None:
+        """The run to `cfg.rounds`, from the checkpoint (--resume), the round `join()` gives once
+        warmed up (a peer joining a running swarm), or 0; node 0 writes the outputs."""
         cfg = self.cfg
         metrics_path = self.out / "metrics.jsonl"
         previous = []
@@ -671,7 +688,7 @@ class Node:
             except ValueError as exc:
                 raise SystemExit(f"--resume: {exc}") from None
         self.build()
-        start = self.prepare()
+        start = self.start = self.prepare(join)
         bar = None
         if self.rank == 0:
             kept = [r for r in previous if r["round"] < start]
@@ -685,8 +702,7 @@ class Node:
                 bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=start)
         skips_in_row = [0] * self.world
         for round_ in range(start, cfg.rounds):
-            if self.world > 1:
-                collective(f"the start barrier of round {round_}", _barrier, cfg.timeout_s)
+            self.transport.barrier(f"the start barrier of round {round_}")
             metrics = self.run_round(round_)
             rows = self.gather_rows(round_, metrics)
             if cfg.sample_log:
@@ -708,7 +724,7 @@ class Node:
                     notes = [describe(self.environment)]
                     write_outputs(self.out, self.tokenizer, metrics_path, notes)
                 # None leaves before rank 0 has written: torchrun stops the rest at the first exit.
-                collective("the stop barrier", dist.barrier)
+                self.transport.barrier("the stop barrier")
                 raise
             completed = round_ + 1
             if completed % cfg.ckpt_every == 0 or completed == cfg.rounds:
@@ -728,14 +744,6 @@ def progress_bar(total: int, desc: str, unit: str, initial: int = 0):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, unit=unit)
-
-
-def _barrier(timeout_s: float) -> None:
-    """monitored_barrier names the silent ranks (gloo only); other backends get a plain barrier."""
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-    else:
-        dist.barrier()
 
 
 def _leave(code: int, rank: int, why: str) -> NoReturn:
@@ -797,23 +805,25 @@ def watch_parent(rank: int, poll_s: float = 0.5) -> None:
 CLEAR_LINE = "\r\x1b[K"
 
 
-def log_formatter(rank: int, terminal: bool) -> logging.Formatter:
-    """The nodes' log format, tagged with the node; on a `terminal`, each line starts with
-    `CLEAR_LINE`."""
+def log_formatter(rank: int, terminal: bool, tag: Optional[str] = None) -> logging.Formatter:
+    """The nodes' log format, tagged with the node (`tag`, default node<rank>); on a
+    `terminal`, each line starts with `CLEAR_LINE`."""
     start = CLEAR_LINE if terminal else ""
+    tag = f"node{rank}" if tag is None else tag
     return logging.Formatter(
-        f"{start}%(asctime)s node{rank} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        f"{start}%(asctime)s {tag} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
 
 
-def setup_logging(rank: int) -> None:
-    """Log lines tagged with the node; third-party advisories a user cannot act on silenced."""
+def setup_logging(rank: int, tag: Optional[str] = None) -> None:
+    """Log lines tagged with the node (`tag`, default node<rank>); third-party advisories a user
+    cannot act on silenced."""
     # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
     warnings.filterwarnings(
         "ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
     )
     handler = logging.StreamHandler()
-    handler.setFormatter(log_formatter(rank, sys.stderr.isatty()))
+    handler.setFormatter(log_formatter(rank, sys.stderr.isatty(), tag))
     logging.basicConfig(level=os.environ.get("FTIS_LOG_LEVEL", "INFO"), handlers=[handler])
 
 
@@ -840,9 +850,15 @@ def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     setup_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.setup_timeout_s))
     lock = hold_out(cfg, rank, overwrite, setup_group)
+    transport = TorchTransport(
+        names=[cfg.node(i).name for i in range(world)],
+        max_payload_bytes=cfg.samples_per_round(world) * record_bytes(cfg.max_new_tokens),
+        timeout_s=cfg.timeout_s,
+        setup_group=setup_group,
+    )
     try:
-        Node(cfg, rank, world, device, setup_group).run()
-        collective("the final barrier", dist.barrier)
+        Node(cfg, rank, world, device, transport).run()
+        transport.barrier("the final barrier")
     except SwarmError as exc:
         resumable = checkpoint.latest_round(Path(cfg.out) / "ckpt") is not None
         why = (

@@ -39,6 +39,8 @@ METRIC_KEYS = (
     "sample_acc",
     "zero_adv_groups",
     *DEFENCE_KEYS,
+    "staleness_mean",
+    "samples_stale",
 )
 # The metrics that measure wall time: the only ones a rerun on the same machine may change.
 WALL_TIME_KEYS = ("seconds",)
@@ -50,6 +52,7 @@ _INT_KEYS = (
     "dropped",
     "skipped",
     *(k for k in DEFENCE_KEYS if k.startswith("dropped_")),
+    "samples_stale",
 )
 
 log = logging.getLogger("ftis_kernels.grpo")
@@ -369,6 +372,34 @@ def redraw(run: Path, baseline: Optional[Path] = None) -> Path:
             raise ValueError(f"{baseline / 'metrics.jsonl'} holds no rounds")
     plot_curves(rows, run / "curves.png", other)
     return run / "curves.png"
+
+
+def merge(runs: Sequence[Path], to: Path, baseline: Optional[Path] = None) -> tuple[Path, str]:
+    """Several runs' metrics as one (the peers of a swarm, each with its own folder): each run's
+    nodes numbered after the previous runs' ones. Writes `to`/curves.png (with the `baseline`
+    run dashed beside it) and `to`/summary.txt; returns (the figure's path, the summary table).
+    ValueError naming a run without rounds."""
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        got = read_metrics(run / "metrics.jsonl")
+        if not got:
+            raise ValueError(f"{run / 'metrics.jsonl'} holds no rounds")
+        first = len({r["node"] for r in rows})
+        number = {n: first + i for i, n in enumerate(sorted({r["node"] for r in got}))}
+        rows += [{**r, "node": number[r["node"]]} for r in got]
+    other = None
+    if baseline is not None:
+        other = read_metrics(baseline / "metrics.jsonl")
+        if not other:
+            raise ValueError(f"{baseline / 'metrics.jsonl'} holds no rounds")
+    to.mkdir(parents=True, exist_ok=True)
+    plot_curves(rows, to / "curves.png", other)
+    table = summary_table(rows)
+    k = mean_window(min(len(series) for series in _by_node(rows).values()))
+    text = [table, "", *summary_legend(k), "", "merged from, in node order:"]
+    text += [f"  {run}" for run in runs]
+    (to / "summary.txt").write_text("\n".join(text) + "\n")
+    return to / "curves.png", table
 
 
 def metric_rows(

@@ -1,0 +1,258 @@
+"""One peer of a swarm without lockstep, one per process, on any host: `ftis-grpo peer`.
+
+    ftis-grpo peer --config node.yaml --out runs/a --host-maddr /ip4/0.0.0.0/tcp/31337
+    ftis-grpo peer --config node.yaml --out runs/b --initial-peers /ip4/10.0.0.1/tcp/31337/p2p/Qm...
+
+`node.yaml` is a run configuration (`--config`, as `ftis-grpo --print-config` writes one) whose
+`nodes` list holds one spec: this peer's. The peer's samples reach the others through a swarm
+transport (`swarm.HivemindTransport`: hivemind's DHT), and each round is: publish this peer's
+samples under (round, peer), collect the peers' samples of rounds within `max_staleness` not used
+yet (waiting at most `collect_timeout_s` for the live peers' samples of this round), train,
+checkpoint. No barrier: a peer that dies costs the others at most `collect_timeout_s` once. A
+fresh peer joins at the swarm's latest round (`latest_round`, after its warm-up), a `--resume`d one
+continues from its own checkpoint with the identity key kept in `--out` (`peer.key`). Each peer
+writes its own metrics.jsonl, curves.png and summary.txt; `ftis-grpo report DIR...` merges them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch
+
+from ftis_kernels.grpo import checkpoint
+from ftis_kernels.grpo.config import ConfigError, RunConfig
+from ftis_kernels.grpo.exchange import WIRE_VERSION, SwarmError, record_bytes
+from ftis_kernels.grpo.launch import (
+    EXIT_DIVERGED,
+    EXIT_REFUSED,
+    EXIT_SWARM,
+    EXIT_WRITE,
+    OutLock,
+    check_out,
+    make_out,
+    threads_per_node,
+)
+from ftis_kernels.grpo.transport import Transport, source_of
+
+log = logging.getLogger("ftis_kernels.grpo")
+
+# A peer's vertical prompts are those of slot (source mod PEER_SLOTS) of PEER_SLOTS per round:
+# peers draw different problems without knowing how many they are.
+PEER_SLOTS = 1 << 16
+# Written into --out once the peer is reachable: its peer id and the multiaddrs others join by.
+PEER_FILE = "peer.json"
+# The local swarm of `ftis-grpo --transport hivemind` starts its peers' first rounds together:
+# each peer, warmed up, leaves READY_FILE in its --out and waits for the file this variable names
+# (the launcher writes it once every peer is ready, or one has exited).
+START_ENV = "FTIS_GRPO_START_FILE"
+READY_FILE = ".ftis-grpo-ready"
+# How long a published round stays in the DHT: long enough for a peer `max_staleness` rounds
+# behind to collect it.
+RECORD_TTL_S = 900.0
+
+
+class Stopped(BaseException):
+    """SIGINT, SIGTERM or SIGHUP reached the peer (`stop_on_signals`): it leaves the swarm
+    (closing its transport, so that its DHT daemon goes too) with exit code 128 + `signum`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stop_on_signals() -> None:
+    """SIGINT, SIGTERM and SIGHUP raise `Stopped` in the peer's main thread."""
+
+    def stop(signum: int, _frame) -> None:
+        raise Stopped(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+class SwarmTransport(Transport, Protocol):
+    """A transport of a swarm that peers join and leave: `transport.Transport`, plus where its
+    peers are."""
+
+    visible_maddrs: list[str]
+
+    def latest_round(self) -> Optional[int]:
+        """The highest round any live peer has published (None: no peer has)."""
+        ...
+
+
+# (out, fingerprints, max_payload_bytes) -> a started transport; ConfigError naming the flag when
+# it cannot start.
+Connect = Callable[[Path, dict[str, str], int], SwarmTransport]
+
+
+def check_peer_config(cfg: RunConfig) -> None:
+    """ConfigError unless `cfg` describes one peer of a swarm: one node spec, transport
+    hivemind, and every other key valid (`RunConfig.validate`)."""
+    problems = []
+    if len(cfg.nodes) != 1:
+        problems.append(("nodes", "one node spec: this peer's", f"{len(cfg.nodes)} specs"))
+    if cfg.transport != "hivemind":
+        problems.append(
+            ("transport", "'hivemind' (ftis-grpo peer runs one peer of a swarm)", cfg.transport)
+        )
+    if problems:
+        raise ConfigError(*problems)
+    cfg.validate(1)
+
+
+def vocabulary_fingerprint(cfg: RunConfig) -> str:
+    """The peer's vocabulary fingerprint, before its model is built: its model folder's tokenizer,
+    or the built-in task's."""
+    from ftis_kernels.grpo.task import Problems
+    from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
+
+    spec = cfg.node(0)
+    if spec.model is not None:
+        from transformers import AutoTokenizer
+
+        return vocab_fingerprint(AutoTokenizer.from_pretrained(spec.model))
+    problems = Problems(cfg.seed, cfg.task, cfg.data, cfg.difficulty())
+    return vocab_fingerprint(build_tokenizer(problems.arith.vocabulary_text()))
+
+
+def fingerprints(cfg: RunConfig) -> dict[str, str]:
+    """What a peer must share with another to use its samples, by what it is."""
+    return {
+        "configuration": cfg.swarm_fingerprint(),
+        "vocabulary": vocabulary_fingerprint(cfg),
+        "wire": str(WIRE_VERSION),
+    }
+
+
+# The output folder's lock of the peer running in this process (its file), for `_forked`.
+_HELD: list = []
+
+
+def _forked() -> None:
+    """In a child the peer's process forks (hivemind's DHT process): drop the child's copy of
+    the lock on --out, so that the lock goes with the peer, and die with the peer (Linux), so
+    that a peer killed with SIGKILL leaves no DHT process holding its identity behind."""
+    for f in _HELD:
+        try:
+            os.close(f.fileno())
+        except OSError:
+            pass
+    if _HELD and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+os.register_at_fork(after_in_child=_forked)
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
+    """Run one peer into `cfg.out` (checked and locked as a run's folder is), its samples moved
+    by the transport `connect` starts; returns the exit code (`launch`'s: 0 done, 1 refused, 3
+    the swarm lost, 4 diverged, 5 a write failed). ConfigError before anything starts."""
+    from ftis_kernels.grpo.node import Diverged, Node
+
+    check_peer_config(cfg)
+    out = Path(cfg.out)
+    make_out(out)
+    lock = OutLock(out)
+    lock.acquire()
+    try:
+        check_out(cfg, overwrite)
+        (out / PEER_FILE).unlink(missing_ok=True)
+        cap = cfg.samples_per_round(1) * record_bytes(cfg.max_new_tokens)
+        _HELD[:] = [lock._file]
+        transport = connect(out, fingerprints(cfg), cap)
+    except BaseException:
+        _HELD.clear()
+        lock.release()
+        raise
+    try:
+        torch.set_num_threads(threads_per_node(cfg.threads, 1))
+        checkpoint.write_json_atomic(
+            out / PEER_FILE,
+            {"peer_id": transport.peer_id, "maddrs": list(transport.visible_maddrs)},
+        )
+        log.info(
+            "peer %s (%s) is reachable at: %s (others join with --initial-peers %s)",
+            transport.peer_id,
+            cfg.node(0).name,
+            " ".join(transport.visible_maddrs),
+            transport.visible_maddrs[0] if transport.visible_maddrs else "MADDR",
+        )
+        node = Node(
+            cfg,
+            0,
+            1,
+            torch.device("cpu"),
+            transport,
+            slot=source_of(transport.peer_id) % PEER_SLOTS,
+            slots=PEER_SLOTS,
+        )
+
+        def join_round() -> int:
+            wait_for_start(out, cfg.setup_timeout_s)
+            latest = transport.latest_round()
+            if latest is not None:
+                log.info(
+                    "peer %s: the swarm is at round %d, joining there", transport.peer_id, latest
+                )
+            return latest or 0
+
+        node.run(join_round)
+        return 0
+    except SwarmError as exc:
+        log.error("peer %s: lost the swarm %s; stopping", transport.peer_id, exc)
+        return EXIT_SWARM
+    except Diverged:  # the node logged why
+        return EXIT_DIVERGED
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        log.error("%s", exc.code)
+        return EXIT_REFUSED
+    except Stopped as exc:
+        name = signal.Signals(exc.signum).name
+        log.warning("peer %s: stopped by %s; leaving the swarm", transport.peer_id, name)
+        return 128 + exc.signum
+    except OSError as exc:
+        why = f"cannot write {exc.filename or 'its output'}: {exc.strerror or exc}"
+        log.error(
+            "peer %s: %s; stopping (the last complete checkpoint is kept)", transport.peer_id, why
+        )
+        return EXIT_WRITE
+    finally:
+        transport.close()
+        _HELD.clear()
+        lock.release()
+
+
+def wait_for_start(out: Path, timeout_s: float) -> None:
+    """Under the local swarm's launcher (`START_ENV` set): say this peer is ready, then wait for
+    the launcher's start (at most `timeout_s`); nothing otherwise."""
+    start = os.environ.get(START_ENV)
+    if not start:
+        return
+    (out / READY_FILE).touch()
+    deadline = time.monotonic() + timeout_s
+    while not Path(start).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def read_peer_file(out: Path) -> Optional[dict]:
+    """The peer id and multiaddrs a running peer wrote into `out` (None before it has)."""
+    try:
+        got = json.loads((out / PEER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) and isinstance(got.get("maddrs"), list) else None

@@ -1,0 +1,236 @@
+"""The round loop above the transport seam without lockstep: peers in one process over the
+in-memory swarm of tests/memory_swarm.py (the semantics of the hivemind transport), their
+staleness, a late joiner and a resumed peer; the peer's and the local swarm's usage errors; and
+`ftis-grpo report` merging several peers' folders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from ftis_kernels.grpo.config import ConfigError, build_config
+from ftis_kernels.grpo.exchange import Sample, exchange
+from ftis_kernels.grpo.transport import source_of
+from tests.memory_swarm import MemorySwarm, MemoryTransport
+
+TIMEOUT_S = 240  # a whole in-process swarm test; each is a few seconds on 2 cores
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """The loss on the torch backend, as a CPU run outside the tests has it: the Triton
+    interpreter the tests otherwise run is not thread-safe, and these peers are threads."""
+    from ftis_kernels.kernels import logp_lse
+
+    monkeypatch.setattr(logp_lse, "triton_is_interpreted", lambda: False)
+
+
+def _peer_cfg(tmp_path, name: str, **over):
+    small = dict(
+        out=str(tmp_path / name),
+        transport="hivemind",
+        rounds=3,
+        prompts_per_node=1,
+        group_size=2,
+        max_new_tokens=8,
+        eval_size=4,
+        eval_every=100,
+        eval_max_new_tokens=8,
+        ckpt_every=1,
+        progress=False,
+        sample_log=True,
+        collect_timeout_s=20.0,
+    )
+    small.update(over)
+    spec = f"nodes=[{{name: {name}, warmup_steps: 2, init_seed: {len(name)}}}]"
+    return build_config("smoke", overrides=small, sets=(spec,))
+
+
+def _connect(swarm: MemorySwarm, peer_id: str, seen: dict):
+    def connect(out, fingerprints, max_payload_bytes):
+        seen[peer_id] = MemoryTransport(swarm, peer_id, fingerprints)
+        return seen[peer_id]
+
+    return connect
+
+
+def _run_peers(cfgs, swarm, seen, *, start_after=None) -> dict[str, int]:
+    """Run `run_peer` for each (peer id, cfg) in a thread; `start_after`: (peer id, a predicate
+    the others must meet first). Returns {peer id: exit code}."""
+    from ftis_kernels.grpo.peer import run_peer
+
+    codes: dict[str, int] = {}
+
+    def one(peer_id, cfg):
+        codes[peer_id] = run_peer(cfg, _connect(swarm, peer_id, seen))
+
+    threads = {pid: threading.Thread(target=one, args=(pid, cfg)) for pid, cfg in cfgs}
+    late, ready = start_after or (None, None)
+    for pid, t in threads.items():
+        if pid != late:
+            t.start()
+    if late is not None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        threads[late].start()
+    for t in threads.values():
+        t.join(TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads.values()), "a peer hung"
+    return codes
+
+
+def _rows(folder, name="metrics.jsonl"):
+    path = folder / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_three_peers_train_on_each_others_samples_with_their_staleness(tmp_path, torch_kernels):
+    swarm, seen = MemorySwarm(), {}
+    ids = ["QmAlpha", "QmBeta", "QmGamma"]
+    cfgs = [(pid, _peer_cfg(tmp_path, pid, rounds=4, collect_timeout_s=60.0)) for pid in ids]
+    assert _run_peers(cfgs, swarm, seen) == {pid: 0 for pid in ids}
+    heard = set()
+    for pid in ids:
+        rows = _rows(tmp_path / pid)
+        # A peer whose warm-up ends after the others' first round joins at the swarm's round.
+        assert [r["round"] for r in rows] == list(range(rows[0]["round"], 4))
+        assert sum(r["samples_received"] for r in rows) > 0
+        log = _rows(tmp_path / pid, "received.jsonl")
+        senders = {r["sender"] for r in log if r["dropped"] is None}
+        assert senders and senders <= {source_of(p) for p in ids if p != pid}
+        heard |= senders
+        # Each sample is used once, at most max_staleness (1) rounds after it was generated.
+        assert {r["staleness"] for r in log} <= {0, 1}
+        for row in rows:
+            mine = [r for r in log if r["round"] == row["round"] and r["dropped"] is None]
+            assert row["samples_received"] == len(mine)
+            assert row["samples_stale"] == sum(r["staleness"] > 0 for r in mine)
+        for name in ("curves.png", "summary.txt", "peer.json"):
+            assert (tmp_path / pid / name).is_file()
+        assert json.loads((tmp_path / pid / "peer.json").read_text())["peer_id"] == pid
+    assert heard == {source_of(p) for p in ids}
+
+
+def test_a_late_peer_joins_at_the_swarms_round_and_a_resumed_one_continues(tmp_path, torch_kernels):
+    swarm, seen = MemorySwarm(), {}
+    cfgs = [(pid, _peer_cfg(tmp_path, pid, rounds=4)) for pid in ("QmEarly", "QmLate")]
+    cfgs[1] = ("QmLate", _peer_cfg(tmp_path, "QmLate", rounds=4, max_staleness=2))
+    early = tmp_path / "QmEarly"
+    codes = _run_peers(cfgs, swarm, seen, start_after=("QmLate", lambda: len(_rows(early)) >= 2))
+    assert codes == {"QmEarly": 0, "QmLate": 0}
+    late = _rows(tmp_path / "QmLate")
+    first = late[0]["round"]
+    assert first >= 2, "the late peer started at round 0, not at the swarm's"
+    assert [r["round"] for r in late] == list(range(first, 4))
+    assert sum(r["samples_received"] for r in late) > 0  # the early peer's recent rounds
+    assert late[0]["staleness_mean"] is not None
+
+    # The early peer again, with --resume and more rounds: it continues after its round 4 as
+    # the same peer, and the records it published before are not taken again.
+    resumed = _peer_cfg(tmp_path, "QmEarly", rounds=5, resume=True)
+    assert _run_peers([("QmEarly", resumed)], swarm, seen) == {"QmEarly": 0}
+    rows = _rows(early)
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    # The late peer's round 3, which the early one may have trained on before it stopped, is
+    # not taken after the resume, though within max_staleness of round 4.
+    assert rows[4]["samples_received"] == 0
+
+
+def test_exchange_over_a_swarm_transport_records_staleness_and_refuses_incompatible_peers():
+    swarm = MemorySwarm()
+    prints = {"configuration": "c", "vocabulary": "v"}
+    a, b = (MemoryTransport(swarm, pid, prints) for pid in ("QmA", "QmB"))
+    other = MemoryTransport(swarm, "QmOther", {**prints, "vocabulary": "w"})
+
+    def samples(peer, n):
+        return [
+            Sample(
+                k, source_of(peer), torch.tensor([1, 2], dtype=torch.int32), -torch.ones(2), 1, 0
+            )
+            for k in range(n)
+        ]
+
+    bounds = dict(vocab_size=5, max_tokens=4, max_samples=4, max_staleness=1, timeout_s=5.0)
+    a.publish(0, b"")  # a's round 0: nothing; then a and the other peer publish round 1
+    exchange(samples("QmA", 2), transport=a, round_=1, **{**bounds, "timeout_s": 0.0})
+    other.publish(1, b"x" * 10)
+    b.publish(0, b"")
+    received, drops, _ = exchange(samples("QmB", 1), transport=b, round_=1, **bounds)
+    assert [(s.source, s.staleness) for s in received] == [(source_of("QmA"), 0)] * 2
+    assert [(d.kind, d.sender) for d in drops] == [("incompatible", source_of("QmOther"))]
+    # Round 2, two rounds of staleness allowed: only what b has not used yet (a's round 0 is
+    # empty, its round 1 was taken).
+    a.publish(2, b"")
+    quick = {**bounds, "timeout_s": 0.0}
+    received, drops, _ = exchange([], transport=b, round_=2, **{**quick, "max_staleness": 2})
+    assert received == [] and drops == []
+    # A peer ahead: its samples wait until b's round is within max_staleness of theirs, and
+    # arrive as stale as the rounds between.
+    exchange(samples("QmA", 3), transport=a, round_=4, **quick)
+    assert exchange([], transport=b, round_=3, **quick)[0] == []
+    received, _, _ = exchange([], transport=b, round_=5, **quick)
+    assert [s.staleness for s in received] == [1, 1, 1]
+
+
+def test_horizontal_collaboration_is_refused_under_hivemind_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"^collab: expected vertical under transport hivemind"):
+        _peer_cfg(tmp_path, "QmH", collab="horizontal").validate(1)
+    _peer_cfg(tmp_path, "QmH", collab="horizontal", loss="on-policy").validate(1)  # no exchange
+
+
+def _cli(*args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "ftis_kernels.grpo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_peer_and_local_swarm_usage_errors_are_one_line_naming_the_key(tmp_path):
+    two = tmp_path / "two.yaml"
+    two.write_text("nodes: [{name: a}, {name: b}]\n")
+    got = _cli("peer", "--config", str(two), "--out", str(tmp_path / "p"))
+    assert got.returncode == 2
+    assert got.stderr.strip().splitlines() == [
+        "ftis-grpo peer: nodes: expected one node spec: this peer's, got '2 specs'"
+    ]
+    got = _cli("peer", "--config", str(two), "--rounds", "0")
+    assert got.returncode == 2 and got.stderr.startswith("ftis-grpo peer: --rounds: expected")
+    got = _cli("--preset", "smoke", "--transport", "hivemind", "--collab", "horizontal")
+    assert got.returncode == 2
+    assert got.stderr.startswith("ftis-grpo: --collab: expected vertical under transport hivemind")
+    assert not (tmp_path / "p").exists()
+
+
+def test_report_merges_several_peers_folders_into_one_summary_and_plot(tmp_path):
+    from ftis_kernels.grpo.report import METRIC_KEYS, metric_rows
+
+    for k, name in enumerate(("alpha", "beta")):
+        folder = tmp_path / "swarm" / f"node_{k}"
+        folder.mkdir(parents=True)
+        rows = [
+            metric_rows(r, [[0.1 * (r + k)] * len(METRIC_KEYS)], [name], "f-tis", "vertical")[0]
+            for r in range(k, 3)  # beta joined at round 1
+        ]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    peers = [str(tmp_path / "swarm" / f"node_{k}") for k in range(2)]
+    got = _cli("report", *peers)
+    assert got.returncode == 0, got.stderr
+    summary = (tmp_path / "swarm" / "summary.txt").read_text()
+    lines = summary.splitlines()
+    assert lines[2].split()[:3] == ["0", "alpha", "3"] and lines[3].split()[:3] == [
+        "1",
+        "beta",
+        "2",
+    ]
+    assert (tmp_path / "swarm" / "curves.png").stat().st_size > 0
+    got = _cli("report", peers[0], str(tmp_path / "nowhere"))
+    assert got.returncode == 2 and got.stderr.startswith("ftis-grpo report: RUN: expected")
