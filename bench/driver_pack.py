@@ -42,6 +42,7 @@ from bench.measure import cpu_rss_supported, metadata, peak_extra_bytes
 from ftis_kernels.grpo.config import build_config
 from ftis_kernels.grpo.node import Node
 from ftis_kernels.grpo.train import build_batch, build_packed_batch, grpo_update
+from ftis_kernels.grpo.transport import TorchTransport
 
 
 def layout_positions(samples, node: Node, row_tokens) -> int:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace, out: str) -> None:
             overrides=dict(out=f"{out}/{k}", progress=False, warmup_cache=args.warmup_cache),
         )
         cfg.nodes = [spec]
-        node = Node(cfg, 0, 1, torch.device("cpu"))
+        node = Node(cfg, 0, 1, torch.device("cpu"), TorchTransport())
         t0 = time.time()
         node.build()
         node.prepare()

@@ -100,11 +100,11 @@ def test_a_silent_peer_costs_at_most_the_timeout(swarm):
     started = time.monotonic()
     assert a.collect(0, max_staleness=0, timeout_s=1.5) == ([], [])
     waited = time.monotonic() - started
-    assert 1.5 <= waited < 4.0
+    assert 1.5 <= waited < 6.0
     # It let a round pass: later rounds do not wait for it until it announces itself again.
     started = time.monotonic()
-    assert a.collect(1, max_staleness=0, timeout_s=1.5) == ([], [])
-    assert time.monotonic() - started < 1.5
+    assert a.collect(1, max_staleness=0, timeout_s=6.0) == ([], [])
+    assert time.monotonic() - started < 4.0
     b.publish(1, b"late")
     assert payloads(a.collect(1, max_staleness=0, timeout_s=5.0)[0]) == [(b.peer_id, 1, b"late")]
 
@@ -144,6 +144,53 @@ def test_a_record_under_another_peers_subkey_is_forged(swarm, signer):
     assert payloads(incoming) == [(a.peer_id, 0, b"honest")]
     assert [(r.peer, r.kind) for r in rejected] == [(a.peer_id, "forged")]
     assert "not signed by its key" in rejected[0].reason
+
+
+def test_the_validator_refuses_what_could_hide_the_owned_records():
+    from hivemind.dht.validation import DHTRecord
+
+    from ftis_kernels.grpo.swarm import _validator_class
+
+    validator = _validator_class()(RSAPrivateKey(), 4096, 360.0)
+    now = get_dht_time()
+    owned = MSGPackSerializer.dumps(validator.local_public_key)
+
+    def record(value, subkey=owned, expiry=now + 60, raw=False):
+        value = value if raw else MSGPackSerializer.dumps(value)
+        signed = validator.sign_value(DHTRecord(b"key", subkey, value, expiry))
+        return DHTRecord(b"key", subkey, signed, expiry)
+
+    assert validator.validate(record(b"payload")) and validator.validate(record({"round": 1}))
+    refused = {
+        "unowned": record(b"junk", subkey=MSGPackSerializer.dumps(None)),
+        "far expiry": record(b"payload", expiry=now + 1e6),
+        "undecodable": record(b"\xc1", raw=True),
+        "not bytes or a dict": record(7),
+        "over the cap": record(bytes(5000)),
+    }
+    assert [name for name, r in refused.items() if validator.validate(r)] == []
+    assert [(r.peer == "unknown", r.kind) for r in validator.refused] == [
+        (True, "forged"),
+        (False, "incompatible"),
+        (False, "incompatible"),
+        (False, "incompatible"),
+        (False, "size"),
+    ]
+
+
+def test_an_unowned_far_future_record_hides_no_peer(swarm):
+    a = swarm("a")
+    b = swarm("b", joins=a)
+    attacker = DHT(initial_peers=a.visible_maddrs, start=True, host_maddrs=LOOPBACK)
+    try:
+        # A regular value with a far expiry would replace a key's owned records in storage.
+        for key in ("test/peers", "test/round/0"):
+            attacker.store(key, b"junk", get_dht_time() + 1e6)
+        a.publish(0, b"honest")
+    finally:
+        attacker.shutdown()
+    incoming, _ = b.collect(0, max_staleness=0, timeout_s=10.0)
+    assert payloads(incoming) == [(a.peer_id, 0, b"honest")]
 
 
 def test_untrusted_and_incompatible_peers_are_refused(swarm):
@@ -230,7 +277,7 @@ def test_malformed_multiaddrs(swarm, overrides, flag, message):
     with pytest.raises(SwarmStartError, match=message) as caught:
         swarm("x", **overrides)
     assert caught.value.flag == flag and str(caught.value).startswith(flag)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 3.0
 
 
 def test_an_unreachable_initial_peer(swarm):

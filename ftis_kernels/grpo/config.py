@@ -94,6 +94,8 @@ SWARM_KEYS = (
     "task_operand_max",
     "ood_steps",
     "ood_operand_max",
+    "ood_surface",
+    "disjoint_splits",
 )
 # Seed strides: `--seed s` moves every node's init seed by s * RUN_SEED_STRIDE; `--nodes n` beyond
 # the config's list repeats its specs, the k-th repetition with init seeds k * REPEAT_SEED_STRIDE

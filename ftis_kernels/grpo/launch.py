@@ -387,7 +387,10 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
             cmd = [sys.executable, "-m", "ftis_kernels.grpo", "peer", "--config", str(configs[k])]
             cmd += ["--out", str(folder), "--host-maddr", LOOPBACK_MADDR, *flags]
             cmd += ["--initial-peers", *join] if join else []
-            return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+            # Its own session: a terminal's Ctrl-C reaches the launcher, which forwards it once.
+            return subprocess.Popen(
+                cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent
+            )
 
         for k in range(n):
             (peer_folder(out, k) / "peer.json").unlink(missing_ok=True)

@@ -47,8 +47,9 @@ from ftis_kernels.grpo.transport import Transport, source_of
 log = logging.getLogger("ftis_kernels.grpo")
 
 # A peer's vertical prompts are those of slot (source mod PEER_SLOTS) of PEER_SLOTS per round:
-# peers draw different problems without knowing how many they are.
-PEER_SLOTS = 1 << 16
+# peers draw different problems without knowing how many they are. A prime, so that the windows
+# of a JSONL task (indices taken modulo its length) cover every prompt of any length.
+PEER_SLOTS = 65521
 # Written into --out once the peer is reachable: its peer id and the multiaddrs others join by.
 PEER_FILE = "peer.json"
 # The local swarm of `ftis-grpo --transport hivemind` starts its peers' first rounds together:
@@ -74,6 +75,8 @@ def stop_on_signals() -> None:
     """SIGINT, SIGTERM and SIGHUP raise `Stopped` in the peer's main thread."""
 
     def stop(signum: int, _frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # once: the way out runs
+            signal.signal(sig, signal.SIG_IGN)
         raise Stopped(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -148,6 +151,9 @@ def _forked() -> None:
             os.close(f.fileno())
         except OSError:
             pass
+    if _HELD:  # the peer's Stopped is the peer's: the child ends as its own code says
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
     if _HELD and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
@@ -203,6 +209,11 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
         def join_round() -> int:
             wait_for_start(out, cfg.setup_timeout_s)
             latest = transport.latest_round()
+            if latest is not None and latest >= cfg.rounds:
+                raise SystemExit(
+                    f"rounds: the swarm is at round {latest}, past this peer's last round "
+                    f"({cfg.rounds} rounds); set rounds above {latest} to join it"
+                )
             if latest is not None:
                 log.info(
                     "peer %s: the swarm is at round %d, joining there", transport.peer_id, latest

@@ -51,6 +51,12 @@ _POLL_MAX_S = 0.5
 _RECORD_SLACK = 1024
 # How many refused records a validator remembers so that each is reported once.
 _SEEN_CAP = 4096
+# At most this many refusals are kept between two collects (a flood of forged records costs
+# neither memory nor log lines without bound).
+_REFUSED_CAP = 256
+# A record may expire at most record_ttl_s plus this (clocks of hosts differ) after it is seen:
+# a far-future expiry would pin it in every node.
+_MAX_TTL_SLACK_S = 300.0
 
 
 class SwarmStartError(ValueError):
@@ -140,9 +146,27 @@ def _owner_of(subkey: bytes) -> Optional[bytes]:
     return found[0] if len(found) == 1 else None
 
 
+def _subkey_owner(subkey: Optional[bytes]) -> Optional[bytes]:
+    """The owner's public key when a record's (serialized) subkey is exactly one owner marker,
+    else None."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    try:
+        decoded = MSGPackSerializer.loads(subkey) if subkey else None
+    except Exception:
+        return None
+    if not isinstance(decoded, bytes):
+        return None
+    found = RSASignatureValidator._PUBLIC_KEY_RE.fullmatch(decoded)
+    return found.group(1) if found else None
+
+
 def _validator_class():
     """`OwnedRecords`, built on first use so that importing this module needs no hivemind."""
     from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.serializer import MSGPackSerializer
 
     class OwnedRecords(RSASignatureValidator):
         """hivemind's signature validator that remembers what it refused: a record whose
@@ -150,31 +174,46 @@ def _validator_class():
         one larger than the payload cap ("size"). It runs inside the DHT's process; the
         transport drains its refusals from there (`_drain_refused`)."""
 
-        def __init__(self, private_key, max_record_bytes: int):
+        def __init__(self, private_key, max_record_bytes: int, max_ttl_s: float):
             super().__init__(private_key)
             self.max_record_bytes = max_record_bytes
+            self.max_ttl_s = max_ttl_s
             self.refused: list[Rejection] = []
             self._seen: dict[bytes, None] = {}
 
         def validate(self, record) -> bool:
-            owners = self._PUBLIC_KEY_RE.findall(record.subkey or b"")
-            owners += self._PUBLIC_KEY_RE.findall(record.key)
-            if not owners:
-                return super().validate(record)
-            if len(record.value) > self.max_record_bytes:
-                kind = "size"
-                reason = f"a signed record of {len(record.value)} B, over the cap"
-            elif super().validate(record):
-                return True
-            else:
-                kind = "forged"
+            # Every record of the swarm sits under exactly one owner's subkey: an unowned one
+            # (a regular value, or a subkey without the marker) could replace or hide the
+            # owned ones in every node's storage, so none is stored or read.
+            owner = _subkey_owner(record.subkey)
+            if owner is None or self._PUBLIC_KEY_RE.search(record.key):
+                return self._refuse(record, None, "forged", "a record under no owner's key")
+            if not super().validate(record):
                 reason = "a record under its subkey is not signed by its key"
+                return self._refuse(record, owner, "forged", reason)
+            value = self.strip_value(record)
+            if len(value) > self.max_record_bytes:
+                reason = f"a signed record of {len(value)} B, over the cap"
+                return self._refuse(record, owner, "size", reason)
+            ahead = record.expiration_time - get_dht_time()
+            if ahead > self.max_ttl_s:
+                reason = f"a record that expires in {ahead:.0f} s, more than {self.max_ttl_s:g} s"
+                return self._refuse(record, owner, "incompatible", reason)
+            try:  # hivemind decodes a key's records together: one that does not decode hides all
+                decoded = MSGPackSerializer.loads(value)
+            except Exception:
+                decoded = None
+            if not isinstance(decoded, (bytes, dict)):
+                return self._refuse(record, owner, "incompatible", "a value that does not decode")
+            return True
+
+        def _refuse(self, record, owner: Optional[bytes], kind: str, reason: str) -> bool:
             digest = hashlib.sha256(record.key + (record.subkey or b"") + record.value).digest()
-            if digest not in self._seen:
+            if digest not in self._seen and len(self.refused) < _REFUSED_CAP:
                 self._seen[digest] = None
                 if len(self._seen) > _SEEN_CAP:
                     del self._seen[next(iter(self._seen))]
-                peer = _peer_of(owners[0]) or "unknown"
+                peer = (_peer_of(owner) if owner is not None else None) or "unknown"
                 self.refused.append(Rejection(peer, kind, reason))
             return False
 
@@ -246,7 +285,9 @@ class HivemindTransport:
         out.mkdir(parents=True, exist_ok=True)
         key_path = out / KEY_FILE
         private_key = _load_private_key(_key_bytes(key_path), key_path)
-        validator = _validator_class()(private_key, max_payload_bytes + _RECORD_SLACK)
+        validator = _validator_class()(
+            private_key, max_payload_bytes + _RECORD_SLACK, record_ttl_s + _MAX_TTL_SLACK_S
+        )
         self._token = f"{os.getpid()}-{id(self)}"
         _VALIDATORS[self._token] = validator
         self._owner: bytes = validator.local_public_key
@@ -381,7 +422,7 @@ class HivemindTransport:
         if not isinstance(value, dict) or not isinstance(value.get("fingerprints"), dict):
             return "incompatible: wire (a malformed announcement)", -1
         round_ = value.get("round")
-        round_ = round_ if isinstance(round_, int) else -1
+        round_ = round_ if type(round_) is int and 0 <= round_ < 2**31 else -1
         if value.get("wire") != SWARM_WIRE_VERSION:
             return (
                 f"incompatible: wire (version {value.get('wire')!r}, ours {SWARM_WIRE_VERSION})",
@@ -401,13 +442,14 @@ class HivemindTransport:
         return None, round_
 
     def latest_round(self) -> Optional[int]:
-        """The newest round any live, compatible, trusted peer (this one included) published,
-        None before any did: where a peer that joins late starts."""
+        """Where a peer that joins late starts: the newest round the live, compatible, trusted
+        peers (this one included) published, as their lower median (one peer that claims a far
+        round cannot move it), None before any did."""
         peers = self._peers(time.monotonic() + 10.0)
         rounds = [r for why, r, _ in peers.values() if why is None and r >= 0]
         if self._published is not None:
             rounds.append(self._published)
-        return max(rounds) if rounds else None
+        return sorted(rounds)[(len(rounds) - 1) // 2] if rounds else None
 
     def collect(
         self, round_: int, *, max_staleness: int, timeout_s: float
