@@ -31,7 +31,7 @@ def torch_kernels(monkeypatch):
     monkeypatch.setattr(logp_lse, "triton_is_interpreted", lambda: False)
 
 
-def _peer_cfg(tmp_path, name: str, **over):
+def _peer_cfg(tmp_path, name: str, hostile: str = "", **over):
     small = dict(
         out=str(tmp_path / name),
         transport="hivemind",
@@ -48,7 +48,8 @@ def _peer_cfg(tmp_path, name: str, **over):
         collect_timeout_s=20.0,
     )
     small.update(over)
-    spec = f"nodes=[{{name: {name}, warmup_steps: 2, init_seed: {len(name)}}}]"
+    bad = f", hostile: {hostile}" if hostile else ""
+    spec = f"nodes=[{{name: {name}, warmup_steps: 2, init_seed: {len(name)}{bad}}}]"
     return build_config("smoke", overrides=small, sets=(spec,))
 
 
@@ -116,6 +117,21 @@ def test_three_peers_train_on_each_others_samples_with_their_staleness(tmp_path,
             assert (tmp_path / pid / name).is_file()
         assert json.loads((tmp_path / pid / "peer.json").read_text())["peer_id"] == pid
     assert heard == {source_of(p) for p in ids}
+
+
+def test_a_malformed_peers_records_are_dropped_over_a_swarm_transport(tmp_path, torch_kernels):
+    swarm, seen = MemorySwarm(), {}
+    cfgs = [
+        ("QmGood", _peer_cfg(tmp_path, "QmGood", rounds=2)),
+        ("QmBad", _peer_cfg(tmp_path, "QmBad", hostile="malformed", rounds=2)),
+    ]
+    assert _run_peers(cfgs, swarm, seen) == {"QmGood": 0, "QmBad": 0}
+    log = _rows(tmp_path / "QmGood", "received.jsonl")
+    from_bad = [r for r in log if r["sender"] == source_of("QmBad")]
+    assert from_bad and all(r["dropped"] is not None for r in from_bad)
+    rows = _rows(tmp_path / "QmGood")
+    assert sum(r["dropped"] for r in rows) == len(from_bad)
+    assert sum(r["samples_received"] for r in rows) == 0
 
 
 def test_a_late_peer_joins_at_the_swarms_round_and_a_resumed_one_continues(tmp_path, torch_kernels):
