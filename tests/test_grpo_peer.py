@@ -202,6 +202,15 @@ def test_horizontal_collaboration_is_refused_under_hivemind_naming_the_key(tmp_p
     _peer_cfg(tmp_path, "QmH", collab="horizontal", loss="on-policy").validate(1)  # no exchange
 
 
+def test_a_payload_hiveminds_messages_cannot_carry_is_refused_naming_the_key(tmp_path):
+    from ftis_kernels.grpo.peer import check_peer_config
+
+    big = dict(prompts_per_node=64, group_size=64, max_new_tokens=64)  # 4096 x 536 B
+    check_peer_config(_peer_cfg(tmp_path, "QmP", **{**big, "group_size": 8}))
+    with pytest.raises(ConfigError, match=r"^max_new_tokens: .* 4 MiB\), got 2195456$"):
+        check_peer_config(_peer_cfg(tmp_path, "QmP", **big))
+
+
 def _cli(*args, timeout=60):
     return subprocess.run(
         [sys.executable, "-m", "ftis_kernels.grpo", *args],

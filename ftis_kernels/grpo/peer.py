@@ -50,6 +50,9 @@ log = logging.getLogger("ftis_kernels.grpo")
 # peers draw different problems without knowing how many they are. A prime, so that the windows
 # of a JSONL task (indices taken modulo its length) cover every prompt of any length.
 PEER_SLOTS = 65521
+# The largest payload a peer may publish a round: a DHT read returns every peer's record of a
+# round in one message of hivemind's daemon, which carries at most 4 MiB.
+MAX_PEER_PAYLOAD_BYTES = 1 << 20
 # Written into --out once the peer is reachable: its peer id and the multiaddrs others join by.
 PEER_FILE = "peer.json"
 # The local swarm of `ftis-grpo --transport hivemind` starts its peers' first rounds together:
@@ -108,6 +111,17 @@ def check_peer_config(cfg: RunConfig) -> None:
     if cfg.transport != "hivemind":
         problems.append(
             ("transport", "'hivemind' (ftis-grpo peer runs one peer of a swarm)", cfg.transport)
+        )
+    cap = cfg.samples_per_round(1) * record_bytes(cfg.max_new_tokens)
+    if cap > MAX_PEER_PAYLOAD_BYTES:
+        problems.append(
+            (
+                "max_new_tokens",
+                f"a round's payload in bytes (prompts_per_node x group_size records of "
+                f"max_new_tokens tokens) of at most {MAX_PEER_PAYLOAD_BYTES} (hivemind's daemon "
+                "carries a round's records of several peers in one message of at most 4 MiB)",
+                cap,
+            )
         )
     if problems:
         raise ConfigError(*problems)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ftis_kernels._extras import require
-from ftis_kernels.grpo.transport import Incoming, Rejection
+from ftis_kernels.grpo.transport import Incoming, Rejection, SwarmError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ _POLL_FIRST_S = 0.05
 _POLL_MAX_S = 0.5
 # A signed record's bytes beyond its payload: the msgpack header and the base64 RSA signature.
 _RECORD_SLACK = 1024
+# How long a store or a call into the DHT's process may take before it counts as failed.
+_CALL_TIMEOUT_S = 30.0
 # How many refused records a validator remembers so that each is reported once.
 _SEEN_CAP = 4096
 # At most this many refusals are kept between two collects (a flood of forged records costs
@@ -352,7 +354,7 @@ class HivemindTransport:
             "fingerprints": self.fingerprints,
         }
         expiry = get_dht_time() + self.record_ttl_s
-        if not self._dht.store(self._peers_key, value, expiry, subkey=self._owner):
+        if not self._store(self._peers_key, value, expiry):
             log.warning("swarm: the announcement of %s was not stored", self.peer_id)
 
     # The protocol's lockstep steps: without a fixed world they concern this peer alone.
@@ -380,8 +382,26 @@ class HivemindTransport:
         self._published = round_ if self._published is None else max(self._published, round_)
         self._announce()
         expiry = get_dht_time() + self.record_ttl_s
-        if not self._dht.store(self._round_key(round_), bytes(payload), expiry, subkey=self._owner):
+        if not self._store(self._round_key(round_), bytes(payload), expiry):
             log.warning("swarm: round %d of %s was not stored", round_, self.peer_id)
+
+    def _store(self, key: str, value: Any, expiry: float) -> bool:
+        """Store under this peer's subkey, waiting at most `_CALL_TIMEOUT_S`: False when the
+        store failed or timed out; SwarmError when the DHT's process is gone."""
+        future = self._dht.store(key, value, expiry, subkey=self._owner, return_future=True)
+        return bool(self._result(future, f"storing {key}", default=False))
+
+    def _result(self, future, what: str, default: Any) -> Any:
+        """A DHT call's result within `_CALL_TIMEOUT_S`, else `default` (a slow swarm costs a
+        warning, not a hang); SwarmError when the DHT's process is gone."""
+        try:
+            return future.result(timeout=_CALL_TIMEOUT_S)
+        except Exception as exc:
+            future.cancel()
+            if not self._dht.is_alive():
+                raise SwarmError(f"during {what}: the DHT's process is gone") from exc
+            log.warning("swarm: %s failed: %s", what, f"{type(exc).__name__}: {exc}")
+            return default
 
     def _get(self, keys: list[str], deadline: float) -> list[dict[str, Any]]:
         """The records under `keys` as {peer: value} (this peer's left out), read in parallel;
@@ -501,7 +521,10 @@ class HivemindTransport:
             log.info(
                 "swarm: peer %s sent nothing for round %d within %g s", peer, round_, timeout_s
             )
-        rejected += self._dht.run_coroutine(partial(_drain_refused, token=self._token))
+        drain = self._dht.run_coroutine(
+            partial(_drain_refused, token=self._token), return_future=True
+        )
+        rejected += self._result(drain, "reading the refused records", default=[])
         incoming.sort(key=lambda item: (item.round, item.peer))
         return incoming, rejected
 
