@@ -441,27 +441,7 @@ def estimate(work: Path, cores: int = 2) -> str:
 
 def run(todo: list[Cell], work: Path, jobs: int) -> int:
     """Run the cells (finished ones are skipped), `jobs` at a time; 1 if any failed."""
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    t0, failed, cpu_total = time.time(), [], 0.0
-    bar = study._progress(len(todo))
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for cid, seconds, cpu, rc in pool.map(lambda c: study.run_cell(c, work, ()), todo):
-            cpu_total += cpu
-            if rc:
-                failed.append(cid)
-            if bar is not None:
-                bar.set_postfix_str(f"{cid} {seconds:.0f}s{' FAILED' if rc else ''}")
-                bar.update(1)
-    if bar is not None:
-        bar.close()
-    print(
-        f"{len(todo)} cells in {(time.time() - t0) / 60:.1f} min, {cpu_total / 60:.1f} CPU-min"
-        + (f"; FAILED (see each cell's log.txt): {failed}" if failed else ""),
-        flush=True,
-    )
-    return 1 if failed else 0
+    return study.run_cells(todo, work, jobs, ())
 
 
 # -- the claims ------------------------------------------------------------------------------------

@@ -252,6 +252,11 @@ def estimate(todo: list[Cell], work: Path, extra: tuple[str, ...], cores: int = 
 
 def run(todo: list[Cell], work: Path, jobs: int, extra: tuple[str, ...]) -> int:
     print(estimate(todo, work, extra), flush=True)
+    return run_cells(todo, work, jobs, extra)
+
+
+def run_cells(todo: list[Cell], work: Path, jobs: int, extra: tuple[str, ...]) -> int:
+    """Run the cells (finished ones are skipped), `jobs` at a time; 1 if any failed."""
     t0, failed, cpu_total = time.time(), [], 0.0
     bar = _progress(len(todo))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
