@@ -260,3 +260,11 @@ def test_report_merges_several_peers_folders_into_one_summary_and_plot(tmp_path)
     assert (tmp_path / "swarm" / "curves.png").stat().st_size > 0
     got = _cli("report", peers[0], str(tmp_path / "nowhere"))
     assert got.returncode == 2 and got.stderr.startswith("ftis-grpo report: RUN: expected")
+
+
+def test_the_address_others_are_told_to_join_by_is_not_loopback_when_there_is_another():
+    from ftis_kernels.grpo.peer import join_address
+
+    lo, lan = "/ip4/127.0.0.1/tcp/31337/p2p/QmA", "/ip4/10.0.0.1/tcp/31337/p2p/QmA"
+    assert join_address([lo, lan]) == lan
+    assert join_address([lo]) == lo

@@ -176,6 +176,13 @@ os.register_at_fork(after_in_child=_forked)
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
+def join_address(maddrs: list[str]) -> str:
+    """The multiaddr to tell other hosts: the first that is not loopback (a peer listening on
+    0.0.0.0 lists 127.0.0.1 too), else the first."""
+    remote = [m for m in maddrs if not m.startswith(("/ip4/127.", "/ip6/::1/"))]
+    return (remote or list(maddrs) or ["MADDR"])[0]
+
+
 def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
     """Run one peer into `cfg.out` (checked and locked as a run's folder is), its samples moved
     by the transport `connect` starts; returns the exit code (`launch`'s: 0 done, 1 refused, 3
@@ -208,7 +215,7 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             transport.peer_id,
             cfg.node(0).name,
             " ".join(transport.visible_maddrs),
-            transport.visible_maddrs[0] if transport.visible_maddrs else "MADDR",
+            join_address(transport.visible_maddrs),
         )
         node = Node(
             cfg,
