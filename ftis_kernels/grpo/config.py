@@ -136,7 +136,7 @@ class ConfigError(ValueError):
         in that form (the loss options' own errors)."""
         self.problems = problems
         self.lines = [
-            p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {_echo(show(p[2]))}"
+            p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {_got(p[2])}"
             for p in problems
         ]
         super().__init__("\n".join(self.lines))
@@ -150,6 +150,11 @@ class ConfigError(ValueError):
         renamed.lines = list(dict.fromkeys(renamed.lines))  # one flag that set several keys
         renamed.args = ("\n".join(renamed.lines),)
         return renamed
+
+
+def _got(value: Any) -> str:
+    """The `got` part of a problem: a `Described` value whole, any other cut by `_echo`."""
+    return show(value) if isinstance(value, Described) else _echo(show(value))
 
 
 def _echo(text: str) -> str:
@@ -463,7 +468,7 @@ class RunConfig:
                     (
                         f"nodes.{i}.model",
                         "a Hugging Face model folder (config.json, weights, tokenizer)",
-                        Verbatim(found),
+                        Described(found),
                     )
                 )
         return problems
@@ -673,6 +678,11 @@ _EXPECTED = {
 
 class Verbatim(str):
     """A `got` value shown as is (a description rather than the user's value)."""
+
+
+class Described(Verbatim):
+    """A description whose user values are already cut (`_echo`), shown whole: its advice (a
+    command to run) must not be cut off."""
 
 
 def _problem(err: dict[str, Any]) -> tuple[str, str, Any]:

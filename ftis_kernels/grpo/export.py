@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from ftis_kernels.grpo import checkpoint
-from ftis_kernels.grpo.config import ConfigError, RunConfig, Verbatim, _from_dict
+from ftis_kernels.grpo.config import ConfigError, RunConfig, Verbatim, _echo, _from_dict
 
 # Any one of these makes a folder's weights, and of its tokenizer, for `from_pretrained`.
 WEIGHT_FILES = (
@@ -44,16 +44,16 @@ def model_folder_problem(path: str) -> Optional[str]:
     """None when `path` is a Hugging Face model folder (config.json with a model_type, weights,
     a tokenizer); else what it is instead, in a few words (for a checkpoint round of a run, the
     `ftis-grpo export` command that makes one of it)."""
-    folder = Path(path)
+    folder, shown = Path(path), _echo(repr(path))
     if not folder.exists():
-        return f"{path!r}, which does not exist"
+        return f"{shown}, which does not exist"
     if not folder.is_dir():
-        return f"{path!r}, which is a file"
+        return f"{shown}, which is a file"
     found = checkpoint_round(folder)
     if found is not None:
         run, node, round_ = found
         return (
-            f"{path!r}, a checkpoint of ftis-grpo, not a model folder "
+            f"{shown}, a checkpoint of ftis-grpo, not a model folder "
             f"(ftis-grpo export {run} --node {node} --round {round_} --to DIR writes one)"
         )
     lacks = []
@@ -67,7 +67,7 @@ def model_folder_problem(path: str) -> Optional[str]:
         lacks.append(f"weights ({' or '.join(WEIGHT_FILES[::2])})")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         lacks.append(f"tokenizer ({' or '.join(TOKENIZER_FILES)})")
-    return f"{path!r}, which has no {', no '.join(lacks)}" if lacks else None
+    return f"{shown}, which has no {', no '.join(lacks)}" if lacks else None
 
 
 def _run_config(run: Path) -> RunConfig:
