@@ -7,16 +7,18 @@
     python -m experiments.confirm report                 # claims and tables from finished cells
     python -m experiments.confirm run --scale pilot      # the pilot that chooses the task
     python -m experiments.confirm probe --probe 2 3 9 300 0.8   # what a warm-up alone gives
+    python -m experiments.confirm curve --lr 2e-4 5e-5           # one node alone, against lr 0
 
 What differs from the first round (`experiments/study.py`, kept as it ran, as the exploratory
 round), each for a reason its data gave:
 
-- **A task with headroom** (`configs/confirm/`): problems of two or three steps with operands up
-  to `OPERAND_MAX` (carries), test and ood chains never trained on (`disjoint_splits`), to be
-  frozen by the pilot (`--scale pilot`, `probe`, recorded in the README) once isolated nodes
-  start low and still rise at the last round: the candidate here does not rise yet. The
-  out-of-domain split is the same arithmetic in words no training problem uses (`ood_surface`),
-  evaluated on `EVAL_SIZE` problems.
+- **A task on which on-policy training learns and the stale peer harms** (`configs/confirm/`),
+  frozen by the pilot (`--scale pilot`, `probe`, `curve`, recorded in the README): one step
+  with operands to `OPERAND_MAX`, test and ood chains never trained on (`disjoint_splits`),
+  warm-ups 80% in GSM8K's format, and learning rates 3-10 times below the first round's, at
+  which one update raises what it rewards (at the first round's, greedy accuracy fell on every
+  candidate). The out-of-domain split is the same arithmetic in words no training problem uses
+  (`ood_surface`), evaluated on `EVAL_SIZE` problems.
 - **Paired baselines.** The receiver (`small`) is rank 0 and its peer rank 1 in every pair, so a
   node's prompts (`first = (round * N + rank) * P`), sampling seed (`sampler_seed(seed, rank)`),
   initial weights and warm-up are the same in every mode of its pair: each pair's on-policy
@@ -69,12 +71,12 @@ PAIR_MODES = {
     "lora": ARMS,
     "stale": ("nois", "f-tis"),
 }
-# The task (the pilot's candidate, not frozen yet; `configs/confirm/*.yaml` state it, a test checks
-# both agree).
-TASK_STEPS = (2, 3)
+# The task the pilot froze (`configs/confirm/*.yaml` state it, a test checks both agree): one
+# step, operands to 9, at learning rates 3-10 times below the first round's.
+TASK_STEPS = (1, 1)
 OPERAND_MAX = 9
 # Whether the pilot has frozen the task: until then `run` refuses the confirmatory cells.
-FROZEN = False
+FROZEN = True
 EVAL_SIZE = 512
 SMALL_EVAL = 128
 ROUNDS = 30
@@ -216,29 +218,44 @@ def chunks() -> list[tuple[int, ...]]:
 # with the longer completions, and what a cell without the start evaluation costs). A candidate is
 # --set flags over the configs; (name, flags, seeds, modes), in the order they ran. The pilot ran
 # before the configs split the chains (`disjoint_splits`): its flags say so.
+# The first candidate's task and learning rates, as the configs had them when these cells ran.
+TASK_2_3 = ("task_steps=[2,3]", "ood_steps=[2,3]")
+CANDIDATE_2_3 = (*TASK_2_3, "nodes.0.lr=2.0e-4", "nodes.1.lr=3.0e-4")
 PILOT = (
     (
         "2-3x9",
-        ("task_operand_max=9", "ood_operand_max=9", "disjoint_splits=false"),
+        ("task_operand_max=9", "ood_operand_max=9", "disjoint_splits=false", *CANDIDATE_2_3),
         PILOT_SEEDS,
         ("on-policy",),
     ),
     (
         "2-3x9",
-        ("task_operand_max=9", "ood_operand_max=9", "disjoint_splits=false"),
+        ("task_operand_max=9", "ood_operand_max=9", "disjoint_splits=false", *CANDIDATE_2_3),
         PILOT_SEEDS[:1],
         ("f-tis",),
     ),
     # the learning rates halved and quartered (the first candidate's accuracy fell)
     (
         "lr-half",
-        ("nodes.0.lr=1.0e-4", "nodes.1.lr=1.5e-4", "eval_start=false", "disjoint_splits=false"),
+        (
+            "nodes.0.lr=1.0e-4",
+            "nodes.1.lr=1.5e-4",
+            "eval_start=false",
+            "disjoint_splits=false",
+            *TASK_2_3,
+        ),
         (100,),
         ("on-policy",),
     ),
     (
         "lr-quarter",
-        ("nodes.0.lr=5.0e-5", "nodes.1.lr=7.5e-5", "eval_start=false", "disjoint_splits=false"),
+        (
+            "nodes.0.lr=5.0e-5",
+            "nodes.1.lr=7.5e-5",
+            "eval_start=false",
+            "disjoint_splits=false",
+            *TASK_2_3,
+        ),
         (100,),
         ("on-policy",),
     ),
@@ -252,6 +269,7 @@ PILOT = (
             "eval_start=false",
             "format_credit=0.0",
             "disjoint_splits=false",
+            *TASK_2_3,
         ),
         (100,),
         ("on-policy",),
@@ -259,29 +277,57 @@ PILOT = (
     # it fell with the binary reward too: twice the samples per update (is it the noise?)
     (
         "prompts8",
-        ("prompts_per_node=8", "eval_start=false", "disjoint_splits=false"),
+        ("prompts_per_node=8", "eval_start=false", "disjoint_splits=false", *CANDIDATE_2_3),
         (100,),
         ("on-policy",),
     ),
     # it fell with 64 samples per update too: the control, learning rates of 1e-12 (no update)
     (
         "lr-zero",
-        ("nodes.0.lr=1.0e-12", "nodes.1.lr=1.0e-12", "disjoint_splits=false"),
+        ("nodes.0.lr=1.0e-12", "nodes.1.lr=1.0e-12", "disjoint_splits=false", *TASK_2_3),
         (100,),
         ("on-policy",),
     ),
+    # the fall is the step size (`curve`, README): at the rates where an on-policy run does not
+    # lose greedy accuracy, does the stale peer still harm NoIS (the gate)? One step, operands to 9
+    # (small at 5e-5, tiny 3e-5), and two steps (small at 2e-5): the receiver's on-policy run and
+    # its NoIS run with the stale peer, seeds 100-101.
+    *(
+        (name, (*task, f"nodes.0.lr={lr}", *peer), PILOT_SEEDS[:2], (mode,), pair)
+        for name, task, lr in (
+            ("1x9-lr", ("task_steps=[1,1]", "ood_steps=[1,1]"), "5.0e-5"),
+            ("2x9-lr", ("task_steps=[2,2]", "ood_steps=[2,2]"), "2.0e-5"),
+            (
+                "1x19-lr",
+                ("task_operand_max=19", "ood_operand_max=19"),  # the frozen steps
+                "5.0e-5",
+            ),
+        )
+        for pair, mode, peer in (
+            ("size", "on-policy", ("nodes.1.lr=3.0e-5",)),
+            ("stale", "nois", ()),
+        )
+    ),
 )
-CANDIDATES = tuple(dict.fromkeys(name for name, *_ in PILOT))
+
+
+def _pilot_pair(entry: tuple) -> str:
+    """The pair a `PILOT` entry runs: its fifth item, else the size pair."""
+    return entry[4] if len(entry) > 4 else "size"
+
+
+CANDIDATES = tuple(dict.fromkeys((entry[0], _pilot_pair(entry)) for entry in PILOT))
 
 
 def _pilot_cells() -> list[Cell]:
     out = []
-    for name, sets, seeds, modes in PILOT:
+    for entry in PILOT:
+        name, sets, seeds, modes, pair = *entry[:4], _pilot_pair(entry)
         flags = tuple(x for s in sets for x in ("--set", s))
         for seed in seeds:
             for mode in modes:
-                cell = _pair_cell("size", mode, seed, flags)
-                out.append(Cell("pilot", f"size-{name}", mode, seed, cell.config, cell.flags))
+                cell = _pair_cell(pair, mode, seed, flags)
+                out.append(Cell("pilot", f"{pair}-{name}", mode, seed, cell.config, cell.flags))
     return out
 
 
@@ -383,6 +429,160 @@ def probe(
     return dict(out, cpu_seconds=round(time.process_time() - t0, 1))
 
 
+# -- the learning curve (the pilot's second step) -------------------------------------------------
+class _Alone:
+    """The transport of a node that trains alone in this process (`curve`): no peers, no
+    barriers; its peer id is its rank, so its sampling seed is the one it has in its pair."""
+
+    kind = "torch"
+
+    def __init__(self, rank: int):
+        self.peer_id = str(rank)
+
+    def agree(self, what: str, fingerprint: str) -> None:
+        pass
+
+    def barrier(self, phase: str, *, setup: bool = False) -> None:
+        pass
+
+    def gather(self, obj):
+        return [obj]
+
+
+def curve(
+    pair: str,
+    node: str,
+    lr: float,
+    *,
+    seed: int = PILOT_SEEDS[0],
+    rounds: int = ROUNDS,
+    every: int = 10,
+    n: int = 256,
+    sets: tuple[str, ...] = (),
+) -> dict:
+    """One node of `configs/confirm/<pair>.yaml` trained on-policy alone, in this process, at
+    learning rate `lr` (0: the control, no update): its prompts, sampling seed and warmed-up
+    weights are those it has in its pair (rank, slot and stream as there). Greedy accuracy on `n`
+    test problems every `every` rounds and at the end; the share of right answers among its
+    training samples each round; after the first update, the mean change of the log-probability
+    of the samples it rewarded and of those it penalised (`first_step`). `sets` are --set flags
+    over the config (`task_steps=[1,1]`).
+    Paired with the control on the same seed, what the updates did is the difference of the
+    sampled accuracies round by round (same prompts, same sampler): `curve_table`."""
+    import time
+
+    import torch
+
+    from ftis_kernels.grpo.config import build_config
+    from ftis_kernels.grpo.models import apply_lora
+    from ftis_kernels.grpo.node import Node
+
+    torch.set_num_threads(1)
+    t0 = time.process_time()
+    cfg = build_config(
+        config_file=str(HERE / "configs" / "confirm" / f"{pair}.yaml"),
+        overrides=dict(
+            seed=seed, loss="on-policy", eval_size=n, progress=False, out=str(HERE / "runs-curve")
+        ),
+        sets=tuple(sets),
+    )
+    if cfg.warmup_cache:  # the configs' cache is relative to the repository root
+        cfg.warmup_cache = str(HERE.parent / cfg.warmup_cache)
+    rank = next(i for i, spec in enumerate(cfg.nodes) if spec.name == node)
+    alone = Node(cfg, rank, 1, torch.device("cpu"), _Alone(rank), slot=rank, slots=len(cfg.nodes))
+    alone.build()
+    alone.warm_up()
+    if alone.spec.lora:
+        alone.model = apply_lora(
+            alone.model, alone.spec.lora_r, alone.spec.lora_alpha, seed=cfg.init_seed(rank)
+        )
+    params = [p for p in alone.model.parameters() if p.requires_grad]
+    alone.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    acc, at, sampled, first_step = [], [], [], {}
+    for round_ in range(rounds + 1):
+        if round_ % every == 0 or round_ == rounds:
+            acc.append(alone.accuracy("test"))
+            at.append(round_)
+        if round_ == rounds:
+            break
+        own = alone.rollout(round_)
+        sampled.append(sum(s.reward == 1.0 for s in own) / len(own))
+        if lr > 0:
+            before = _sequence_logprobs(alone, own)
+            alone.update(own, {})
+            if round_ == 0:  # what one step did to the log-probability of what it trained on
+                change = _sequence_logprobs(alone, own) - before
+                for sign, name in ((1, "rewarded"), (-1, "penalised")):
+                    picked = [c for c, s in zip(change.tolist(), own) if s.advantage * sign > 0]
+                    first_step[name] = round(statistics.mean(picked), 4) if picked else None
+    return dict(
+        pair=pair,
+        node=node,
+        lr=lr,
+        seed=seed,
+        sets=list(sets),
+        rounds=rounds,
+        eval_rounds=at,
+        acc_id=acc,
+        sample_acc=sampled,
+        first_step=first_step,
+        cpu_seconds=round(time.process_time() - t0, 1),
+    )
+
+
+def _sequence_logprobs(node, samples):
+    """(len(samples),) the log-probability of each completion under `node`'s model now, at the
+    sampling temperature (what the sampler gave it, `Sample.gen_logprobs`, when it drew it)."""
+    import torch
+
+    from ftis_kernels.grpo.train import build_batch, completion_logits
+
+    with torch.no_grad():
+        batch = build_batch(samples, node.prompt_tokens, node.tokenizer.pad_token_id, node.device)
+        logits = completion_logits(node.model, batch).float() / node.cfg.temperature
+        taken = batch["tokens"].long().unsqueeze(-1)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, taken).squeeze(-1)
+        return (logp * batch["mask"]).sum(-1)
+
+
+def curve_table(rows: list[dict]) -> str:
+    """Per task, node and learning rate (over seeds): greedy accuracy at the start and the end,
+    and the sampled accuracy's gain over the control (lr 0, same pair, node, seed and task) in each
+    third of the rounds, mean over seeds and each seed's value."""
+
+    def same(r: dict) -> tuple:
+        return (r["pair"], tuple(r["sets"]), r["node"], r["seed"], r["rounds"])
+
+    control = {same(r): r for r in rows if r["lr"] == 0}
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for r in rows:
+        base = control.get(same(r))
+        if r["lr"] > 0 and base is not None and r["rounds"] >= 3:  # thirds of the rounds
+            key = (" ".join(r["sets"]) or "(configs)", r["pair"], r["node"], r["lr"], r["rounds"])
+            groups.setdefault(key, []).append((r, base))
+    head = (
+        "| task (--set) | pair: node | lr | rounds | seeds | greedy acc_id start -> end | "
+        "gain over lr 0: 1st third | 2nd third | last third |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for (task, pair, node, lr, rounds), runs in sorted(groups.items()):
+        thirds = [[] for _ in range(3)]
+        for r, base in runs:
+            d = [a - b for a, b in zip(r["sample_acc"], base["sample_acc"])]
+            k = len(d) // 3
+            for i, part in enumerate((d[:k], d[k : 2 * k], d[2 * k :])):
+                thirds[i].append(sum(part) / len(part))
+        start = statistics.mean(r["acc_id"][0] for r, _ in runs)
+        end = statistics.mean(r["acc_id"][-1] for r, _ in runs)
+        cols = [f"{statistics.mean(t):+.3f} ({', '.join(f'{x:+.2f}' for x in t)})" for t in thirds]
+        lines.append(
+            f"| {task} | {pair}: {node} | {lr:g} | {rounds} | {len(runs)} | "
+            f"{start:.3f} -> {end:.3f} | " + " | ".join(cols) + " |"
+        )
+    return "\n".join(lines)
+
+
 # -- cost ------------------------------------------------------------------------------------------
 # CPU seconds per cell, measured by the pilot on this machine (AMD EPYC, one thread per node, a
 # load of 2.5-4 from other work) for the size pair (small + tiny): a cell with the final
@@ -439,8 +639,32 @@ def estimate(work: Path, cores: int = 2) -> str:
     return "\n".join(lines)
 
 
-def run(todo: list[Cell], work: Path, jobs: int) -> int:
-    """Run the cells (finished ones are skipped), `jobs` at a time; 1 if any failed."""
+def _result_files(scale: str) -> tuple[str, str]:
+    """The files under the results folder that record a scale's finished cells (rows, curves)."""
+    return (
+        ("pilot.jsonl", "pilot_curves.jsonl")
+        if scale == "pilot"
+        else ("cells.jsonl", "curves.jsonl")
+    )
+
+
+def recorded(results: Path, scale: str) -> tuple[list[dict], list[dict]]:
+    """The rows and curves `report` wrote for a scale's finished cells. They are what a chunk run
+    on another machine (its run folders not here) leaves behind: `run` does not rerun those cells
+    and `report` keeps them."""
+    out = []
+    for name in _result_files(scale):
+        path = results / name
+        out.append([json.loads(x) for x in path.read_text().splitlines()] if path.exists() else [])
+    return out[0], out[1]
+
+
+def run(todo: list[Cell], work: Path, jobs: int, results: Optional[Path] = None) -> int:
+    """Run the cells (finished ones, here or recorded under `results`, are skipped), `jobs` at a
+    time; 1 if any failed."""
+    if results is not None:
+        done = {r["id"] for scale in ("full", "pilot") for r in recorded(results, scale)[0]}
+        todo = [c for c in todo if c.id not in done or _finished(_out(c, work, ()))]
     return study.run_cells(todo, work, jobs, ())
 
 
@@ -630,10 +854,10 @@ def pilot_table(rows: list[dict], curves: list[dict]) -> str:
         each = ", ".join(f"{v:.2f}" for v in vals)
         return f"{statistics.fmean(vals):.3f}" + (f" ({each})" if len(vals) > 1 else "")
 
-    for name in CANDIDATES:
-        for mode in ("on-policy", "f-tis"):
-            for node in (RECEIVER, PEER["size"]):
-                prefix = f"pilot/size-{name}/{mode}/"
+    for name, pair in CANDIDATES:
+        for mode in ("on-policy", "nois", "f-tis"):
+            for node in (RECEIVER, PEER[pair]):
+                prefix = f"pilot/{pair}-{name}/{mode}/"
                 sel = [c for c in curves if c["id"].startswith(prefix) and c["name"] == node]
                 rs = [r for r in rows if r["id"].startswith(prefix) and r["name"] == node]
                 if not sel:
@@ -656,8 +880,8 @@ def pilot_table(rows: list[dict], curves: list[dict]) -> str:
                 changed = col([r["metrics"].get("filter_changed_neg") for r in rs])
                 cpu = statistics.fmean(r["cpu_seconds"] for r in rs)
                 parts.append(
-                    f"| {name} | {mode} | {node} | {len(sel)} | {start} | {end} | {slope} | "
-                    f"{acc_id} | {ood} | {kl} | {changed} | {cpu:.0f} |"
+                    f"| {name} ({pair}) | {mode} | {node} | {len(sel)} | {start} | {end} | "
+                    f"{slope} | {acc_id} | {ood} | {kl} | {changed} | {cpu:.0f} |"
                 )
     return "\n".join(parts)
 
@@ -724,18 +948,27 @@ PILOT_BEGIN, PILOT_END = "<!-- pilot:begin -->", "<!-- pilot:end -->"
 def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str:
     todo = cells(scale)
     rows, curves = study.collect(todo, work, ())
+    # Cells finished on another machine (their run folders are not here) stay as recorded.
+    here, ids = {r["id"] for r in rows}, {c.id for c in todo}
+    old_rows, old_curves = recorded(results, scale)
+    rows += [r for r in old_rows if r["id"] in ids and r["id"] not in here]
+    curves += [c for c in old_curves if c["id"] in ids and c["id"] not in here]
+    order = {c.id: i for i, c in enumerate(todo)}
+    rows.sort(key=lambda r: (order[r["id"]], r["node"]))
+    curves.sort(key=lambda c: (order[c["id"]], c["node"]))
     results.mkdir(parents=True, exist_ok=True)
+    files = _result_files(scale)
     if scale == "pilot":
         table = pilot_table(rows, curves) if rows else "(no pilot cell has finished)"
         marks = (PILOT_BEGIN, PILOT_END)
-        for name, items in (("pilot", rows), ("pilot_curves", curves)):
-            (results / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+        written = ((files[0], rows), (files[1], curves))
     else:
         claims = analyse(rows)
-        for name, items in (("cells", rows), ("curves", curves), ("claims", claims)):
-            (results / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in items))
+        written = ((files[0], rows), (files[1], curves), ("claims.jsonl", claims))
         table = tables(rows, claims)
         marks = (BEGIN, END)
+    for name, items in written:
+        (results / name).write_text("".join(json.dumps(x) + "\n" for x in items))
     (results / f"{scale}.md").write_text(table + "\n")
     if readme is not None and readme.exists():
         text = study._replace(readme.read_text(), *marks, table)
@@ -744,11 +977,44 @@ def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str
     return table
 
 
+CURVES_BEGIN, CURVES_END = "<!-- curves:begin -->", "<!-- curves:end -->"
+
+
+def run_curves(args: argparse.Namespace, path: Path, readme: Optional[Path]) -> str:
+    """`curve` at each of `args.lr` and at 0 (the control) unless `path` has that run already;
+    appends the new runs to `path`, returns `curve_table` of all (and writes it to `readme`)."""
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    for lr in dict.fromkeys([0.0, *args.lr]):
+        key = dict(pair=args.pair, node=args.node, lr=lr, seed=args.seed, sets=args.set)
+        if any(
+            all(r.get(k) == v for k, v in key.items()) and r["rounds"] == args.rounds for r in rows
+        ):
+            continue
+        row = curve(
+            args.pair,
+            args.node,
+            lr,
+            seed=args.seed,
+            rounds=args.rounds,
+            every=args.every,
+            n=args.n,
+            sets=tuple(args.set),
+        )
+        rows.append(row)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    table = curve_table(rows)
+    if readme is not None and readme.exists():
+        readme.write_text(study._replace(readme.read_text(), CURVES_BEGIN, CURVES_END, table))
+    return table
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments.confirm", description=__doc__.split("\n")[0]
     )
-    p.add_argument("action", choices=("run", "report", "list", "estimate", "probe"))
+    p.add_argument("action", choices=("run", "report", "list", "estimate", "probe", "curve"))
     p.add_argument("--scale", choices=("full", "pilot"), default="full")
     p.add_argument(
         "--chunk",
@@ -772,7 +1038,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="probe: the task (steps, largest operand) and the warm-up (steps, share in "
         "GSM8K's format) to measure",
     )
-    p.add_argument("--seed", type=int, default=PILOT_SEEDS[0], help="probe: the seed")
+    p.add_argument("--seed", type=int, default=PILOT_SEEDS[0], help="probe, curve: the seed")
+    p.add_argument("--pair", default="size", help="curve: the config (configs/confirm/PAIR.yaml)")
+    p.add_argument("--node", default=RECEIVER, help="curve: the node of the pair that trains")
+    p.add_argument(
+        "--lr", type=float, nargs="+", default=[2e-4], help="curve: learning rates (0 runs too)"
+    )
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="curve: rounds")
+    p.add_argument("--every", type=int, default=10, help="curve: greedy evaluation every K rounds")
+    p.add_argument("--n", type=int, default=256, help="curve: test problems per evaluation")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="curve: over the config"
+    )
     args = p.parse_args(argv)
     if args.action == "probe":
         lo, hi, high, warm, fmt = args.probe
@@ -781,6 +1058,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = args.work or HERE / "runs-confirm"
     results = args.results or HERE / "results" / "confirm"
     readme = None if args.readme == "none" else Path(args.readme or HERE / "README.md")
+    if args.action == "curve":
+        print(run_curves(args, results / "lr_curves.jsonl", readme))
+        return 0
     if args.chunk is not None:
         if args.scale != "full" or not 1 <= args.chunk <= len(chunks()):
             raise SystemExit(
@@ -805,7 +1085,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "run: the task is not frozen yet (experiments/README.md, the pilot): no confirmatory "
             "seed may run before it is; set FROZEN in experiments/confirm.py when it is"
         )
-    rc = run(todo, work, args.jobs) if args.action == "run" else 0
+    rc = run(todo, work, args.jobs, results) if args.action == "run" else 0
     print(report(args.scale, work, results, readme))
     return rc
 
