@@ -299,7 +299,12 @@ PILOT = (
             ("2x9-lr", ("task_steps=[2,2]", "ood_steps=[2,2]"), "2.0e-5"),
             (
                 "1x19-lr",
-                ("task_operand_max=19", "ood_operand_max=19"),  # the frozen steps
+                (
+                    "task_steps=[1,1]",
+                    "ood_steps=[1,1]",
+                    "task_operand_max=19",
+                    "ood_operand_max=19",
+                ),
                 "5.0e-5",
             ),
         )
