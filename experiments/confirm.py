@@ -434,7 +434,7 @@ def probe(
     return dict(out, cpu_seconds=round(time.process_time() - t0, 1))
 
 
-# -- the learning curve (the pilot's second step) -------------------------------------------------
+# -- the learning curve (the pilot's steps 3 and 4) ---------------------------------------------
 class _Alone:
     """The transport of a node that trains alone in this process (`curve`): no peers, no
     barriers; its peer id is its rank, so its sampling seed is the one it has in its pair."""
@@ -783,6 +783,20 @@ def _claim_line(c: dict) -> str:
     )
 
 
+def leave_one_out(rows: list[dict]) -> dict[str, dict[str, int]]:
+    """Per claim of the gate and the family: how many of the leave-one-seed-out subsets (the
+    analysis redone without one seed, for each seed with a finished cell) give each verdict."""
+    seeds = sorted({r["seed"] for r in rows})
+    out: dict[str, dict[str, int]] = {spec.id: {} for spec in CLAIMS}
+    if len(seeds) < 3:
+        return out
+    for seed in seeds:
+        for c in analyse([r for r in rows if r["seed"] != seed]):
+            if c["id"] in out:
+                out[c["id"]][c["verdict"]] = out[c["id"]].get(c["verdict"], 0) + 1
+    return out
+
+
 def tables(rows: list[dict], claims: list[dict]) -> str:
     n_seeds = len({r["seed"] for r in rows})
     parts = [
@@ -793,6 +807,18 @@ def tables(rows: list[dict], claims: list[dict]) -> str:
     ]
     tested = {c.id for c in CLAIMS}
     parts += [_claim_line(c) for c in claims if c["id"] in tested]
+    loo = leave_one_out(rows)
+    if any(loo.values()):
+        n = len({r["seed"] for r in rows})
+        parts += [
+            "",
+            f"Leave one seed out ({n} subsets of {n - 1} seeds): "
+            + "; ".join(
+                f"{cid} " + ", ".join(f"{v} in {k}" for v, k in sorted(counts.items()))
+                for cid, counts in loo.items()
+            )
+            + ".",
+        ]
     parts += [
         "",
         "### Estimates (not tested: no verdict)\n",
@@ -972,6 +998,8 @@ def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str
         written = ((files[0], rows), (files[1], curves), ("claims.jsonl", claims))
         table = tables(rows, claims)
         marks = (BEGIN, END)
+        plot_claims(claims, results / "claims.png")
+        plot_curves(curves, results / "curves.png")
     for name, items in written:
         (results / name).write_text("".join(json.dumps(x) + "\n" for x in items))
     (results / f"{scale}.md").write_text(table + "\n")
@@ -980,6 +1008,117 @@ def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str
         text = study._replace(text, RULES_BEGIN, RULES_END, rules_section())
         readme.write_text(text)
     return table
+
+
+# -- plots -----------------------------------------------------------------------------------------
+MODE_COLOR = {"on-policy": "black", "nois": "C3", "tis": "C1", "f-tis": "C0", "f-vis": "C2"}
+
+
+def holm_levels(claims: list[dict]) -> dict[str, float]:
+    """The confidence level each family claim is tested at under Holm's step-down: with the
+    family's p-values in ascending order, the k-th (from 0) at 1 - 0.05 / (m - k)."""
+    family = sorted(
+        (c for c in claims if c["id"] in {s.id for s in FAMILY} and c.get("p") is not None),
+        key=lambda c: c["p"],
+    )
+    return {c["id"]: 1 - stats.ALPHA / (len(family) - k) for k, c in enumerate(family)}
+
+
+def plot_claims(claims: list[dict], path: Path) -> bool:
+    """Per claim, each seed's paired difference (a dot) and their mean with its 95% t interval
+    (thin); a family claim also with the interval at the level Holm tests it at (thick), the
+    non-inferiority margin dashed. The estimates below a line, without verdicts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [c for c in claims if c.get("per_seed") and c.get("mean") is not None]
+    if not done:
+        return False
+    levels = holm_levels(claims)
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(done) + 1.6))
+    colors = {"reproduced": "C2", "contradicted": "C3", "estimate": "C7"}
+    for y, c in enumerate(reversed(done)):
+        color = colors.get(c["verdict"], "C1")
+        d = list(c["per_seed"].values())
+        ax.scatter(d, [y + 0.22] * len(d), s=9, color=color, alpha=0.5)
+        ax.errorbar(
+            [c["mean"]],
+            [y],
+            xerr=[[c["mean"] - c["ci"][0]], [c["ci"][1] - c["mean"]]],
+            fmt="o",
+            color=color,
+            capsize=3,
+            lw=1,
+        )
+        if c["id"] in levels:
+            ci = stats.t_interval(d, levels[c["id"]])
+            ax.plot([ci.lo, ci.hi], [y, y], color=color, lw=4, alpha=0.5)
+        if c.get("kind") == "noninferiority":
+            ax.plot([-c["margin"]] * 2, [y - 0.4, y + 0.4], color="black", ls="--", lw=1)
+        ax.annotate(
+            f"{c['verdict']} (n={c['n']})", (max(c["ci"][1], max(d)) + 0.005, y), fontsize=7
+        )
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(done)), [f"{c['id']}: {c['metric']}" for c in reversed(done)])
+    ax.set_xlabel(
+        "per-seed difference (mode - baseline): dots; mean with its 95% t interval; "
+        "thick: the Holm level; dashed: C1's margin",
+        fontsize=8,
+    )
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def plot_curves(curves: list[dict], path: Path, key: str = "sample_acc") -> bool:
+    """Per pair and node, each mode's `key` per round (5-round means): the mean over seeds and a
+    band of its 95% t interval over seeds; no single-run error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(pair, name) for pair in PAIR_MODES for name in (RECEIVER, PEER[pair])]
+    fig, axes = plt.subplots(
+        len(PAIR_MODES), 2, figsize=(11, 2.8 * len(PAIR_MODES)), sharex=True, sharey=True
+    )
+    drawn = False
+    for ax, (pair, name) in zip(axes.flat, panels):
+        modes = ("on-policy", *PAIR_MODES[pair]) if pair not in HETERO else PAIR_MODES[pair]
+        for mode in modes:
+            base = "size" if mode == "on-policy" and pair not in HETERO else pair
+            if name != RECEIVER and base != pair:
+                continue  # the peer of stale / identical has no on-policy run
+            sel = study._curves_of(curves, f"pairs/{base}/{mode}/", name)
+            if len(sel) < 2:
+                continue
+            drawn = True
+            series = [study.smooth(c[key], study.SMOOTH) for c in sel]
+            n = min(len(x) for x in series)
+            ci = [stats.t_interval([x[i] for x in series]) for i in range(n)]
+            color = MODE_COLOR[mode]
+            ax.plot([c.mean for c in ci], color=color, label=f"{mode} ({len(sel)} seeds)")
+            ax.fill_between(
+                range(n), [c.lo for c in ci], [c.hi for c in ci], color=color, alpha=0.15
+            )
+        ax.set_title(f"{pair} pair: {name}", fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right")
+    for ax in axes[-1]:
+        ax.set_xlabel("round")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"{key} ({study.SMOOTH}-round mean)")
+    fig.suptitle("Mean over seeds, band: its 95% t interval over seeds", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    if drawn:
+        fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return drawn
 
 
 CURVES_BEGIN, CURVES_END = "<!-- curves:begin -->", "<!-- curves:end -->"

@@ -393,3 +393,58 @@ def test_cells_recorded_on_another_machine_are_neither_rerun_nor_dropped(tmp_pat
     assert confirm.report("full", work, results, None) == "1 rows"
     assert json.loads((results / "cells.jsonl").read_text()) == row
     assert json.loads((results / "curves.jsonl").read_text())["sample_acc"] == [0.5]
+
+
+def test_round_two_plots_draw_per_seed_differences_and_bands_over_seeds(tmp_path):
+    claims = [
+        dict(
+            id="C3",
+            metric="acc_late",
+            kind="direction",
+            verdict="reproduced",
+            n=3,
+            p=0.01,
+            mean=0.02,
+            ci=[0.0, 0.04],
+            per_seed={"10": 0.01, "11": 0.02, "12": 0.03},
+        ),
+        dict(
+            id="C1",
+            metric="acc_late",
+            kind="noninferiority",
+            margin=0.05,
+            n=3,
+            p=0.04,
+            verdict="inconclusive",
+            mean=0.0,
+            ci=[-0.06, 0.06],
+            per_seed={"10": -0.03, "11": 0.0, "12": 0.03},
+        ),
+        dict(id="C5", metric="acc_last", kind="direction", verdict="pending", n=0),
+    ]
+    # Holm: the smallest p is tested at 0.05 / 2 (two family p-values), the next at 0.05.
+    assert confirm.holm_levels(claims) == {"C3": 1 - 0.05 / 2, "C1": 0.95}
+    assert confirm.plot_claims(claims, tmp_path / "claims.png")
+    assert (tmp_path / "claims.png").stat().st_size > 0
+    curves = [
+        dict(id=f"pairs/size/{mode}/s{seed}", name=name, sample_acc=[0.1 * seed % 1] * 30)
+        for mode in ("on-policy", "nois")
+        for seed in (10, 11)
+        for name in ("small", "tiny")
+    ]
+    assert confirm.plot_curves(curves, tmp_path / "curves.png")
+    assert not confirm.plot_curves(curves[:1], tmp_path / "none.png")  # one seed: no band
+
+
+def test_leave_one_out_redoes_the_analysis_without_each_seed(monkeypatch):
+    seen = []
+
+    def analyse(rows):
+        seen.append(sorted({r["seed"] for r in rows}))
+        return [dict(id="P", verdict="reproduced" if 12 in seen[-1] else "inconclusive")]
+
+    monkeypatch.setattr(confirm, "analyse", analyse)
+    rows = [dict(seed=s) for s in (10, 11, 12)]
+    assert confirm.leave_one_out(rows)["P"] == {"reproduced": 2, "inconclusive": 1}
+    assert seen == [[11, 12], [10, 12], [10, 11]]
+    assert confirm.leave_one_out(rows[:2])["P"] == {}  # fewer than 3 seeds: no subsets
