@@ -448,3 +448,18 @@ def test_leave_one_out_redoes_the_analysis_without_each_seed(monkeypatch):
     assert confirm.leave_one_out(rows)["P"] == {"reproduced": 2, "inconclusive": 1}
     assert seen == [[11, 12], [10, 12], [10, 11]]
     assert confirm.leave_one_out(rows[:2])["P"] == {}  # fewer than 3 seeds: no subsets
+
+
+def test_the_summary_puts_the_papers_statement_beside_each_verdict():
+    claims = [
+        dict(id="C3", verdict="reproduced", mean=0.02, ci=[0.01, 0.03], n=8),
+        dict(id="C5", verdict="pending", n=0),
+        dict(id="TIS-NoIS", verdict="estimate", mean=0.0, ci=[-0.1, 0.1], n=8),
+    ]
+    lines = confirm.summary(claims).splitlines()
+    assert lines[2] == f"| C3 | reproduced | +0.020 [+0.010, +0.030] | 8 | {confirm.PAPER['C3']} |"
+    assert lines[3].startswith("| C5 | pending | - | 0 |")
+    assert len(lines) == 4  # the paper says nothing of the cap alone
+    assert set(confirm.PAPER) <= {c.id for c in confirm.CLAIMS} | {
+        s.id for s, _ in confirm.ESTIMATES
+    }
