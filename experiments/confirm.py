@@ -1156,6 +1156,46 @@ def plot_curves(curves: list[dict], path: Path, key: str = "sample_acc") -> bool
     return drawn
 
 
+def recheck(todo: list[Cell], results: Path, work: Path) -> list[dict]:
+    """Rerun recorded cells at the code checked out now, into `work` (not the study's run
+    folders), and compare each node's per-round sample accuracy and final accuracies with the
+    record: whether a verdict can move between code versions. Appends to recheck.jsonl."""
+    rows, curves = recorded(results, "full")
+    out = []
+    for cell in todo:
+        then = {(r["node"]): r for r in rows if r["id"] == cell.id}
+        then_curves = {c["node"]: c for c in curves if c["id"] == cell.id}
+        if not then:
+            raise SystemExit(f"recheck: {cell.id} is not recorded in {results}")
+        study.run_cells([cell], work, 1, ())
+        now_rows, now_curves = study.collect([cell], work, ())
+        for r in now_rows:
+            old, new_curve = then[r["node"]], next(c for c in now_curves if c["node"] == r["node"])
+            diffs = [
+                abs(a - b)
+                for a, b in zip(new_curve["sample_acc"], then_curves[r["node"]]["sample_acc"])
+            ]
+            out.append(
+                dict(
+                    id=cell.id,
+                    node=r["node"],
+                    name=r["name"],
+                    commit_then=old["environment"].get("commit"),
+                    commit_now=r["environment"].get("commit"),
+                    max_sample_acc_diff=max(diffs),
+                    acc_late=[old["acc_late"], r["acc_late"]],
+                    acc_id=[old["acc_id"], r["acc_id"]],
+                    acc_ood=[old["acc_ood"], r["acc_ood"]],
+                    identical=max(diffs) == 0
+                    and old["acc_id"] == r["acc_id"]
+                    and old["acc_ood"] == r["acc_ood"],
+                )
+            )
+    with (results / "recheck.jsonl").open("a") as f:
+        f.writelines(json.dumps(x) + "\n" for x in out)
+    return out
+
+
 CURVES_BEGIN, CURVES_END = "<!-- curves:begin -->", "<!-- curves:end -->"
 
 
@@ -1193,7 +1233,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments.confirm", description=__doc__.split("\n")[0]
     )
-    p.add_argument("action", choices=("run", "report", "list", "estimate", "probe", "curve"))
+    p.add_argument(
+        "action", choices=("run", "report", "list", "estimate", "probe", "curve", "recheck")
+    )
     p.add_argument("--scale", choices=("full", "pilot"), default="full")
     p.add_argument(
         "--chunk",
@@ -1255,6 +1297,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.action == "list":
         for c in todo:
             print(f"{c.id:40s} {shlex.join(c.argv(work))}")
+        return 0
+    if args.action == "recheck":
+        if not args.only:
+            raise SystemExit("recheck: name the cells with --only (e.g. 'pairs/size/f-tis/s10')")
+        for x in recheck(todo, results, HERE / "runs-recheck"):
+            print(json.dumps(x))
         return 0
     if args.action == "estimate":
         print(estimate(work))

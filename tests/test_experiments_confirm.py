@@ -463,3 +463,26 @@ def test_the_summary_puts_the_papers_statement_beside_each_verdict():
     assert set(confirm.PAPER) <= {c.id for c in confirm.CLAIMS} | {
         s.id for s, _ in confirm.ESTIMATES
     }
+
+
+def test_recheck_compares_a_rerun_cell_with_its_record(tmp_path, monkeypatch):
+    cell = confirm.cells("full", confirm.SEEDS[:1])[0]
+    env = dict(commit="aaa")
+    row = dict(
+        id=cell.id, node=0, name="small", acc_late=0.5, acc_id=0.6, acc_ood=0.7, environment=env
+    )
+    curve = dict(id=cell.id, node=0, name="small", sample_acc=[0.5, 0.25])
+    (tmp_path / "cells.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "curves.jsonl").write_text(json.dumps(curve) + "\n")
+    monkeypatch.setattr(study, "run_cells", lambda *a: 0)
+    now = dict(row, environment=dict(commit="bbb"))
+    monkeypatch.setattr(study, "collect", lambda *a: ([now], [curve]))
+    (same,) = confirm.recheck([cell], tmp_path, tmp_path / "work")
+    assert same["identical"] and same["commit_then"] == "aaa" and same["commit_now"] == "bbb"
+    moved = dict(curve, sample_acc=[0.5, 0.5])
+    monkeypatch.setattr(study, "collect", lambda *a: ([now], [moved]))
+    (diff,) = confirm.recheck([cell], tmp_path, tmp_path / "work")
+    assert not diff["identical"] and diff["max_sample_acc_diff"] == 0.25
+    assert len((tmp_path / "recheck.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(SystemExit, match="not recorded"):
+        confirm.recheck(confirm.cells("full", confirm.SEEDS[1:2])[:1], tmp_path, tmp_path)
