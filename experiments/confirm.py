@@ -8,6 +8,7 @@
     python -m experiments.confirm run --scale pilot      # the pilot that chooses the task
     python -m experiments.confirm probe --probe 2 3 9 300 0.8   # what a warm-up alone gives
     python -m experiments.confirm curve --lr 2e-4 5e-5           # one node alone, against lr 0
+    python -m experiments.confirm recheck --only 'pairs/size/f-tis/s10'  # rerun, compare
 
 What differs from the first round (`experiments/study.py`, kept as it ran, as the exploratory
 round), each for a reason its data gave:
@@ -216,9 +217,9 @@ def chunks() -> list[tuple[int, ...]]:
 # The pilot: the size pair's on-policy run (small and tiny, isolated) at each candidate on some of
 # PILOT_SEEDS, and the first candidate's F-TIS run on the first pilot seed (what the filter does
 # with the longer completions, and what a cell without the start evaluation costs). A candidate is
-# --set flags over the configs; (name, flags, seeds, modes), in the order they ran. The pilot ran
-# before the configs split the chains (`disjoint_splits`): its flags say so.
-# The first candidate's task and learning rates, as the configs had them when these cells ran.
+# --set flags over the configs; (name, flags, seeds, modes[, pair]), in the order they ran. Its
+# first entries ran before the configs split the chains (`disjoint_splits`): their flags say so,
+# and they pin the first candidate's task and learning rates, as the configs had them then.
 TASK_2_3 = ("task_steps=[2,3]", "ood_steps=[2,3]")
 CANDIDATE_2_3 = (*TASK_2_3, "nodes.0.lr=2.0e-4", "nodes.1.lr=3.0e-4")
 PILOT = (
@@ -479,8 +480,6 @@ def curve(
     import torch
 
     from ftis_kernels.grpo.config import build_config
-    from ftis_kernels.grpo.models import apply_lora
-    from ftis_kernels.grpo.node import Node
 
     torch.set_num_threads(1)
     t0 = time.process_time()
@@ -491,16 +490,7 @@ def curve(
         ),
         sets=tuple(sets),
     )
-    if cfg.warmup_cache:  # the configs' cache is relative to the repository root
-        cfg.warmup_cache = str(HERE.parent / cfg.warmup_cache)
-    rank = next(i for i, spec in enumerate(cfg.nodes) if spec.name == node)
-    alone = Node(cfg, rank, 1, torch.device("cpu"), _Alone(rank), slot=rank, slots=len(cfg.nodes))
-    alone.build()
-    alone.warm_up()
-    if alone.spec.lora:
-        alone.model = apply_lora(
-            alone.model, alone.spec.lora_r, alone.spec.lora_alpha, seed=cfg.init_seed(rank)
-        )
+    alone = alone_node(cfg, node)
     params = [p for p in alone.model.parameters() if p.requires_grad]
     alone.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     acc, at, sampled, first_step = [], [], [], {}
@@ -513,9 +503,9 @@ def curve(
         own = alone.rollout(round_)
         sampled.append(sum(s.reward == 1.0 for s in own) / len(own))
         if lr > 0:
-            before = _sequence_logprobs(alone, own)
+            before = _sequence_logprobs(alone, own) if round_ == 0 else None
             alone.update(own, {})
-            if round_ == 0:  # what one step did to the log-probability of what it trained on
+            if before is not None:  # what one step did to the log-probability of what it trained on
                 change = _sequence_logprobs(alone, own) - before
                 for sign, name in ((1, "rewarded"), (-1, "penalised")):
                     picked = [c for c, s in zip(change.tolist(), own) if s.advantage * sign > 0]
@@ -527,12 +517,38 @@ def curve(
         seed=seed,
         sets=list(sets),
         rounds=rounds,
+        n=n,
+        every=every,
         eval_rounds=at,
         acc_id=acc,
         sample_acc=sampled,
         first_step=first_step,
         cpu_seconds=round(time.process_time() - t0, 1),
     )
+
+
+def alone_node(cfg, name: str):
+    """Node `name` of `cfg`'s pair, built and warmed up (from the cache when there), to train alone
+    in this process: its rank, prompt slot, sampling seed and initial weights are its pair's."""
+    import torch
+
+    from ftis_kernels.grpo.models import apply_lora
+    from ftis_kernels.grpo.node import Node
+
+    names = [spec.name for spec in cfg.nodes]
+    if name not in names:
+        raise SystemExit(f"--node: expected one of {names}, got {name!r}")
+    if cfg.warmup_cache:  # the configs' cache is relative to the repository root
+        cfg.warmup_cache = str(HERE.parent / cfg.warmup_cache)
+    rank = names.index(name)
+    alone = Node(cfg, rank, 1, torch.device("cpu"), _Alone(rank), slot=rank, slots=len(names))
+    alone.build()
+    alone.warm_up()
+    if alone.spec.lora:
+        alone.model = apply_lora(
+            alone.model, alone.spec.lora_r, alone.spec.lora_alpha, seed=cfg.init_seed(rank)
+        )
+    return alone
 
 
 def _sequence_logprobs(node, samples):
@@ -553,10 +569,10 @@ def _sequence_logprobs(node, samples):
 def curve_table(rows: list[dict]) -> str:
     """Per task, node and learning rate (over seeds): greedy accuracy at the start and the end,
     and the sampled accuracy's gain over the control (lr 0, same pair, node, seed and task) in each
-    third of the rounds, mean over seeds and each seed's value."""
+    third of the rounds, mean over seeds and each seed's value (in seed order)."""
 
     def same(r: dict) -> tuple:
-        return (r["pair"], tuple(r["sets"]), r["node"], r["seed"], r["rounds"])
+        return (r["pair"], tuple(r["sets"]), r["node"], r["seed"], r["rounds"], r["n"], r["every"])
 
     control = {same(r): r for r in rows if r["lr"] == 0}
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
@@ -572,6 +588,7 @@ def curve_table(rows: list[dict]) -> str:
     )
     lines = [head]
     for (task, pair, node, lr, rounds), runs in sorted(groups.items()):
+        runs.sort(key=lambda pair_: pair_[0]["seed"])
         thirds = [[] for _ in range(3)]
         for r, base in runs:
             d = [a - b for a, b in zip(r["sample_acc"], base["sample_acc"])]
@@ -668,7 +685,23 @@ def run(todo: list[Cell], work: Path, jobs: int, results: Optional[Path] = None)
     """Run the cells (finished ones, here or recorded under `results`, are skipped), `jobs` at a
     time; 1 if any failed."""
     if results is not None:
-        done = {r["id"] for scale in ("full", "pilot") for r in recorded(results, scale)[0]}
+        done = {
+            r["id"]: r["command"]
+            for scale in ("full", "pilot")
+            for r in recorded(results, scale)[0]
+        }
+        # A confirmatory cell's record must be of the command it runs now (the pilot's flags were
+        # pinned after some of its cells ran, as the configs then were: their records stand).
+        moved = [
+            c.id
+            for c in todo
+            if c.study != "pilot" and c.id in done and done[c.id] != shlex.join(c.argv(work))
+        ]
+        if moved:  # the configs or the cell list changed since: the record is not this cell's
+            raise SystemExit(
+                f"run: {len(moved)} recorded cells ran another command than they would now "
+                f"(first: {moved[0]}); remove their rows from {results} to rerun them"
+            )
         todo = [c for c in todo if c.id not in done or _finished(_out(c, work, ()))]
     return study.run_cells(todo, work, jobs, ())
 
@@ -1033,10 +1066,11 @@ def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str
         written = ((files[0], rows), (files[1], curves), ("claims.jsonl", claims))
         table = tables(rows, claims)
         marks = (BEGIN, END)
+    for name, items in written:  # first: they carry the finished cells to the next machine
+        (results / name).write_text("".join(json.dumps(x) + "\n" for x in items))
+    if scale != "pilot":
         plot_claims(claims, results / "claims.png")
         plot_curves(curves, results / "curves.png")
-    for name, items in written:
-        (results / name).write_text("".join(json.dumps(x) + "\n" for x in items))
     (results / f"{scale}.md").write_text(table + "\n")
     if readme is not None and readme.exists():
         text = study._replace(readme.read_text(), *marks, table)
@@ -1099,7 +1133,7 @@ def plot_claims(claims: list[dict], path: Path) -> bool:
     ax.set_yticks(range(len(done)), [f"{c['id']}: {c['metric']}" for c in reversed(done)])
     ax.set_xlabel(
         "per-seed difference (mode - baseline): dots; mean with its 95% t interval; "
-        "thick: the Holm level; dashed: C1's margin",
+        "thick: at Holm's level (it decides if the claims before it did); dashed: C1's margin",
         fontsize=8,
     )
     ax.grid(alpha=0.3, axis="x")
@@ -1204,10 +1238,17 @@ def run_curves(args: argparse.Namespace, path: Path, readme: Optional[Path]) -> 
     appends the new runs to `path`, returns `curve_table` of all (and writes it to `readme`)."""
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     for lr in dict.fromkeys([0.0, *args.lr]):
-        key = dict(pair=args.pair, node=args.node, lr=lr, seed=args.seed, sets=args.set)
-        if any(
-            all(r.get(k) == v for k, v in key.items()) and r["rounds"] == args.rounds for r in rows
-        ):
+        key = dict(
+            pair=args.pair,
+            node=args.node,
+            lr=lr,
+            seed=args.seed,
+            sets=args.set,
+            rounds=args.rounds,
+            n=args.n,
+            every=args.every,
+        )
+        if any(all(r.get(k) == v for k, v in key.items()) for r in rows):
             continue
         row = curve(
             args.pair,

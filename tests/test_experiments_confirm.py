@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -347,51 +348,97 @@ def test_no_confirmatory_cell_runs_before_the_task_is_frozen(tmp_path, monkeypat
     assert not any(tmp_path.iterdir())  # nothing started
 
 
-def test_the_curve_trains_one_node_alone_against_its_control_on_the_same_samples(tmp_path):
-    # The smallest cell: 2 warm-up steps, 2 prompts of 2 samples, 8 tokens; nothing cached.
-    sets = (
-        "nodes.0.warmup_steps=2",
-        "nodes.1.warmup_steps=2",
-        "warmup_cache=null",
-        "prompts_per_node=2",
-        "group_size=2",
-        "max_new_tokens=8",
-        "eval_max_new_tokens=8",
+TINY_SETS = (  # the smallest cell: 2 warm-up steps, 2 prompts of 2 samples, 8 tokens
+    "nodes.0.warmup_steps=2",
+    "nodes.1.warmup_steps=2",
+    "warmup_cache=null",
+    "prompts_per_node=2",
+    "group_size=2",
+    "max_new_tokens=8",
+    "eval_max_new_tokens=8",
+)
+
+
+def test_a_node_alone_draws_the_prompts_and_samples_it_draws_in_its_pair(tmp_path):
+    from ftis_kernels.grpo.node import Node
+
+    cfg = build_config(
+        config_file=str(ROOT / "experiments/configs/confirm/size.yaml"),
+        overrides=dict(seed=11, loss="on-policy", out=str(tmp_path)),
+        sets=TINY_SETS,
     )
-    control = confirm.curve("size", "small", 0.0, rounds=3, every=2, n=4, sets=sets)
-    trained = confirm.curve("size", "small", 1e-2, rounds=3, every=2, n=4, sets=sets)
+    alone = confirm.alone_node(cfg, "tiny")  # rank 1: its slot and sampler are not rank 0's
+    # As torchrun runs it: world 2, rank 1, peer id "1" (the transport only answers its agree()).
+    paired = Node(cfg, 1, 2, torch.device("cpu"), confirm._Alone(1))
+    paired.build()
+    paired.warm_up()
+    assert alone.sampler.initial_seed() == paired.sampler.initial_seed() == sampler_seed(11, 1)
+    for round_ in (0, 3):
+        a, b = alone.rollout(round_), paired.rollout(round_)
+        assert [s.prompt_id for s in a] == [s.prompt_id for s in b]
+        assert all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    with pytest.raises(SystemExit, match="--node"):
+        confirm.alone_node(cfg, "nobody")
+
+
+def test_the_curve_runs_a_node_and_its_control_and_tables_their_gain():
+    control = confirm.curve("size", "tiny", 0.0, rounds=3, every=2, n=4, sets=TINY_SETS)
+    trained = confirm.curve("size", "tiny", 1e-2, rounds=3, every=2, n=4, sets=TINY_SETS)
     assert control["eval_rounds"] == trained["eval_rounds"] == [0, 2, 3]
     assert len(set(control["acc_id"])) == 1  # no update: the greedy answers never change
-    assert len(trained["sample_acc"]) == 3
-    # Before the first update both draw the same samples: the pairing the table relies on.
-    assert trained["sample_acc"][0] == control["sample_acc"][0]
-    assert trained["acc_id"][0] == control["acc_id"][0]
+    assert len(trained["sample_acc"]) == 3 and (trained["n"], trained["every"]) == (4, 2)
     assert control["first_step"] == {} and set(trained["first_step"]) == {"rewarded", "penalised"}
-    table = confirm.curve_table([control, trained])
-    assert "| size: small | 0.01 | 3 | 1 |" in table
-    gains = [trained["sample_acc"][i] - control["sample_acc"][i] for i in range(3)]
-    assert f"{gains[2]:+.3f}" in table.splitlines()[-1]
-    # A run without its control is not tabled.
-    assert len(confirm.curve_table([trained]).splitlines()) == 2
+    # The table pairs each run with its control round by round, seeds in order.
+    row = dict(control, sample_acc=[0.5] * 6, acc_id=[0.5, 0.5], rounds=6, n=256, every=10)
+    runs = [
+        dict(row, lr=0.0),
+        dict(row, lr=1e-4, seed=row["seed"] + 1, sample_acc=[0.5] * 6),
+        dict(row, lr=0.0, seed=row["seed"] + 1),
+        dict(row, lr=1e-4, sample_acc=[0.5, 0.5, 0.6, 0.6, 0.5, 0.9], acc_id=[0.5, 0.7]),
+    ]
+    (line,) = confirm.curve_table(runs).splitlines()[2:]
+    assert "| size: tiny | 0.0001 | 6 | 2 | 0.500 -> 0.600 |" in line
+    assert line.endswith(
+        "| +0.000 (+0.00, +0.00) | +0.050 (+0.10, +0.00) | +0.100 (+0.20, +0.00) |"
+    )
+    # A run without its control (or with a control of another evaluation) is not tabled.
+    assert len(confirm.curve_table([runs[3], dict(runs[0], n=64)]).splitlines()) == 2
 
 
 def test_cells_recorded_on_another_machine_are_neither_rerun_nor_dropped(tmp_path, monkeypatch):
     # A chunk's run folders stay on the machine that ran it; its results files travel in git.
     results, work = tmp_path / "results", tmp_path / "work"
     results.mkdir()
-    first, second = confirm.cells("full", confirm.SEEDS[:1])[:2]
-    row = dict(id=first.id, node=0, name="small")
-    (results / "cells.jsonl").write_text(json.dumps(row) + "\n")
-    (results / "curves.jsonl").write_text(json.dumps(dict(row, sample_acc=[0.5])) + "\n")
+    first, second, third = confirm.cells("full", confirm.SEEDS[:1])[:3]
+
+    def record(cell, **extra):
+        return dict(id=cell.id, node=0, name="small", command=shlex.join(cell.argv(work)), **extra)
+
+    elsewhere = record(first, acc_late=0.1)
+    here_too = record(second, acc_late=0.2)
+    gone = dict(record(first), id="pairs/size/on-policy/s999")  # a cell no longer in the study
+    rows = [elsewhere, here_too, gone]
+    (results / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (results / "curves.jsonl").write_text(json.dumps(dict(elsewhere, sample_acc=[0.5])) + "\n")
     ran = []
     monkeypatch.setattr(study, "run_cells", lambda todo, *a: ran.extend(todo) or 0)
-    confirm.run([first, second], work, 1, results)
-    assert [c.id for c in ran] == [second.id]
-    monkeypatch.setattr(study, "collect", lambda *a: ([], []))
+    confirm.run([first, second, third], work, 1, results)
+    assert [c.id for c in ran] == [third.id]
+    # A record of another command (the configs changed since) is refused, not trusted.
+    (results / "cells.jsonl").write_text(json.dumps(dict(elsewhere, command="ftis-grpo x")) + "\n")
+    with pytest.raises(SystemExit, match="another command"):
+        confirm.run([first], work, 1, results)
+    (results / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # report: the local copy of a cell wins, recorded cells of other machines stay, gone ones go.
+    local = dict(here_too, acc_late=0.3)
+    monkeypatch.setattr(study, "collect", lambda *a: ([local], []))
     monkeypatch.setattr(confirm, "analyse", lambda rows: [])
     monkeypatch.setattr(confirm, "tables", lambda rows, claims: f"{len(rows)} rows")
-    assert confirm.report("full", work, results, None) == "1 rows"
-    assert json.loads((results / "cells.jsonl").read_text()) == row
+    monkeypatch.setattr(confirm, "plot_claims", lambda *a: False)
+    monkeypatch.setattr(confirm, "plot_curves", lambda *a: False)
+    assert confirm.report("full", work, results, None) == "2 rows"
+    kept = [json.loads(x) for x in (results / "cells.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["acc_late"]) for r in kept] == [(first.id, 0.1), (second.id, 0.3)]
     assert json.loads((results / "curves.jsonl").read_text())["sample_acc"] == [0.5]
 
 
