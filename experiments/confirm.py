@@ -16,9 +16,9 @@ round), each for a reason its data gave:
 - **A task on which on-policy training learns and the stale peer harms** (`configs/confirm/`),
   frozen by the pilot (`--scale pilot`, `probe`, `curve`, recorded in the README): one step
   with operands to `OPERAND_MAX`, test and ood chains never trained on (`disjoint_splits`),
-  warm-ups 80% in GSM8K's format, and learning rates 3-10 times below the first round's, at
-  which one update raises what it rewards (at the first round's, greedy accuracy fell on every
-  candidate). The out-of-domain split is the same arithmetic in words no training problem uses
+  warm-ups 80% in GSM8K's format, and learning rates 3-10 times below the first round's (at
+  which greedy accuracy fell on every candidate); on the harder candidates the stale peer did no
+  harm at the lower rates, so the gate could not pass. The out-of-domain split is the same arithmetic in words no training problem uses
   (`ood_surface`), evaluated on `EVAL_SIZE` problems.
 - **Paired baselines.** The receiver (`small`) is rank 0 and its peer rank 1 in every pair, so a
   node's prompts (`first = (round * N + rank) * P`), sampling seed (`sampler_seed(seed, rank)`),
