@@ -18,8 +18,9 @@ round), each for a reason its data gave:
   with operands to `OPERAND_MAX`, test and ood chains never trained on (`disjoint_splits`),
   warm-ups 80% in GSM8K's format, and learning rates 3-10 times below the first round's (at
   which greedy accuracy fell on every candidate); on the harder candidates the stale peer did no
-  harm at the lower rates, so the gate could not pass. The out-of-domain split is the same arithmetic in words no training problem uses
-  (`ood_surface`), evaluated on `EVAL_SIZE` problems.
+  harm at the lower rates, so the gate could not pass. The out-of-domain split is the same
+  arithmetic in words no training problem uses (`ood_surface`), evaluated on `EVAL_SIZE`
+  problems.
 - **Paired baselines.** The receiver (`small`) is rank 0 and its peer rank 1 in every pair, so a
   node's prompts (`first = (round * N + rank) * P`), sampling seed (`sampler_seed(seed, rank)`),
   initial weights and warm-up are the same in every mode of its pair: each pair's on-policy
