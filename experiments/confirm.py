@@ -1133,8 +1133,9 @@ def plot_claims(claims: list[dict], path: Path) -> bool:
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(range(len(done)), [f"{c['id']}: {c['metric']}" for c in reversed(done)])
     ax.set_xlabel(
-        "per-seed difference (mode - baseline): dots; mean with its 95% t interval; "
-        "thick: at Holm's level (it decides if the claims before it did); dashed: C1's margin",
+        "per-seed difference (mode - baseline): dots; mean with its 95% t interval\n"
+        "thick: at Holm's level (it decides if the gate and the claims before it did); "
+        "dashed: C1's margin",
         fontsize=8,
     )
     ax.grid(alpha=0.3, axis="x")
