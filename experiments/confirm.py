@@ -607,16 +607,16 @@ def curve_table(rows: list[dict]) -> str:
 
 
 # -- cost ------------------------------------------------------------------------------------------
-# CPU seconds per cell, measured by the pilot on this machine (AMD EPYC, one thread per node, a
-# load of 2.5-4 from other work) for the size pair (small + tiny): a cell with the final
-# evaluation of EVAL_SIZE problems per split (the F-TIS cell: 101), one that evaluates the start
-# too (the on-policy cell: 230 with its seed's warm-ups of small and tiny, of which about 100),
-# and one whose final evaluation is SMALL_EVAL problems (the 512-problem cell less 3/4 of its
-# evaluation, 29 CPU-s per 1024 problems and 2 nodes: an estimate). A pair of two small models
-# costs TWO_SMALL times as much (a small node's round takes 1.0 s, tiny's 0.6); a seed's
-# warm-ups (small, tiny, add-expert, stale) about 230.
-CPU_S = {"cell": 101.0, "cell_start": 130.0, "cell_small_eval": 80.0, "warmups": 230.0}
-TWO_SMALL = 1.25
+# CPU seconds per cell, measured by chunk 1 (seeds 10-13, the frozen task, 2 cells at a time on
+# 2 idle cores, one thread per node; `results/confirm/cells.jsonl`), medians for the size pair
+# (small + tiny): a cell with the final evaluation of EVAL_SIZE problems per split (F-TIS: 38),
+# one whose final evaluation is SMALL_EVAL problems (36), one that also evaluates the start (the
+# on-policy cell: 42 without warm-ups; the LoRA pair's start cell, which warms up nothing, is 49
+# = 42 x 1.17). A pair of two small models costs TWO_SMALL times as much (the expertise and LoRA
+# cells: 44-52 against 36-38); a seed's warm-ups (small, tiny, add-expert, stale) about 120. The
+# first candidate (two or three steps, completions twice as long) cost 2-3 times as much a cell.
+CPU_S = {"cell": 38.0, "cell_start": 42.0, "cell_small_eval": 36.0, "warmups": 120.0}
+TWO_SMALL = 1.3
 
 
 def _kind(cell: Cell) -> str:
@@ -630,21 +630,24 @@ def cell_cpu(cell: Cell) -> float:
     return CPU_S[_kind(cell)] * (1.0 if cell.group.startswith("size") else TWO_SMALL)
 
 
-def cost(todo: list[Cell], work: Path) -> tuple[float, int]:
-    """(CPU seconds, seeds to warm up) of the cells of `todo` not yet finished."""
-    left = [c for c in todo if not _finished(_out(c, work, ()))]
+def cost(todo: list[Cell], work: Path, done: frozenset = frozenset()) -> tuple[float, int]:
+    """(CPU seconds, seeds to warm up) of the cells of `todo` not yet finished (here, or recorded:
+    their ids in `done`)."""
+    left = [c for c in todo if c.id not in done and not _finished(_out(c, work, ()))]
     started = {c.seed for c in todo if c not in left}
     fresh = {c.seed for c in left} - started
     return sum(cell_cpu(c) for c in left) + len(fresh) * CPU_S["warmups"], len(fresh)
 
 
-def estimate(work: Path, cores: int = 2) -> str:
-    """What is left of each chunk: cells, CPU-minutes, and the wall time on `cores` idle cores."""
+def estimate(work: Path, results: Optional[Path] = None, cores: int = 2) -> str:
+    """What is left of each chunk (finished here or recorded under `results`): cells, CPU-minutes,
+    and the wall time on `cores` idle cores."""
+    done = frozenset(r["id"] for r in recorded(results, "full")[0]) if results else frozenset()
     lines, total = [], 0.0
     for k, seeds in enumerate(chunks(), 1):
         todo = cells("full", seeds)
-        cpu, fresh = cost(todo, work)
-        left = sum(not _finished(_out(c, work, ())) for c in todo)
+        cpu, fresh = cost(todo, work, done)
+        left = sum(c.id not in done and not _finished(_out(c, work, ())) for c in todo)
         total += cpu
         lines.append(
             f"chunk {k} (seeds {seeds[0]}-{seeds[-1]}): {left} of {len(todo)} cells to run, "
@@ -1348,7 +1351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(json.dumps(x))
         return 0
     if args.action == "estimate":
-        print(estimate(work))
+        print(estimate(work, results))
         return 0
     if args.action == "run" and args.scale == "full" and not FROZEN:
         raise SystemExit(
