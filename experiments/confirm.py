@@ -47,6 +47,7 @@ import argparse
 import fnmatch
 import json
 import shlex
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -1206,6 +1207,8 @@ def recheck(todo: list[Cell], results: Path, work: Path) -> list[dict]:
         then_curves = {c["node"]: c for c in curves if c["id"] == cell.id}
         if not then:
             raise SystemExit(f"recheck: {cell.id} is not recorded in {results}")
+        # A rerun left in `work` by an earlier recheck ran at another commit: run it again.
+        shutil.rmtree(study._out(cell, work, ()), ignore_errors=True)
         study.run_cells([cell], work, 1, ())
         now_rows, now_curves = study.collect([cell], work, ())
         for r in now_rows:

@@ -521,11 +521,16 @@ def test_recheck_compares_a_rerun_cell_with_its_record(tmp_path, monkeypatch):
     curve = dict(id=cell.id, node=0, name="small", sample_acc=[0.5, 0.25])
     (tmp_path / "cells.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "curves.jsonl").write_text(json.dumps(curve) + "\n")
-    monkeypatch.setattr(study, "run_cells", lambda *a: 0)
+    stale = study._out(cell, tmp_path / "work", ())  # an earlier recheck's finished rerun
+    stale.mkdir(parents=True)
+    (stale / "summary.json").write_text("{}")
+    ran = []
+    monkeypatch.setattr(study, "run_cells", lambda *a: ran.append(stale.exists()) or 0)
     now = dict(row, environment=dict(commit="bbb"))
     monkeypatch.setattr(study, "collect", lambda *a: ([now], [curve]))
     (same,) = confirm.recheck([cell], tmp_path, tmp_path / "work")
     assert same["identical"] and same["commit_then"] == "aaa" and same["commit_now"] == "bbb"
+    assert ran == [False]  # the earlier rerun was removed, not reused
     moved = dict(curve, sample_acc=[0.5, 0.5])
     monkeypatch.setattr(study, "collect", lambda *a: ([now], [moved]))
     (diff,) = confirm.recheck([cell], tmp_path, tmp_path / "work")
