@@ -9,7 +9,7 @@ import torch
 
 from ftis_kernels import ftis_loss, grad_buffer
 from tests.cases import backend, implementations, make_case, run_op
-from tests.kernels.test_logp_lse_cpu import _fused_uncompiled
+from tests.kernel_rows.test_logp_lse_cpu import _fused_uncompiled
 
 CPU = torch.device("cpu")
 

@@ -120,3 +120,40 @@ def test_the_public_ops_stand_side_by_side_and_the_front_door_holds_the_ops():
         others = {f"ftis_kernels.{o}" for o in ops if o != op}
         assert not imported & others, (op, imported & others)
     assert set(ftis_kernels.__all__) == {"FTISOptions", *ops}
+
+
+# Top-level names that our dependencies import when they find them (optional backends), beside
+# the standard library's and every installed distribution's: transformers probes `kernels`.
+OPTIONAL_IMPORTS = {
+    "kernels",
+    "flash_attn",
+    "liger_kernel",
+    "deepspeed",
+    "apex",
+    "bitsandbytes",
+    "vllm",
+    "triton_kernels",
+    "accelerate",
+    "datasets",
+    "typing",
+}
+
+
+def test_no_test_folder_or_module_shadows_a_package_a_dependency_imports():
+    # A script run as `python tests/x.py` puts tests/ first on sys.path: a folder or module there
+    # named like a package (tests/kernels against transformers' `import kernels`) is imported in
+    # its place. The suite runs its scripts as modules (`-m tests.x`), and no name may clash.
+    import importlib.metadata
+    import sys
+
+    taken = set(sys.stdlib_module_names) | OPTIONAL_IMPORTS
+    taken |= set(importlib.metadata.packages_distributions())
+    for folder in ("tests", "bench", "experiments", "examples"):
+        names = {
+            p.stem if p.suffix == ".py" else p.name
+            for p in (ROOT / folder).iterdir()
+            if (p.suffix == ".py" or (p / "__init__.py").is_file() or p.is_dir())
+            and not p.name.startswith((".", "__"))
+        }
+        clashes = sorted(names & taken)
+        assert not clashes, f"{folder}/ holds names a dependency may import instead: {clashes}"

@@ -112,7 +112,9 @@ def _launch(P: int, model_dir: str, out: str) -> dict:
     with socket.socket() as s:  # torchrun's --master_port=0 does not rendezvous here
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, __file__, model_dir, out]
+    # As a module, not a script path: a script puts tests/ first on sys.path, where its folders
+    # would shadow packages a dependency imports.
+    command = [sys.executable, "-m", "tests.test_trl_ddp", model_dir, out]
     if P > 1:  # the reference is one plain process: the trainer's unwrapped-model path
         launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={P}", f"--master_port={port}"]
         command[1:1] = launcher

@@ -152,7 +152,9 @@ def _launch(mode: str, model_dir: str, out: str) -> dict:
     with socket.socket() as s:  # torchrun's --master_port=0 does not rendezvous here
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, __file__, mode, model_dir, out]
+    # As a module, not a script path: a script puts tests/ first on sys.path, where its folders
+    # would shadow packages a dependency imports.
+    command = [sys.executable, "-m", "tests.test_trl_fsdp", mode, model_dir, out]
     if mode != "single":
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
         command[1:1] = launcher

@@ -38,11 +38,11 @@ ftis_loss(x, x, x, x, filter="negatve")
 
 @pytest.mark.skipif(shutil.which("mypy") is None, reason="mypy is not installed (the test extra)")
 def test_mypy_reads_the_public_signatures_and_refuses_a_wrong_keyword(tmp_path):
-    # pyproject's files (the package's entry, tests/typing/public_api.py) plus a user's mistakes.
+    # pyproject's files (the package's entry, tests/typecheck/public_api.py) plus a user's mistakes.
     wrong = tmp_path / "wrong.py"
     wrong.write_text(WRONG)
     run = subprocess.run(
-        [sys.executable, "-m", "mypy", "ftis_kernels/__init__.py", "tests/typing/public_api.py"]
+        [sys.executable, "-m", "mypy", "ftis_kernels/__init__.py", "tests/typecheck/public_api.py"]
         + [str(wrong), "--no-error-summary", "--hide-error-context"],
         cwd=ROOT,
         capture_output=True,

@@ -88,7 +88,9 @@ def _logp_lse_fwd_kernel(
     active = True
     if HAS_MASK:
         active = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
-    row_ptr = logits_ptr + b * stride_lb.to(tl.int64) + t * stride_lt.to(tl.int64)
+    # b and t are int64 (from the program id), so the row offsets are: no stride is cast, since
+    # Triton turns a stride equal to 1 into a compile-time constant, which has no .to().
+    row_ptr = logits_ptr + b * stride_lb + t * stride_lt
     # A masked row runs no iteration: its logits may be anything, even nan, and are never read.
     v_end = tl.where(active, V, 0)
     # x * (1 / tau), not x / tau: compiled Triton divides by a runtime scalar with a reciprocal and
@@ -201,8 +203,8 @@ def _logits_bwd_kernel(
     row_max = tl.load(row_max_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
-    row_ptr = logits_ptr + b * stride_lb.to(tl.int64) + t * stride_lt.to(tl.int64)
-    drow_ptr = dlogits_ptr + b * stride_db.to(tl.int64) + t * stride_dt.to(tl.int64)
+    row_ptr = logits_ptr + b * stride_lb + t * stride_lt  # int64, as in the forward
+    drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
     # Rows without gradient (masked, filtered, zero advantage) read nothing and write zeros.
     v_read = tl.where(live, V, 0)
     inv_t = tl.math.div_rn(1.0, temperature)  # as in the forward
@@ -265,9 +267,17 @@ def logits_bwd(
     return out
 
 
-def triton_is_interpreted() -> bool:
-    """True when Triton decorated these kernels for its CPU interpreter (TRITON_INTERPRET=1)."""
-    kernel = _logits_bwd_kernel
+def _decorated_for_interpreter(kernel) -> bool:
     while not isinstance(kernel, InterpretedFunction) and hasattr(kernel, "fn"):
         kernel = kernel.fn  # through triton.heuristics to the jitted function
     return isinstance(kernel, InterpretedFunction)
+
+
+# Decided once, at import (when the decorators ran): an isinstance check on a Triton kernel inside
+# a torch.compile'd region is a graph break under Dynamo on CUDA, a plain bool is not.
+INTERPRETED = _decorated_for_interpreter(_logits_bwd_kernel)
+
+
+def triton_is_interpreted() -> bool:
+    """True when Triton decorated these kernels for its CPU interpreter (TRITON_INTERPRET=1)."""
+    return INTERPRETED
