@@ -1,6 +1,7 @@
-"""Cost of the value check of `ftis_loss` (validate.check_values: every input value and the
-logits' row statistics, one synchronisation) on the CPU PyTorch path: fwd+bwd with and without
-it, side by side in one run, and the check alone.
+"""Cost of the value check of `ftis_loss` on the CPU PyTorch path (validate.fault_record: every
+input value and the logits' row statistics, then validate.raise_on_faults: one synchronisation,
+in the backward): fwd+bwd with and without it, side by side in one run, and the check alone. On
+the Triton path the checks are part of the per-sample kernel (`kernels/per_sample.py`).
 
     python -m bench.check_cost [--rows 1024] [--vocab 32000] [--rounds 10]
 """
@@ -16,7 +17,7 @@ import torch
 import torch.utils.benchmark as benchmark
 
 from ftis_kernels import ftis_loss
-from ftis_kernels.validate import check_values
+from ftis_kernels.validate import fault_record, raise_on_faults
 
 ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")
 custom_op_module = importlib.import_module("ftis_kernels.custom_op")
@@ -44,8 +45,16 @@ def main() -> None:
             torch.autograd.grad(loss, logits)
 
     def step_unchecked():
-        with mock.patch.object(custom_op_module, "check_values", lambda *a, **k: None):
+        clean = torch.zeros(7, 7, dtype=torch.float64)
+        with (
+            mock.patch.object(custom_op_module, "fault_record", lambda *a, **k: clean),
+            mock.patch.object(ftis_loss_module, "raise_on_faults", lambda *a, **k: None),
+        ):
             step()
+
+    def check(V, inputs, stats):
+        tokens, gen, adv, mask, old = inputs
+        raise_on_faults(fault_record(V, tokens, gen, adv, mask, old, None, stats))
 
     # Alternating rounds, so that a busy machine slows both variants alike.
     times = {"with the check": [], "without the check": []}
@@ -55,8 +64,8 @@ def main() -> None:
             times[label].append(benchmark.Timer("fn()", globals={"fn": fn}).timeit(1).median)
     stats = tuple(torch.randn(B, T) for _ in range(3))
     alone = benchmark.Timer(
-        "check(V, *inputs, None, stats)",
-        globals={"check": check_values, "V": V, "inputs": inputs, "stats": stats},
+        "check(V, inputs, stats)",
+        globals={"check": check, "V": V, "inputs": inputs, "stats": stats},
     ).blocked_autorange(min_run_time=1.0)
     with_check, without = (statistics.median(times[label]) for label in fns)
     print(f"ftis_loss fwd+bwd, torch path, {B * T} x {V} fp32, 1 thread, median of {args.rounds}:")

@@ -13,8 +13,8 @@ What is here, in the order a call meets it:
   and its inputs are named (the op's own tensors, the row tensors, the options, the packing and
   shard parameters, then the op's own switches);
 - inside the forward op: this shard's token ids, the row statistics completed over the shards, and
-  the tail both losses share (value checks, the per-sample part, the outputs);
-- the outputs: `forward_outputs`, `fake_forward_outputs`, `public_metrics`;
+  the tail both losses share (the per-sample part and the value checks, `finish_forward`);
+- the outputs (`OUTPUT_NAMES`): `fake_forward_outputs`, `public_metrics`;
 - the saved-tensor bookkeeping of `setup_context` and the backward (`save_for_backward`,
   `backward_stats`).
 """
@@ -26,15 +26,35 @@ from typing import Any, Optional
 
 import torch
 
+from ftis_kernels.kernels.per_sample import SampleOutputs, finish_fwd, per_sample_fwd
 from ftis_kernels.options import FTISOptions, option_parameters, options_from_args
 from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
-from ftis_kernels.per_sample import METRIC_NAMES, PER_SAMPLE_METRICS, PER_TOKEN_METRICS
+from ftis_kernels.per_sample import (
+    PER_SAMPLE_METRICS,
+    PER_TOKEN_METRICS,
+    SCALAR_METRICS,
+)
 from ftis_kernels.sharded import check_shards, combine_row_stats
-from ftis_kernels.validate import check_row_tensors, check_values
+from ftis_kernels.validate import CHECKS as CHECK_ROWS
+from ftis_kernels.validate import check_row_tensors, fault_record, raise_on_faults
 
-# What a forward op returns after the loss and the metrics, for the backward.
-SAVED_NAMES = ("row_max", "log_sum", "coef", "entropy_coef")
-N_OUTPUTS = 1 + len(METRIC_NAMES) + len(SAVED_NAMES)
+# A forward op's outputs, in order: the loss, the per-token and per-sample metrics, the scalar
+# metrics as one (len(SCALAR_METRICS) + 2,) vector whose last two entries are the backward's
+# scales (of coef and of entropy_coef), then what the backward reads: the row statistics, coef
+# (d loss / d logp over its scale), entropy_coef (the entropy bonus's per-token factor over its
+# scale; empty without a bonus) and the value-check record (validate.CHECKS).
+OUTPUT_NAMES = (
+    "loss",
+    *PER_TOKEN_METRICS,
+    *PER_SAMPLE_METRICS,
+    "scalars",
+    "row_max",
+    "log_sum",
+    "coef",
+    "entropy_coef",
+    "record",
+)
+N_OUTPUTS = len(OUTPUT_NAMES)
 
 # The row tensors, as both forward ops take them after their own tensors.
 ROW_PARAMETERS = (
@@ -46,12 +66,15 @@ ROW_PARAMETERS = (
     ("Tensor?", "ref_logprobs"),
 )
 # After the options: a packed batch's offsets and longest segment, a vocabulary shard's first
-# column and its process group's name (None unsharded).
+# column and its process group's name (None unsharded), where the value checks are read
+# (validate.VALUE_CHECKS) and whether the forward reads them itself (validate.check_now).
 PACKING_PARAMETERS = (
     ("Tensor?", "cu_seqlens"),
     ("int", "max_seqlen"),
     ("int", "vocab_start"),
     ("str?", "group_name"),
+    ("str", "value_check"),
+    ("bool", "check_now"),
 )
 
 
@@ -99,8 +122,8 @@ def row_inputs(
 class ForwardSignature:
     """A forward op's parameters as (schema type, name), in order: `leading` (the op's own
     tensors), ROW_PARAMETERS, the options (`options.option_parameters`, typed from the annotations
-    of FTISOptions), PACKING_PARAMETERS, then `trailing` (the op's own switches). Its outputs: the
-    loss, the metrics in METRIC_NAMES order, SAVED_NAMES, then `extra_outputs` more tensors."""
+    of FTISOptions), PACKING_PARAMETERS, then `trailing` (the op's own switches). Its outputs:
+    OUTPUT_NAMES, then `extra_outputs` more tensors."""
 
     leading: tuple[tuple[str, str], ...]
     trailing: tuple[tuple[str, str], ...]
@@ -175,74 +198,115 @@ class Shard:
 def completion_mask(args: dict[str, Any]) -> Optional[torch.Tensor]:
     """The mask as bool (it may come as 0/1), or None."""
     mask = args["mask"]
-    return None if mask is None else mask != 0
+    return None if mask is None or mask.dtype == torch.bool else mask != 0
 
 
-def per_sample(
-    args: dict[str, Any],
-    opt: FTISOptions,
-    mask: Optional[torch.Tensor],
-    logp: torch.Tensor,
-    entropy: torch.Tensor,
-):
-    """`packing.per_sample_part` on the bound inputs: the loss, coef, entropy_coef, metrics."""
-    rows = (args["gen_logprobs"], args["advantages"], mask, args["old_logprobs"])
-    packing = (args["cu_seqlens"], args["max_seqlen"])
-    return per_sample_part(logp, *rows, args["ref_logprobs"], opt, entropy, *packing)
+ROW_NAMES = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
+
+
+def dr_grpo_length(args: dict[str, Any], opt: FTISOptions, T: int) -> int:
+    """dr_grpo's L: max_completion_length, else the padded length (packed: the longest segment)."""
+    if opt.max_completion_length is not None:
+        return opt.max_completion_length
+    return args["max_seqlen"] if args["cu_seqlens"] is not None else T
+
+
+def segment_offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    """A packed batch's offsets on the host (one synchronisation; the public ops' packed path
+    has read them already to check them)."""
+    return [int(x) for x in cu_seqlens.tolist()]
 
 
 def finish_forward(
     args: dict[str, Any],
     opt: FTISOptions,
     vocab: int,
-    mask: Optional[torch.Tensor],
     stats: tuple,
     logits_name: str = "logits",
+    samples: Optional[SampleOutputs] = None,
 ) -> tuple:
-    """The tail of both forward ops: the input values and the row statistics (logp, row_max,
-    log_sum, entropy) checked with one synchronisation (here they run eagerly even under
-    torch.compile), then the per-sample part and the outputs (`forward_outputs`)."""
+    """The tail of both forward ops, from the row statistics (logp, row_max, log_sum, entropy),
+    each (B, T) fp32: the per-sample part and the value checks (Triton: two launches,
+    `kernels/per_sample.py`, the first skipped when `samples` holds its results already;
+    PyTorch: `per_sample.py` and `validate.fault_record`), the checks read at once when the call
+    asked for it, and the outputs in OUTPUT_NAMES order."""
     logp, row_max, log_sum, entropy = stats
-    names = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
-    rows = tuple(args[name] for name in names)
-    check_values(vocab, *rows, (logp, row_max, log_sum), logits_name=logits_name)
-    return forward_outputs(per_sample(args, opt, mask, logp, entropy), row_max, log_sum)
+    rows = tuple(args[name] for name in ROW_NAMES)
+    shape = tuple(logp.shape)
+    if args["backend"] == "triton":
+        out = samples
+        if out is None:
+            n_samples = rows[2].shape[0]
+            out = SampleOutputs.empty(shape, n_samples, logp.device, opt.entropy_coef > 0)
+            per_sample_fwd(
+                out,
+                (logp, entropy, row_max, log_sum),
+                rows,
+                opt,
+                V=vocab,
+                length=dr_grpo_length(args, opt, shape[1]),
+                cu_seqlens=args["cu_seqlens"],
+            )
+        loss, scalars, record = finish_fwd(out, opt, shape, vocab)
+        per_sample = (out.kl, out.filtered, out.truncated)
+        coef, entropy_coef = out.coef, out.ecoef
+    else:
+        mask = completion_mask(args) if rows[3] is not None else None
+        mask = rows[3] if mask is None else mask
+        record = fault_record(vocab, *rows[:2], rows[2], *rows[3:], (logp, row_max, log_sum))
+        packing = (args["cu_seqlens"], args["max_seqlen"])
+        result = per_sample_part(logp, rows[1], rows[2], mask, *rows[4:], opt, entropy, *packing)
+        loss, coef = result.loss, result.coef
+        entropy_coef = result.entropy_coef if opt.entropy_coef > 0 else None
+        one = torch.ones((), dtype=torch.float32, device=logp.device)
+        scalars = torch.stack([result.metrics[name] for name in SCALAR_METRICS] + [one, one])
+        per_sample = tuple(result.metrics[name] for name in PER_SAMPLE_METRICS)
+    if args["check_now"]:
+        raise_on_faults(record, logits_name)
+    if entropy_coef is None:
+        entropy_coef = logp.new_empty(0)
+    return (loss, logp, entropy, *per_sample, scalars, row_max, log_sum, coef, entropy_coef, record)
 
 
 # --- the outputs ---------------------------------------------------------------------------------
 
 
-def forward_outputs(result, row_max: torch.Tensor, log_sum: torch.Tensor) -> tuple:
-    """(loss, *metrics in METRIC_NAMES order, row_max, log_sum, coef, entropy_coef)."""
-    metrics = (result.metrics[name] for name in METRIC_NAMES)
-    return (result.loss, *metrics, row_max, log_sum, result.coef, result.entropy_coef)
-
-
 def fake_forward_outputs(
-    like: torch.Tensor, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None
+    like: torch.Tensor, B: int, T: int, cu_seqlens: Optional[torch.Tensor] = None, *, opt=None
 ) -> tuple[torch.Tensor, ...]:
-    """Shape-only outputs of a forward op, on the device of `like`. Packed (cu_seqlens given):
-    B = 1 row of T tokens and cu_seqlens.shape[0] - 1 samples."""
+    """Shape-only outputs of a forward op (OUTPUT_NAMES), on the device of `like`. Packed
+    (cu_seqlens given): B = 1 row of T tokens and cu_seqlens.shape[0] - 1 samples."""
     f32, per_token = torch.float32, (B, T)
     samples = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    bonus = opt is not None and opt.entropy_coef > 0
+    return (
+        like.new_empty((), dtype=f32),
+        *(like.new_empty(per_token, dtype=f32) for _ in PER_TOKEN_METRICS),
+        like.new_empty((samples,), dtype=f32),
+        like.new_empty((samples,), dtype=torch.bool),
+        like.new_empty((samples,), dtype=f32),
+        like.new_empty((len(SCALAR_METRICS) + 2,), dtype=f32),
+        *(like.new_empty(per_token, dtype=f32) for _ in range(3)),
+        like.new_empty(per_token if bonus else (0,), dtype=f32),
+        like.new_empty((len(CHECK_ROWS), 7), dtype=torch.float64),
+    )
 
-    def metric(name: str) -> torch.Tensor:
-        if name in PER_TOKEN_METRICS:
-            return like.new_empty(per_token, dtype=f32)
-        if name in PER_SAMPLE_METRICS:
-            return like.new_empty((samples,), dtype=torch.bool if name == "filtered" else f32)
-        return like.new_empty((), dtype=f32)
 
-    saved = (like.new_empty(per_token, dtype=f32) for _ in SAVED_NAMES)
-    return (like.new_empty((), dtype=f32), *(metric(n) for n in METRIC_NAMES), *saved)
-
-
-def public_metrics(outputs: tuple, flat: Optional[int] = None) -> dict[str, torch.Tensor]:
-    """The metrics of a forward op's outputs, detached, by name; per-token ones as (flat,) when
-    given (packed inputs passed as (N, V) or (N, H))."""
-    metrics = {name: value.detach() for name, value in zip(METRIC_NAMES, outputs[1:])}
+def public_metrics(
+    outputs: tuple, flat: Optional[int] = None, value_check: str = "backward"
+) -> dict[str, torch.Tensor]:
+    """The metrics of a forward op's outputs, detached, by name (per_sample.METRIC_NAMES order);
+    per-token ones as (flat,) when given (packed inputs passed as (N, V) or (N, H)). The scalar
+    metrics are views of one vector: no kernel runs here. With value_check="deferred", the
+    value-check record too, as "value_faults" (`ftis_kernels.raise_on_bad_values` reads it)."""
+    named = dict(zip(OUTPUT_NAMES, outputs))
+    metrics = {name: named[name].detach() for name in (*PER_TOKEN_METRICS, *PER_SAMPLE_METRICS)}
+    scalars = named["scalars"].detach()
+    metrics.update({name: scalars[i] for i, name in enumerate(SCALAR_METRICS)})
     for name in PER_TOKEN_METRICS if flat is not None else ():
         metrics[name] = metrics[name].reshape(flat)
+    if value_check == "deferred":
+        metrics["value_faults"] = named["record"].detach()
     return metrics
 
 
@@ -250,22 +314,36 @@ def public_metrics(outputs: tuple, flat: Optional[int] = None) -> dict[str, torc
 
 
 def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *tensors) -> None:
-    """Saves `tensors`, then row_max, log_sum, coef, the entropy and entropy_coef; keeps the
-    temperature and the backend, and the number of inputs (the backward's tuple length)."""
-    row_max, log_sum, coef, entropy_coef = output[-len(SAVED_NAMES) :]
-    entropy = output[1 + METRIC_NAMES.index("entropy")]
-    ctx.save_for_backward(*tensors, row_max, log_sum, coef, entropy, entropy_coef)
+    """Saves `tensors`, then what the backward reads of the forward's outputs; keeps the
+    temperature, the backend, whether the backward reads the value checks, and the number of
+    inputs (the backward's tuple length)."""
+    named = dict(zip(OUTPUT_NAMES, output))
+    saved = ("row_max", "log_sum", "coef", "entropy", "entropy_coef", "scalars", "record")
+    ctx.save_for_backward(*tensors, *(named[name] for name in saved))
     ctx.temperature, ctx.backend, ctx.n_inputs = args["temperature"], args["backend"], len(inputs)
     ctx.entropy_grad = args["entropy_coef"] > 0
+    ctx.check_in_backward = args["value_check"] == "backward" and not args["check_now"]
 
 
-def backward_stats(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(row_max, log_sum, coef, entropy, entropy_coef) from a forward op's saved tensors, with
-    the incoming gradient and 1 / temperature folded into coef and entropy_coef; entropy and
-    entropy_coef are None without an entropy bonus (the row kernels then skip that term)."""
-    *_, row_max, log_sum, coef, entropy, entropy_coef = ctx.saved_tensors
-    scale = grad_loss.float() / ctx.temperature
-    coef = (coef * scale).contiguous()
+def backward_stats(ctx, grad_loss: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    """(row_max, log_sum, coef, entropy, entropy_coef, scales, grad_loss) for a backward row
+    pass, from a forward op's saved tensors: on Triton, coef and entropy_coef as saved and the
+    scales (2,) and the incoming gradient () as tensors the kernel multiplies in (no launch
+    here); on the PyTorch path, coef and entropy_coef with them and 1 / temperature folded in
+    (scales and grad_loss None). entropy and entropy_coef are None without an entropy bonus."""
+    *_, row_max, log_sum, coef, entropy, entropy_coef, scalars, _ = ctx.saved_tensors
+    scales = scalars[len(SCALAR_METRICS) :]
     if not ctx.entropy_grad:
-        return row_max, log_sum, coef, None, None
-    return row_max, log_sum, coef, entropy, (entropy_coef * scale).contiguous()
+        entropy = entropy_coef = None
+    if ctx.backend == "triton":
+        return row_max, log_sum, coef, entropy, entropy_coef, scales, grad_loss
+    scale = grad_loss.float() / ctx.temperature
+    coef = (coef * (scales[0] * scale)).contiguous()
+    if entropy_coef is not None:
+        entropy_coef = (entropy_coef * (scales[1] * scale)).contiguous()
+    return row_max, log_sum, coef, entropy, entropy_coef, None, None
+
+
+def saved_record(ctx) -> Optional[torch.Tensor]:
+    """The value-check record when the backward reads it (value_check="backward"), else None."""
+    return ctx.saved_tensors[-1] if ctx.check_in_backward else None

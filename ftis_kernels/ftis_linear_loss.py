@@ -47,6 +47,7 @@ import torch
 
 from ftis_kernels import chunks, custom_op
 from ftis_kernels.kernels import select_backend
+from ftis_kernels.kernels.per_sample import SampleOutputs, per_sample_fwd
 from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
@@ -55,10 +56,9 @@ from ftis_kernels.options import (
     resolve_options,
     with_option_keywords,
 )
-from ftis_kernels.packing import segment_index
-from ftis_kernels.per_sample import PerSample
+from ftis_kernels.packing import per_sample_part
 from ftis_kernels.sharded import all_reduce_sum, group_name
-from ftis_kernels.validate import LOGIT_DTYPES, check_tensor
+from ftis_kernels.validate import LOGIT_DTYPES, check_now, check_tensor, raise_on_faults
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -87,12 +87,13 @@ def grad_in_forward_blocker(
     filter_reads_logp = opt.filter not in (None, "negative") and (
         opt.kl_source == "current" or not with_old
     )
+    why = "(a sample's rejection changes every sample's normaliser)"
     if opt.reject_mode == "mask" and filter_reads_logp:
-        why = "(a sample's rejection changes every sample's normaliser)"
         if loss_type(opt.loss_type).batch_normalised:
             return f"with reject_mode='mask' and loss_type={opt.loss_type!r} {why}"
-        if opt.entropy_coef > 0:
-            return f"with reject_mode='mask' and entropy_coef > 0 {why}"
+    if opt.reject_mode == "mask" and opt.filter is not None and opt.entropy_coef > 0:
+        # The bonus's normaliser N' must be known before the first chunk's gradient.
+        return f"with reject_mode='mask' and entropy_coef > 0 {why}"
     if longest > chunk_size:
         return (
             f"when a sample ({longest} rows) does not fit in a chunk of chunk_size={chunk_size} "
@@ -104,6 +105,7 @@ def grad_in_forward_blocker(
 _FWD = custom_op.ForwardSignature(
     leading=(("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor?", "bias")),
     trailing=(
+        ("int[]", "sample_offsets"),
         ("int", "chunk_size"),
         ("str", "backend"),
         ("bool", "grad_in_forward"),
@@ -115,43 +117,134 @@ _FWD = custom_op.ForwardSignature(
 )
 
 
+def _pre_scales(opt, mask: Optional[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """The (2,) scales of coef and entropy_coef the forward order's backward row passes apply
+    before the batch-wide normaliser is known (`kernels/per_sample.py` writes the true ones at
+    the end): 1 and -entropy_coef for a batch-normalised loss (the gradients are multiplied by
+    1 / N' afterwards), else 1 and -entropy_coef / N with N the completion tokens (then N' = N:
+    `grad_in_forward_blocker` keeps rejection by mask out of this order). No host read."""
+    scales = torch.full((2,), 1.0, dtype=torch.float32, device=rows.device)
+    if opt.entropy_coef == 0:
+        scales[1].zero_()
+    elif loss_type(opt.loss_type).batch_normalised:
+        scales[1].fill_(-opt.entropy_coef)
+    else:
+        n = (
+            rows.new_full((), rows.shape[0], dtype=torch.float32)
+            if mask is None
+            else ((mask != 0).sum(dtype=torch.float32))
+        )
+        torch.div(-opt.entropy_coef, n.clamp_(min=1.0), out=scales[1])
+    return scales
+
+
 def _ftis_linear_loss_fwd_impl(*inputs):
-    """The outputs of `ftis_loss`'s forward op, then grad_hidden, grad_weight, grad_bias for an
+    """The outputs of `custom_op.OUTPUT_NAMES`, then grad_hidden, grad_weight, grad_bias for an
     incoming gradient of 1 when grad_in_forward (those flagged need_*; an empty tensor for the
-    others and in the backward order)."""
+    others and in the backward order); grad_hidden as (B * T, H) rows."""
     args = _FWD.bind(inputs)
     opt = _FWD.options(args)
     hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     chunk_size, backend = args["chunk_size"], args["backend"]
     B, T, _ = hidden.shape
-    mask = custom_op.completion_mask(args)
-    rows = chunks.completion_rows(mask, B, T, hidden.device)
+    mask = args["mask"]
     shard = custom_op.Shard.of(args, hidden.device, weight.shape[0], hidden.shape[2])
+    rows = chunks.masked_rows(hidden, mask)
+    tokens = shard.tokens.reshape(B * T)
+    flat_mask = None if mask is None else mask.reshape(B * T)
     # Chunks of whole samples when they fit (in both orders, so that both compute the same
     # logits), else of chunk_size rows.
-    cu_seqlens = args["cu_seqlens"]
-    samples = rows[0] if cu_seqlens is None else segment_index(cu_seqlens, T)[0][rows[1]]
-    sample_chunks = chunks.sample_chunks(rows, samples, chunk_size)
+    offsets = list(args["sample_offsets"]) or [b * T for b in range(B + 1)]
+    sample_chunks = chunks.sample_chunks(offsets, chunk_size)
+    row_chunks = (
+        chunks.row_chunks(B * T, chunk_size)
+        if sample_chunks is None
+        else [(r0, r1) for _, _, r0, r1 in sample_chunks]
+    )
+    temperature = opt.temperature
     needs = (args["need_hidden"], args["need_weight"], args["need_bias"])
     grads = (None, None, None)
+    samples = None
     if args["grad_in_forward"]:
         if sample_chunks is None:  # the public function checked the longest sample
             raise AssertionError("grad_in_forward with a sample longer than chunk_size")
+        rows_of = custom_op.ROW_NAMES
+        row_args = tuple(args[name] for name in rows_of)
+        if backend == "triton":
+            samples = SampleOutputs.empty(
+                (B, T), row_args[2].shape[0], hidden.device, opt.entropy_coef > 0
+            )
+            scales = _pre_scales(opt, mask, rows)
+            length = custom_op.dr_grpo_length(args, opt, T)
 
-        def coefficients(logp: torch.Tensor, entropy: torch.Tensor) -> PerSample:
-            return custom_op.per_sample(args, opt, mask, logp, entropy)
+            def coefficients(stats, s0, s1):
+                logp, row_max, log_sum, entropy = (x.view(B, T) for x in stats)
+                per_sample_fwd(
+                    samples,
+                    (logp, entropy, row_max, log_sum),
+                    row_args,
+                    opt,
+                    V=shard.vocab,
+                    length=length,
+                    cu_seqlens=args["cu_seqlens"],
+                    first=s0,
+                    count=s1 - s0,
+                )
+                ecoef = samples.ecoef
+                return (
+                    stats[1],
+                    stats[2],
+                    samples.coef.view(-1),
+                    stats[3] if ecoef is not None else None,
+                    None if ecoef is None else ecoef.view(-1),
+                    scales,
+                    None,
+                )
+        else:
 
-        loop = (opt.temperature, opt.entropy_coef > 0, backend, needs)
+            def coefficients(stats, s0, s1):
+                logp, _, _, entropy = (x.view(B, T) for x in stats)
+                m = custom_op.completion_mask(args)
+                m = mask if m is None else m
+                packing = (args["cu_seqlens"], args["max_seqlen"])
+                result = per_sample_part(
+                    logp, row_args[1], row_args[2], m, *row_args[4:], opt, entropy, *packing
+                )
+                ecoef = result.entropy_coef.reshape(-1) / temperature
+                bonus = opt.entropy_coef > 0
+                return (
+                    stats[1],
+                    stats[2],
+                    (result.coef.reshape(-1) / temperature),
+                    stats[3] if bonus else None,
+                    ecoef if bonus else None,
+                    None,
+                    None,
+                )
+
         stats, grads = chunks.linear_loss_and_grads(
-            hidden, weight, bias, shard.tokens, sample_chunks, coefficients, *loop
+            rows,
+            weight,
+            bias,
+            tokens,
+            flat_mask,
+            sample_chunks,
+            coefficients,
+            temperature,
+            backend,
+            needs,
         )
     else:
-        chunking = (opt.temperature, chunk_size, backend)
         stats = chunks.linear_logp_lse(
-            hidden, weight, bias, shard.tokens, rows, *chunking, chunks=sample_chunks
+            rows, weight, bias, tokens, flat_mask, temperature, row_chunks, backend
         )
-    stats = shard.complete(stats, mask)
-    outputs = custom_op.finish_forward(args, opt, shard.vocab, mask, stats, logits_name="hidden")
+    stats = tuple(x.view(B, T) for x in stats)
+    if shard.group is not None:
+        bool_mask = custom_op.completion_mask(args)
+        stats = shard.complete(stats, mask if bool_mask is None else bool_mask)
+    outputs = custom_op.finish_forward(
+        args, opt, shard.vocab, stats, logits_name="hidden", samples=samples
+    )
     return (*outputs, *(hidden.new_empty(0) if g is None else g for g in grads))
 
 
@@ -168,11 +261,12 @@ def _(*inputs):
     args = _FWD.bind(inputs)
     hidden, weight = args["hidden"], args["weight"]
     outputs = custom_op.fake_forward_outputs(
-        hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"]
+        hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"], opt=_FWD.options(args)
     )
     on = args["grad_in_forward"]
+    B, T, H = hidden.shape
     grads = (
-        torch.empty_like(hidden) if on and args["need_hidden"] else hidden.new_empty(0),
+        hidden.new_empty(B * T, H) if on and args["need_hidden"] else hidden.new_empty(0),
         torch.empty_like(weight) if on and args["need_weight"] else hidden.new_empty(0),
         weight.new_empty(weight.shape[0]) if on and args["need_bias"] else hidden.new_empty(0),
     )
@@ -182,6 +276,7 @@ def _(*inputs):
 @torch.library.custom_op("ftis_kernels::ftis_linear_loss_bwd", mutates_args=())
 def _ftis_linear_loss_bwd(
     hidden: torch.Tensor,
+    mask: Optional[torch.Tensor],
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     tokens: torch.Tensor,
@@ -190,6 +285,10 @@ def _ftis_linear_loss_bwd(
     coef: torch.Tensor,
     entropy: Optional[torch.Tensor],
     entropy_coef: Optional[torch.Tensor],
+    scales: Optional[torch.Tensor],
+    grad: Optional[torch.Tensor],
+    record: Optional[torch.Tensor],
+    sample_offsets: list[int],
     temperature: float,
     chunk_size: int,
     backend: str,
@@ -198,25 +297,38 @@ def _ftis_linear_loss_bwd(
     need_bias: bool,
     group_name: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_hidden, grad_weight, grad_bias); an empty tensor for each one not needed (a custom
-    op returns no None). coef and entropy_coef already scaled by the incoming gradient and
-    1 / temperature. With group_name (a vocabulary shard per rank), grad_hidden is summed over the
-    ranks; grad_weight and grad_bias stay this shard's."""
+    """(grad_hidden (R, H), grad_weight, grad_bias) in the backward order; an empty tensor for
+    each one not needed (a custom op returns no None). hidden (B, T, H) and mask (B, T) or None
+    as the forward took them, tokens (R,), the per-row statistics (R,) and scales and grad as
+    `custom_op.backward_stats` gives them. With group_name (a vocabulary shard per rank),
+    grad_hidden is summed over the ranks; grad_weight and grad_bias stay this shard's. A
+    value-check record is read at the end (one synchronisation)."""
     needs = (need_hidden, need_weight, need_bias)
-    stats = (row_max, log_sum, coef, entropy, entropy_coef)
+    rows = chunks.masked_rows(hidden, mask)
+    offsets = list(sample_offsets)
+    sample_chunks = chunks.sample_chunks(offsets, chunk_size) if offsets else None
+    row_chunks = (
+        chunks.row_chunks(rows.shape[0], chunk_size)
+        if sample_chunks is None
+        else [(r0, r1) for _, _, r0, r1 in sample_chunks]
+    )
+    per_row = (row_max, log_sum, coef, entropy, entropy_coef, scales, grad)
     grads = chunks.linear_grads(
-        hidden, weight, bias, tokens, stats, temperature, chunk_size, backend, needs
+        rows, weight, bias, tokens, per_row, temperature, row_chunks, backend, needs
     )
     if group_name is not None and grads[0] is not None:
         all_reduce_sum(grads[0], group_name)
-    return tuple(hidden.new_empty(0) if g is None else g for g in grads)
+    if record is not None:
+        raise_on_faults(record, "hidden")
+    return tuple(rows.new_empty(0) if g is None else g for g in grads)
 
 
 @_ftis_linear_loss_bwd.register_fake
-def _(hidden, weight, bias, tokens, *stats_and_flags, group_name=None):
+def _(hidden, mask, weight, bias, tokens, *stats_and_flags, group_name=None):
     need_hidden, need_weight, need_bias = stats_and_flags[-3:]
+    B, T, H = hidden.shape
     return (
-        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+        hidden.new_empty(B * T, H) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else hidden.new_empty(0),
         weight.new_empty(weight.shape[0]) if need_bias else hidden.new_empty(0),
     )
@@ -230,20 +342,21 @@ def _scale_grads_(
     grad_hidden: torch.Tensor,
     grad_weight: torch.Tensor,
     grad_bias: torch.Tensor,
-    grad_loss: torch.Tensor,
+    factor: torch.Tensor,
+    record: Optional[torch.Tensor],
 ) -> None:
-    """Multiplies the gradients the forward computed for an incoming gradient of 1 by the
-    incoming gradient grad_loss (0-dim), in place: nothing when it is 1 (the usual case, no pass
-    over the (V, H) gradient; one synchronisation on CUDA)."""
-    if bool(grad_loss == 1):
-        return
-    scale = float(grad_loss)
+    """Multiplies the gradients the forward computed for an incoming gradient of 1 by factor
+    (0-dim: the incoming gradient, times 1 / N' for a batch-normalised loss on Triton), in place,
+    without reading it on the host; then reads a value-check record (one synchronisation)."""
     for grad in (grad_hidden, grad_weight, grad_bias):
-        grad.mul_(scale)
+        if grad.numel():
+            grad.mul_(factor)
+    if record is not None:
+        raise_on_faults(record, "hidden")
 
 
 @_scale_grads_.register_fake
-def _(grad_hidden, grad_weight, grad_bias, grad_loss):
+def _(grad_hidden, grad_weight, grad_bias, factor, record):
     return None
 
 
@@ -253,33 +366,50 @@ def _setup_context(ctx, inputs, output):
     ctx.grad_in_forward = args["grad_in_forward"]
     # The outputs other than the loss get no gradient: None, not a zero (V, H) grad_weight.
     ctx.set_materialize_grads(False)
-    grads = output[custom_op.N_OUTPUTS :] if ctx.grad_in_forward else ()
-    tensors = (args["hidden"], args["weight"], args["bias"], tokens, *grads)
-    custom_op.save_for_backward(ctx, args, inputs, output[: custom_op.N_OUTPUTS], *tensors)
+    n = custom_op.N_OUTPUTS
+    grads = output[n : n + 3] if ctx.grad_in_forward else ()
+    B, T = tokens.shape
+    tokens = tokens.reshape(B * T)
+    tensors = (args["hidden"], args["mask"], args["weight"], args["bias"], tokens, *grads)
+    custom_op.save_for_backward(ctx, args, inputs, output[:n], *tensors)
     ctx.chunk_size, ctx.group_name = args["chunk_size"], args["group_name"]
+    ctx.sample_offsets = list(args["sample_offsets"]) or [b * T for b in range(B + 1)]
+    ctx.hidden_shape = tuple(args["hidden"].shape)
+    # Triton's forward order applies the batch-wide normaliser (known at the end) afterwards.
+    ctx.end_scale = args["backend"] == "triton" and loss_type(args["loss_type"]).batch_normalised
 
 
 def _backward(ctx, grad_loss, *_):
     if grad_loss is None:
         return (None,) * ctx.n_inputs
-    hidden, weight, bias, tokens = ctx.saved_tensors[:4]
+    hidden, mask, weight, bias, tokens = ctx.saved_tensors[:5]
     needs = ctx.needs_input_grad
     need_bias = bias is not None and needs[2]
+    record = custom_op.saved_record(ctx)
     if ctx.grad_in_forward:
         # Saved tensors scaled in place: a second backward through the same graph is refused by
         # autograd (modified by an inplace operation) instead of being scaled twice.
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors[4:7]
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors[5:8]
+        factor = grad_loss.float()
+        if ctx.end_scale:
+            scalars = ctx.saved_tensors[-2]
+            factor = factor * scalars[len(custom_op.SCALAR_METRICS)]
         torch.ops.ftis_kernels.ftis_linear_loss_scale_(
-            grad_hidden, grad_weight, grad_bias, grad_loss
+            grad_hidden, grad_weight, grad_bias, factor, record
         )
     else:
         stats = custom_op.backward_stats(ctx, grad_loss)
+        flat = tuple(None if x is None or x.dim() != 2 else x.reshape(-1) for x in stats[:5])
         grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
             hidden,
+            mask,
             weight,
             bias,
             tokens,
-            *stats,
+            *flat,
+            *stats[5:],
+            record,
+            ctx.sample_offsets,
             ctx.temperature,
             ctx.chunk_size,
             ctx.backend,
@@ -289,7 +419,7 @@ def _backward(ctx, grad_loss, *_):
             ctx.group_name,
         )
     grads = (
-        grad_hidden if needs[0] else None,
+        grad_hidden.view(ctx.hidden_shape) if needs[0] else None,
         grad_weight if needs[1] else None,
         grad_bias if need_bias else None,
     )
@@ -366,6 +496,7 @@ def ftis_linear_loss(
     vocab_start: int = 0,
     process_group: Optional[Any] = None,
     grad_in_forward: bool | str = "auto",
+    value_check: str = "backward",
     **option_keywords: Unpack[OptionKeywords],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss and metrics of `ftis_loss(hidden @ weight.T + bias, ...)`, from the hidden
@@ -427,8 +558,12 @@ def ftis_linear_loss(
         chunk_size=chunk,
     )
     in_forward = _check_grad_in_forward(grad_in_forward, blocker) and any(needs)
-    packing = (cu_seqlens, max_seqlen, vocab_start, name)
-    switches = (chunk, backend, in_forward, *needs)
+    checks = (value_check, check_now(value_check, hidden if needs[0] else weight))
+    if not any(needs):
+        checks = (value_check, value_check != "deferred")
+    packing = (cu_seqlens, max_seqlen, vocab_start, name, *checks)
+    offsets = [] if cu_seqlens is None else custom_op.segment_offsets(cu_seqlens)
+    switches = (offsets, chunk, backend, in_forward, *needs)
     lm_head = (hidden, weight, bias)
     outputs = _ftis_linear_loss_fwd(*lm_head, *rows, *option_args(opt), *packing, *switches)
-    return outputs[0], custom_op.public_metrics(outputs, T if flat else None)
+    return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

@@ -91,10 +91,17 @@ def ftis_logprobs(
             check_tensor("bias", bias, (V,), (inputs.dtype,), device)
         chunk = chunks.check_chunk_size(chunk_size) or chunks.auto_chunk_size(V)
         _check_tokens(tokens, mask, V)
-        row_index = chunks.completion_rows(flat_mask, B, T, device)
-        hidden = inputs.reshape(B, T, H)
+        rows = chunks.masked_rows(inputs.reshape(B, T, H), flat_mask)
+        flat = None if flat_mask is None else flat_mask.reshape(B * T)
         stats = chunks.linear_logp_lse(
-            hidden, weight, bias, flat_tokens, row_index, float(temperature), chunk, backend
+            rows,
+            weight,
+            bias,
+            flat_tokens.reshape(B * T),
+            flat,
+            float(temperature),
+            chunks.row_chunks(B * T, chunk),
+            backend,
         )
         logp, entropy = stats[0], stats[3]
     return logp.reshape(lead), entropy.reshape(lead)

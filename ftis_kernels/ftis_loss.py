@@ -30,7 +30,13 @@ from ftis_kernels.options import (
     with_option_keywords,
 )
 from ftis_kernels.sharded import group_name
-from ftis_kernels.validate import LOGIT_DTYPES, check_inplace_backward, check_tensor
+from ftis_kernels.validate import (
+    LOGIT_DTYPES,
+    check_inplace_backward,
+    check_now,
+    check_tensor,
+    raise_on_faults,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -42,14 +48,25 @@ _FWD = custom_op.ForwardSignature(
 
 
 def _ftis_loss_fwd_impl(*inputs):
-    """The loss, the metrics and the saved row statistics (`custom_op.finish_forward`)."""
+    """The outputs of `custom_op.OUTPUT_NAMES`: the row pass, then the per-sample part
+    (`custom_op.finish_forward`). Three launches on Triton, unsharded."""
     args = _FWD.bind(inputs)
-    logits, mask = args["logits"], custom_op.completion_mask(args)
+    logits, backend = args["logits"], args["backend"]
     shard = custom_op.Shard.of(args, logits.device, logits.shape[-1])
-    temperature = args["temperature"]
-    stats = FORWARD[args["backend"]](logits, shard.tokens, mask, temperature)
-    stats = shard.complete(stats, mask)
-    return custom_op.finish_forward(args, _FWD.options(args), shard.vocab, mask, stats)
+    # The Triton row kernel reads a 0/1 mask as it is; the PyTorch path wants bool.
+    mask = args["mask"] if backend == "triton" else custom_op.completion_mask(args)
+    mask = args["mask"] if mask is None else mask
+    logp, row_max, log_sum, entropy = FORWARD[backend](
+        logits, shard.tokens, mask, args["temperature"]
+    )
+    if shard.group is not None:
+        bool_mask = custom_op.completion_mask(args)
+        stats = (logp, row_max, log_sum, entropy)
+        logp, row_max, log_sum, entropy = shard.complete(
+            stats, args["mask"] if bool_mask is None else bool_mask
+        )
+    stats = (logp, row_max, log_sum, entropy)
+    return custom_op.finish_forward(args, _FWD.options(args), shard.vocab, stats)
 
 
 _ftis_loss_fwd = torch.library.custom_op(
@@ -62,7 +79,7 @@ def _(*inputs):
     args = _FWD.bind(inputs)
     logits = args["logits"]
     return custom_op.fake_forward_outputs(
-        logits, logits.shape[0], logits.shape[1], args["cu_seqlens"]
+        logits, logits.shape[0], logits.shape[1], args["cu_seqlens"], opt=_FWD.options(args)
     )
 
 
@@ -75,15 +92,24 @@ def _ftis_loss_bwd(
     coef: torch.Tensor,
     entropy: Optional[torch.Tensor],
     entropy_coef: Optional[torch.Tensor],
+    scales: Optional[torch.Tensor],
+    grad: Optional[torch.Tensor],
+    record: Optional[torch.Tensor],
     temperature: float,
     backend: str,
 ) -> torch.Tensor:
     """d loss / d logits (B, T, V) in a buffer no one else holds (on the CPU, one reused across
-    calls: grad_buffer.py); coef and entropy_coef already scaled by the incoming gradient and
-    1 / temperature."""
+    calls: grad_buffer.py); one launch on Triton (`custom_op.backward_stats` says what coef,
+    entropy_coef, scales and grad are). With a value-check record, it is read after the launch
+    (one synchronisation, the GPU busy meanwhile) and a bad input raises before the gradient is
+    returned."""
     out = grad_buffer(logits)
     stats = (row_max, log_sum, coef, temperature, out, entropy, entropy_coef)
-    return BACKWARD[backend](logits, tokens, *stats)
+    extra = (scales, grad) if backend == "triton" else ()
+    dlogits = BACKWARD[backend](logits, tokens, *stats, *extra)
+    if record is not None:
+        raise_on_faults(record)
+    return dlogits
 
 
 @_ftis_loss_bwd.register_fake
@@ -100,12 +126,18 @@ def _ftis_loss_bwd_inplace(
     coef: torch.Tensor,
     entropy: Optional[torch.Tensor],
     entropy_coef: Optional[torch.Tensor],
+    scales: Optional[torch.Tensor],
+    grad: Optional[torch.Tensor],
+    record: Optional[torch.Tensor],
     temperature: float,
     backend: str,
 ) -> None:
-    """d loss / d logits written over the logits themselves."""
+    """d loss / d logits written over the logits themselves (as `_ftis_loss_bwd` otherwise)."""
     stats = (row_max, log_sum, coef, temperature, logits, entropy, entropy_coef)
-    BACKWARD[backend](logits, tokens, *stats)
+    extra = (scales, grad) if backend == "triton" else ()
+    BACKWARD[backend](logits, tokens, *stats, *extra)
+    if record is not None:
+        raise_on_faults(record)
 
 
 def _setup_context(ctx, inputs, output):
@@ -118,13 +150,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, *_):
     logits, tokens = ctx.saved_tensors[:2]
-    row_max, log_sum, coef, entropy, entropy_coef = custom_op.backward_stats(ctx, grad_loss)
-    stats = (row_max, log_sum, coef, entropy, entropy_coef, ctx.temperature, ctx.backend)
+    stats = custom_op.backward_stats(ctx, grad_loss)
+    args = (*stats, custom_op.saved_record(ctx), ctx.temperature, ctx.backend)
     if ctx.inplace_backward:
-        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *stats)
+        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *args)
         dlogits = logits
     else:
-        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, *stats)
+        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, *args)
     return (dlogits,) + (None,) * (ctx.n_inputs - 1)
 
 
@@ -143,6 +175,7 @@ def ftis_loss(
     *,
     options: Optional[FTISOptions] = None,
     inplace_backward: bool | str = False,
+    value_check: str = "backward",
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_start: int = 0,
     process_group: Optional[Any] = None,
@@ -217,7 +250,8 @@ def ftis_loss(
     rows, max_seqlen = custom_op.row_inputs("logits", "V", logits, rows, opt.beta, cu_seqlens)
     inplace = check_inplace_backward(logits, inplace_backward)
     shard = (vocab_start, group_name(process_group, vocab_start))
+    checks = (value_check, check_now(value_check, logits))
     outputs = _ftis_loss_fwd(
-        logits, *rows, *option_args(opt), cu_seqlens, max_seqlen, *shard, inplace, backend
+        logits, *rows, *option_args(opt), cu_seqlens, max_seqlen, *shard, *checks, inplace, backend
     )
-    return outputs[0], custom_op.public_metrics(outputs, T if flat else None)
+    return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

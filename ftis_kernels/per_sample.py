@@ -46,6 +46,7 @@ over samples, the others over completion tokens; is_ratio_* is the raw IS ratio 
 or masking, at the chosen level)."""
 PER_TOKEN_METRICS = ("logp", "entropy")
 PER_SAMPLE_METRICS = ("kl", "filtered", "is_truncated")
+SCALAR_METRICS = METRIC_NAMES[len(PER_TOKEN_METRICS) + len(PER_SAMPLE_METRICS) :]
 
 
 @dataclass

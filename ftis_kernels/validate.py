@@ -1,11 +1,12 @@
-"""Input checks of the public ops, done once at the boundary, before any kernel runs.
+"""Input checks of the public ops, done once at the boundary.
 
 Every failure is a ValueError that names the argument and says what was expected, in one line.
 Shapes, dtypes, devices and the in-place backward's preconditions are checked before any kernel
 runs. The value checks (token range, finiteness in float32, signs, and the logits' row statistics)
-are reduced on the inputs' device into one small tensor and read back with a single
-synchronisation, after the forward pass: the kernels never use a bad token id as an address, and
-the error comes before any loss or gradient is returned.
+are made on the device by the forward's own kernels into a small record (`CHECKS`), which
+`raise_on_faults` reads with one synchronisation where the caller chose (`VALUE_CHECKS`): in the
+backward by default, in the call, or never by the op. The kernels never use a bad token id as an
+address, so a bad value costs a wrong loss at worst until the record is read, never memory.
 """
 
 from __future__ import annotations
@@ -135,6 +136,14 @@ LOGIT_FAULTS = {
 }
 _FP32_MAX = torch.finfo(torch.float32).max
 
+# The value checks, in the order they are reported: the rows of a value-check record. A record
+# is an (N_CHECKS, 7) float64 tensor on the inputs' device, one row per check: the number of bad
+# positions, the first one (a flat index into the checked tensor), its value, a hint flag, the
+# checked tensor's two dimensions (advantages: (S, 0)) and the vocabulary size. The Triton path
+# writes it in its per-sample kernels (`kernels/per_sample.py`), the PyTorch path with
+# `fault_record`; `raise_on_faults` reads it with one synchronisation.
+CHECKS = ("tokens", "mask", "gen_logprobs", "advantages", "old_logprobs", "ref_logprobs", "logits")
+
 
 def _logit_faults(logp: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
     """(B, T) int code of each row's fault (0: none; LOGIT_FAULTS), from the forward's row
@@ -145,16 +154,7 @@ def _logit_faults(logp: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tens
     return torch.where(row_max == torch.inf, 2, code)
 
 
-def _summary(bad: torch.Tensor, values: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
-    """(4,) float64 on the device: number of bad positions, the first one (flat index), its value
-    and a hint flag; no synchronisation."""
-    first = bad.flatten().to(torch.int8).argmax()
-    return torch.stack(
-        [bad.sum().double(), first.double(), values.flatten()[first].double(), hint.double()]
-    )
-
-
-def check_values(
+def fault_record(
     V: int,
     tokens: torch.Tensor,
     gen_logprobs: torch.Tensor,
@@ -163,9 +163,9 @@ def check_values(
     old_logprobs: Optional[torch.Tensor],
     ref_logprobs: Optional[torch.Tensor],
     row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    logits_name: str = "logits",
-) -> None:
-    """Values of every input and of the logits, with one synchronisation, after the forward.
+) -> torch.Tensor:
+    """The value-check record (`CHECKS`) of the inputs and the logits, in PyTorch, without a
+    synchronisation: what the Triton path's per-sample kernels write.
 
     Token ids are checked at every position (they index memory); gen/old/ref logprobs only at
     completion positions, where they are used (padding may hold anything there), and in float32,
@@ -173,51 +173,88 @@ def check_values(
     forward's row statistics row_stats = (logp, row_max, log_sum), each (B, T) fp32: a completion
     row with a NaN or +inf logit, with every logit -inf, or with log pi_theta(token) = -inf is
     refused (pi_theta(token) = 0 leaves the ratios, the KL and the beta penalty undefined).
-    The error names the argument, counts the failing positions and gives the first one, its
-    value and, where the mistake is recognisable, a hint: one line.
     """
-    keep = torch.ones((), dtype=torch.bool, device=tokens.device) if mask is None else mask != 0
-    never = torch.zeros((), dtype=torch.bool, device=tokens.device)
-    checks = []  # (name, expected, values, bad positions, hint flag)
-
-    def check(name, expected, values, bad, hint=never):
-        checks.append((name, expected, values, bad, hint))
-
-    check(
-        "tokens",
-        f"ids in [0, {V}) at every position (pad masked positions with a valid id)",
-        tokens,
-        (tokens < 0) | (tokens >= V),
-    )
-    if mask is not None and mask.dtype != torch.bool:
-        check("mask", "bool or 0/1 values", mask, (mask != 0) & (mask != 1))
+    device = tokens.device
+    keep = torch.ones((), dtype=torch.bool, device=device) if mask is None else mask != 0
+    never = torch.zeros((), dtype=torch.bool, device=device)
     gen = gen_logprobs.float()
     probabilities = keep.any() & (((gen > 0) & (gen <= 1)) | ~keep).all()
-    expected = "finite values <= 0 at completion positions, in float32"
-    bad = ~(torch.isfinite(gen) & (gen <= 0)) & keep
-    check("gen_logprobs", expected, gen_logprobs, bad, probabilities)
-    check("advantages", "finite values, in float32", advantages, ~advantages.float().isfinite())
-    for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
-        if x is not None:
-            expected = "finite values at completion positions, in float32"
-            check(name, expected, x, ~x.float().isfinite() & keep)
     code = torch.where(keep, _logit_faults(*row_stats), 0)
-    what = "values" if logits_name == "logits" else "logits (hidden @ weight.T + bias)"
-    check(
-        logits_name,
-        f"finite {what} at completion positions and pi_theta(token) > 0",
-        code,
-        code != 0,
-    )
+    rows = [
+        (tokens, (tokens < 0) | (tokens >= V), never),
+        (tokens, never, never)
+        if mask is None or mask.dtype == torch.bool
+        else (mask, (mask != 0) & (mask != 1), never),
+        (gen_logprobs, ~(torch.isfinite(gen) & (gen <= 0)) & keep, probabilities),
+        (advantages, ~advantages.float().isfinite(), never),
+    ]
+    for x in (old_logprobs, ref_logprobs):
+        rows.append(
+            (tokens, never, never) if x is None else (x, ~x.float().isfinite() & keep, never)
+        )
+    rows.append((code, code != 0, never))
+    B, T = tokens.shape
+    record = []
+    for x, bad, hint in rows:
+        bad = bad.expand(x.shape)
+        first = bad.flatten().to(torch.int8).argmax()
+        dims = (x.shape[0], 0) if x.dim() == 1 else (B, T)
+        record.append(
+            torch.stack(
+                [
+                    bad.sum().double(),
+                    first.double(),
+                    x.flatten()[first].double(),
+                    hint.double(),
+                    *(torch.tensor(float(d), dtype=torch.float64, device=device) for d in dims),
+                    torch.tensor(float(V), dtype=torch.float64, device=device),
+                ]
+            )
+        )
+    return torch.stack(record)
 
-    summaries = torch.stack([_summary(bad, x, hint) for _, _, x, bad, hint in checks])
-    for (name, expected, x, _, _), (count, first, value, hint) in zip(checks, summaries.tolist()):
-        if count:
-            position = _position(int(first), tuple(x.shape))
-            unit = "rows" if name == logits_name else "positions"
-            got = f"{int(count)} of {x.numel()} {unit} outside that, the first at {position}: "
-            got += _describe_value(name, value, logits_name) + _hint(name, value, bool(hint), V)
-            refuse(name, expected, got)
+
+# Where the op reads its value checks (`value_check` of the public ops).
+VALUE_CHECKS = ("backward", "call", "deferred")
+
+
+def check_now(value_check: object, x: torch.Tensor) -> bool:
+    """Whether the forward reads the value checks itself: value_check="call", or "backward" on a
+    call no backward will follow (no gradient is recorded for x). "deferred": never."""
+    if value_check not in VALUE_CHECKS:
+        refuse("value_check", f"one of {VALUE_CHECKS}", repr(value_check))
+    if value_check == "backward":
+        return not (torch.is_grad_enabled() and x.requires_grad)
+    return value_check == "call"
+
+
+def raise_on_faults(record: torch.Tensor, logits_name: str = "logits") -> None:
+    """Reads a value-check record (one synchronisation) and raises the first failing check's
+    ValueError: it names the argument, counts the failing positions and gives the first one, its
+    value and, where the mistake is recognisable, a hint, in one line."""
+    for name, row in zip(CHECKS, record.tolist()):
+        count, first, value, hint, dim0, dim1, V = row
+        if not count:
+            continue
+        shape = (int(dim0),) if not dim1 and name == "advantages" else (int(dim0), int(dim1))
+        name = logits_name if name == "logits" else name
+        position = _position(int(first), shape)
+        unit = "rows" if name == logits_name else "positions"
+        got = f"{int(count)} of {math.prod(shape)} {unit} outside that, the first at {position}: "
+        got += _describe_value(name, value, logits_name) + _hint(name, value, bool(hint), int(V))
+        refuse(name, _expected(name, int(V), logits_name), got)
+
+
+def _expected(name: str, V: int, logits_name: str) -> str:
+    if name == logits_name:
+        what = "values" if logits_name == "logits" else "logits (hidden @ weight.T + bias)"
+        return f"finite {what} at completion positions and pi_theta(token) > 0"
+    return {
+        "tokens": f"ids in [0, {V}) at every position (pad masked positions with a valid id)",
+        "mask": "bool or 0/1 values",
+        "gen_logprobs": "finite values <= 0 at completion positions, in float32",
+        "advantages": "finite values, in float32",
+    }.get(name, "finite values at completion positions, in float32")
 
 
 def _position(flat: int, shape: tuple[int, ...]) -> str:

@@ -26,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftis_kernels import chunks as chunks_module
+from ftis_kernels import custom_op
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 from ftis_kernels.options import FTISOptions, option_args
@@ -424,10 +425,14 @@ def test_options_that_couple_samples_take_the_backward_order(coupling):
         ValueError, match="^grad_in_forward: expected 'auto' or False with reject_m"
     ):
         run_linear(case, torch.float32, "torch", chunk_size=4, grad_in_forward=True, **opts)
-    # The same rejection with a per-sample normaliser, or from pi_old: the forward order.
+    # The same rejection with a per-sample normaliser: the forward order. From pi_old, the
+    # batch-normalised loss takes it too (its 1 / N' scales the gradients at the end); the
+    # entropy bonus's N' is needed before the first chunk's gradient, so it keeps the backward
+    # order.
     per_sample = dict(opts, loss_type="grpo", entropy_coef=0.0)
     assert _orders_taken(case, chunk_size=4, **per_sample) == (True, False)
-    assert _orders_taken(case, chunk_size=4, **dict(opts, kl_source="old")) == (True, False)
+    from_old = (True, False) if opts.get("entropy_coef", 0) == 0 else (False, True)
+    assert _orders_taken(case, chunk_size=4, **dict(opts, kl_source="old")) == from_old
 
 
 def test_a_sample_longer_than_a_chunk_takes_the_backward_order():
@@ -605,36 +610,37 @@ def test_custom_ops_pass_opcheck(device):
     tokens, gen, adv, mask, old, ref = case.inputs
     hidden, weight, bias = (x.float() for x in (case.hidden, case.weight, case.bias))
     options = option_args(FTISOptions(entropy_coef=0.01))
-    unpacked_unsharded = (None, 0, 0, None)  # cu_seqlens, max_seqlen, vocab_start, group_name
-    fwd_args = (
-        hidden,
-        weight,
-        bias,
-        tokens,
-        gen,
-        adv,
-        mask,
-        old,
-        ref,
-        *options,
-        *unpacked_unsharded,
-        3,  # chunk_size: whole samples
-        "torch",
-    )
-    fwd = torch.ops.ftis_kernels.ftis_linear_loss_fwd.default
+    # cu_seqlens, max_seqlen, vocab_start, group_name, value_check, check_now
+    unpacked_unsharded = (None, 0, 0, None, "backward", False)
     needs = (True, True, True)
-    for grad_in_forward in (False, True):
-        torch.library.opcheck(fwd, (*fwd_args, grad_in_forward, *needs))
-    outputs = fwd(*fwd_args, False, *needs)
-    *_, row_max, log_sum, coef, entropy_coef = outputs[:-3]
-    entropy = outputs[1 + METRIC_NAMES.index("entropy")]
-    stats = (row_max, log_sum, coef, entropy, entropy_coef)
-    bwd_args = (hidden, weight, bias, tokens, *stats, 1.0, 2, "torch", True, True, True)
-    torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_bwd.default, bwd_args)
-    grads = fwd(*fwd_args, True, *needs)[-3:]
-    scale = torch.ops.ftis_kernels.ftis_linear_loss_scale_.default
-    for grad_loss in (1.0, 0.5):
-        torch.library.opcheck(scale, (*(g.clone() for g in grads), torch.tensor(grad_loss)))
+    fwd = torch.ops.ftis_kernels.ftis_linear_loss_fwd.default
+    for backend in implementations(device):
+        fwd_args = (
+            hidden, weight, bias, tokens, gen, adv, mask, old, ref, *options,
+            *unpacked_unsharded,
+            [],  # sample_offsets: padded
+            3,  # chunk_size: whole samples
+            backend,
+        )  # fmt: skip
+        for grad_in_forward in (False, True):
+            torch.library.opcheck(fwd, (*fwd_args, grad_in_forward, *needs))
+        outputs = dict(zip(custom_op.OUTPUT_NAMES, fwd(*fwd_args, False, *needs)))
+        names = ("row_max", "log_sum", "coef", "entropy", "entropy_coef")
+        stats = tuple(outputs[name].reshape(-1) for name in names)
+        scales = outputs["scalars"][-2:] if backend == "triton" else None
+        if backend != "triton":
+            stats = stats[:2] + (stats[2] * 1.0, stats[3], stats[4] * -0.01 / mask.sum())
+        grad = torch.ones((), device=device) if backend == "triton" else None
+        bwd_args = (
+            hidden, mask, weight, bias, tokens.reshape(-1), *stats, scales, grad,
+            outputs["record"], [], 1.0, 2, backend, True, True, True,
+        )  # fmt: skip
+        torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_bwd.default, bwd_args)
+        grads = fwd(*fwd_args, True, *needs)[-3:]
+        scale = torch.ops.ftis_kernels.ftis_linear_loss_scale_.default
+        for factor in (1.0, 0.5):
+            args = (*(g.clone() for g in grads), torch.tensor(factor, device=device), None)
+            torch.library.opcheck(scale, args)
 
 
 @pytest.mark.cuda

@@ -54,7 +54,7 @@ def _num_warps(block_v: int) -> int:
         "WITH_ENTROPY": lambda args: args["entropy_ptr"] is not None,
     }
 )
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _logp_lse_fwd_kernel(
     # pointers
     logits_ptr,  # (B, T, V) fp32 | bf16 | fp16, any strides
@@ -126,17 +126,22 @@ def logp_lse_fwd(
     mask: Optional[torch.Tensor],
     temperature: float,
     with_entropy: bool = True,
+    out: Optional[tuple[torch.Tensor, ...]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Triton forward. logits (B, T, V), tokens (B, T), mask (B, T) bool or None.
+    """Triton forward, one launch. logits (B, T, V), tokens (B, T), mask (B, T) bool or 0/1, or
+    None; out: the four results' buffers (B * T contiguous fp32 each), or None to allocate them.
 
     Returns logp, row_max, log_sum, entropy (B, T), all fp32, 0 at masked positions; entropy is
     None with with_entropy=False.
     """
     B, T, V = logits.shape
-    logp, row_max, log_sum = (
-        torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(3)
-    )
-    entropy = torch.empty_like(logp) if with_entropy else None
+    if out is None:
+        logp, row_max, log_sum = (
+            torch.empty(B, T, dtype=torch.float32, device=logits.device) for _ in range(3)
+        )
+        entropy = torch.empty_like(logp) if with_entropy else None
+    else:
+        logp, row_max, log_sum, entropy = out
     block_v = _block_v(V)
     mask_strides = mask.stride() if mask is not None else (0, 0)
     _logp_lse_fwd_kernel[(B * T,)](
@@ -159,8 +164,14 @@ def logp_lse_fwd(
     return logp, row_max, log_sum, entropy
 
 
-@triton.heuristics({"HAS_ENTROPY_GRAD": lambda args: args["entropy_coef_ptr"] is not None})
-@triton.jit
+@triton.heuristics(
+    {
+        "HAS_ENTROPY_GRAD": lambda args: args["entropy_coef_ptr"] is not None,
+        "HAS_SCALES": lambda args: args["scales_ptr"] is not None,
+        "HAS_GRAD": lambda args: args["grad_ptr"] is not None,
+    }
+)
+@triton.jit(do_not_specialize=["T"])
 def _logits_bwd_kernel(
     # pointers
     logits_ptr,  # (B, T, V) fp32 | bf16 | fp16, any strides
@@ -168,9 +179,11 @@ def _logits_bwd_kernel(
     tokens_ptr,  # (B, T) int32 | int64
     row_max_ptr,  # (B * T,) fp32, from the forward
     log_sum_ptr,  # (B * T,) fp32, from the forward
-    coef_ptr,  # (B * T,) fp32: d loss / d logp, times the incoming gradient, over temperature
+    coef_ptr,  # (B * T,) fp32: d loss / d logp (times scales[0] * grad / temperature)
     entropy_ptr,  # (B * T,) fp32, from the forward, or None
-    entropy_coef_ptr,  # (B * T,) fp32: d loss / d entropy, scaled as coef, or None
+    entropy_coef_ptr,  # (B * T,) fp32: d loss / d entropy (times scales[1] * ...), or None
+    scales_ptr,  # (2,) fp32: the forward's scales of coef and entropy_coef, or None (applied)
+    grad_ptr,  # () fp32: d (outer loss) / d loss, with scales_ptr; None: 1
     # scalars
     temperature,
     # sizes
@@ -187,19 +200,31 @@ def _logits_bwd_kernel(
     stride_tt,
     # meta-parameters
     HAS_ENTROPY_GRAD: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    HAS_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
+    inv_t = tl.math.div_rn(1.0, temperature)  # as in the forward
     coef = tl.load(coef_ptr + row)
     live = coef != 0.0
+    if HAS_SCALES:
+        # The incoming gradient and the forward's batch-wide scale, read here rather than folded
+        # in by small launches between the passes.
+        outer = inv_t
+        if HAS_GRAD:
+            outer = tl.load(grad_ptr) * inv_t
+        coef = coef * (tl.load(scales_ptr) * outer)
     ecoef = 0.0
     entropy = 0.0
     if HAS_ENTROPY_GRAD:
         ecoef = tl.load(entropy_coef_ptr + row)
         entropy = tl.load(entropy_ptr + row)
         live = live | (ecoef != 0.0)
+        if HAS_SCALES:
+            ecoef = ecoef * (tl.load(scales_ptr + 1) * outer)
     row_max = tl.load(row_max_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
@@ -207,7 +232,6 @@ def _logits_bwd_kernel(
     drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
     # Rows without gradient (masked, filtered, zero advantage) read nothing and write zeros.
     v_read = tl.where(live, V, 0)
-    inv_t = tl.math.div_rn(1.0, temperature)  # as in the forward
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         in_row = offs < V
@@ -238,11 +262,14 @@ def logits_bwd(
     out: torch.Tensor,
     entropy: Optional[torch.Tensor] = None,
     entropy_coef: Optional[torch.Tensor] = None,
+    scales: Optional[torch.Tensor] = None,
+    grad: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Triton backward. logits, out (B, T, V) (out may be logits); tokens (B, T); row_max, log_sum,
-    coef (B, T) fp32 contiguous, coef already scaled by the incoming gradient and 1 / temperature;
-    entropy, entropy_coef (B, T) fp32 contiguous (d loss / d H, scaled as coef) or both None.
-    Returns out.
+    """Triton backward, one launch. logits, out (B, T, V) (out may be logits); tokens (B, T);
+    row_max, log_sum, coef (B, T) fp32 contiguous; entropy, entropy_coef (B, T) fp32 contiguous
+    (d loss / d H) or both None. With scales (2,) and grad () fp32 tensors, the kernel multiplies
+    coef by scales[0] * grad / temperature and entropy_coef by scales[1] * grad / temperature;
+    without them, coef and entropy_coef come with those factors applied. Returns out.
     """
     B, T, V = logits.shape
     block_v = _block_v(V)
@@ -255,6 +282,8 @@ def logits_bwd(
         coef,
         entropy if entropy_coef is not None else None,
         entropy_coef,
+        scales,
+        grad,
         float(temperature),
         T,
         V,

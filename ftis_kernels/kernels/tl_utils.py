@@ -38,3 +38,23 @@ def online_lse_entropy_update(m, s, u, x):
     u = alpha * (u + (m - m_new) * s) + tl.sum(e * tl.where(e > 0, x - m_new, 0.0), axis=0)
     s = s * alpha + tl.sum(e, axis=0)
     return m_new, s, u
+
+
+# Below this |x|, e^x - 1 and e^x - 1 - x come from their Taylor series: exp(x) - 1 would lose
+# the digits of a small x to cancellation (and a GPU's exp is an approximation with an absolute
+# error near 1). At 0.35 the series' first dropped term, x^8 / 8!, is below fp32's epsilon of x.
+SERIES_BELOW = tl.constexpr(0.35)
+
+
+@triton.jit
+def expm1(x):
+    """e^x - 1, accurate for small |x| (torch.expm1's role)."""
+    series = x * (1 + x / 2 * (1 + x / 3 * (1 + x / 4 * (1 + x / 5 * (1 + x / 6 * (1 + x / 7))))))
+    return tl.where(tl.abs(x) < SERIES_BELOW, series, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def exp_m1_mx(x):
+    """e^x - 1 - x >= 0, accurate for small |x|: the k3 estimator's and the k3 penalty's form."""
+    series = x * x / 2 * (1 + x / 3 * (1 + x / 4 * (1 + x / 5 * (1 + x / 6 * (1 + x / 7)))))
+    return tl.where(tl.abs(x) < SERIES_BELOW, series, (tl.exp(x) - 1.0) - x)
