@@ -26,11 +26,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftis_kernels import chunks as chunks_module
-from ftis_kernels import custom_op
-from ftis_kernels import ftis_linear_loss, ftis_loss
+from ftis_kernels import custom_op, ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 from ftis_kernels.options import FTISOptions, option_args
-from ftis_kernels.per_sample import METRIC_NAMES, per_sample_loss
+from ftis_kernels.per_sample import per_sample_loss
 from tests import numerics
 from tests.cases import (
     DTYPES,
