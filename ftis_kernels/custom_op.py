@@ -247,13 +247,15 @@ def finish_forward(
                 length=dr_grpo_length(args, opt, shape[1]),
                 cu_seqlens=args["cu_seqlens"],
             )
-        loss, scalars, record = finish_fwd(out, opt, shape, vocab)
+        loss, scalars, record = finish_fwd(out, opt, shape, vocab, logits_name != "logits")
         per_sample = (out.kl, out.filtered, out.truncated)
         coef, entropy_coef = out.coef, out.ecoef
     else:
         mask = completion_mask(args) if rows[3] is not None else None
         mask = rows[3] if mask is None else mask
-        record = fault_record(vocab, *rows[:2], rows[2], *rows[3:], (logp, row_max, log_sum))
+        record = fault_record(
+            vocab, *rows, (logp, row_max, log_sum), from_hidden=logits_name != "logits"
+        )
         packing = (args["cu_seqlens"], args["max_seqlen"])
         result = per_sample_part(logp, rows[1], rows[2], mask, *rows[4:], opt, entropy, *packing)
         loss, coef = result.loss, result.coef
@@ -262,7 +264,7 @@ def finish_forward(
         scalars = torch.stack([result.metrics[name] for name in SCALAR_METRICS] + [one, one])
         per_sample = tuple(result.metrics[name] for name in PER_SAMPLE_METRICS)
     if args["check_now"]:
-        raise_on_faults(record, logits_name)
+        raise_on_faults(record)
     if entropy_coef is None:
         entropy_coef = logp.new_empty(0)
     return (loss, logp, entropy, *per_sample, scalars, row_max, log_sum, coef, entropy_coef, record)

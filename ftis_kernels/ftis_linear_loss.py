@@ -319,7 +319,7 @@ def _ftis_linear_loss_bwd(
     if group_name is not None and grads[0] is not None:
         all_reduce_sum(grads[0], group_name)
     if record is not None:
-        raise_on_faults(record, "hidden")
+        raise_on_faults(record)
     return tuple(rows.new_empty(0) if g is None else g for g in grads)
 
 
@@ -352,7 +352,7 @@ def _scale_grads_(
         if grad.numel():
             grad.mul_(factor)
     if record is not None:
-        raise_on_faults(record, "hidden")
+        raise_on_faults(record)
 
 
 @_scale_grads_.register_fake

@@ -142,6 +142,8 @@ def _ftis_loss_bwd_inplace(
 
 def _setup_context(ctx, inputs, output):
     args = _FWD.bind(inputs)
+    # The outputs other than the loss get no gradient: None, not zero tensors made for them.
+    ctx.set_materialize_grads(False)
     custom_op.save_for_backward(
         ctx, args, inputs, output, args["logits"], custom_op.shard_tokens(args)
     )
@@ -149,6 +151,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, *_):
+    if grad_loss is None:  # a gradient through the metrics only: none reaches the logits
+        return (None,) * ctx.n_inputs
     logits, tokens = ctx.saved_tensors[:2]
     stats = custom_op.backward_stats(ctx, grad_loss)
     args = (*stats, custom_op.saved_record(ctx), ctx.temperature, ctx.backend)

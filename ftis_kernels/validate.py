@@ -139,7 +139,8 @@ _FP32_MAX = torch.finfo(torch.float32).max
 # The value checks, in the order they are reported: the rows of a value-check record. A record
 # is an (N_CHECKS, 7) float64 tensor on the inputs' device, one row per check: the number of bad
 # positions, the first one (a flat index into the checked tensor), its value, a hint flag, the
-# checked tensor's two dimensions (advantages: (S, 0)) and the vocabulary size. The Triton path
+# checked tensor's two dimensions (advantages: (S, 0)) and the vocabulary size. The logits row's
+# hint flag says that they came from hidden states (the error then names `hidden`). The Triton path
 # writes it in its per-sample kernels (`kernels/per_sample.py`), the PyTorch path with
 # `fault_record`; `raise_on_faults` reads it with one synchronisation.
 CHECKS = ("tokens", "mask", "gen_logprobs", "advantages", "old_logprobs", "ref_logprobs", "logits")
@@ -163,6 +164,7 @@ def fault_record(
     old_logprobs: Optional[torch.Tensor],
     ref_logprobs: Optional[torch.Tensor],
     row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    from_hidden: bool = False,
 ) -> torch.Tensor:
     """The value-check record (`CHECKS`) of the inputs and the logits, in PyTorch, without a
     synchronisation: what the Triton path's per-sample kernels write.
@@ -192,7 +194,7 @@ def fault_record(
         rows.append(
             (tokens, never, never) if x is None else (x, ~x.float().isfinite() & keep, never)
         )
-    rows.append((code, code != 0, never))
+    rows.append((code, code != 0, torch.full((), from_hidden, device=device)))
     B, T = tokens.shape
     record = []
     for x, bad, hint in rows:
@@ -218,6 +220,19 @@ def fault_record(
 VALUE_CHECKS = ("backward", "call", "deferred")
 
 
+def raise_on_bad_values(metrics: dict) -> None:
+    """The value checks of a call made with value_check="deferred", from its metrics (one
+    synchronisation): the ValueError the op would have raised for a bad input, or nothing. Call
+    it where the training step reads the host anyway (logging a metric, the optimizer's step)."""
+    if "value_faults" not in metrics:
+        refuse(
+            "metrics",
+            'the metrics of a call with value_check="deferred" (they hold "value_faults")',
+            f"metrics without them (keys {sorted(metrics)})",
+        )
+    raise_on_faults(metrics["value_faults"])
+
+
 def check_now(value_check: object, x: torch.Tensor) -> bool:
     """Whether the forward reads the value checks itself: value_check="call", or "backward" on a
     call no backward will follow (no gradient is recorded for x). "deferred": never."""
@@ -228,11 +243,13 @@ def check_now(value_check: object, x: torch.Tensor) -> bool:
     return value_check == "call"
 
 
-def raise_on_faults(record: torch.Tensor, logits_name: str = "logits") -> None:
+def raise_on_faults(record: torch.Tensor) -> None:
     """Reads a value-check record (one synchronisation) and raises the first failing check's
     ValueError: it names the argument, counts the failing positions and gives the first one, its
     value and, where the mistake is recognisable, a hint, in one line."""
-    for name, row in zip(CHECKS, record.tolist()):
+    rows = record.tolist()
+    logits_name = "hidden" if rows[-1][3] else "logits"
+    for name, row in zip(CHECKS, rows):
         count, first, value, hint, dim0, dim1, V = row
         if not count:
             continue

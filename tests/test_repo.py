@@ -119,7 +119,7 @@ def test_the_public_ops_stand_side_by_side_and_the_front_door_holds_the_ops():
                 imported |= {a.name for a in node.names}
         others = {f"ftis_kernels.{o}" for o in ops if o != op}
         assert not imported & others, (op, imported & others)
-    assert set(ftis_kernels.__all__) == {"FTISOptions", *ops}
+    assert set(ftis_kernels.__all__) == {"FTISOptions", "raise_on_bad_values", *ops}
 
 
 # Top-level names that our dependencies import when they find them (optional backends), beside

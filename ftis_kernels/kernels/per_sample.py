@@ -576,6 +576,7 @@ def _finish_kernel(
     record_ptr,  # (N_CHECKS, RECORD_COLUMNS) fp64 out: the value checks
     # scalars
     entropy_coef,
+    from_hidden,  # 1.0 when the logits come from hidden states (the error names hidden)
     # sizes
     n_samples,
     B,  # the per-token tensors' shape (packed: 1, N)
@@ -659,6 +660,8 @@ def _finish_kernel(
         hint = tl.zeros([], dtype=tl.float32)
         if check == 2:  # gen_logprobs that all look like probabilities
             hint = tl.where((n > 0) & (probs == n), 1.0, 0.0)
+        if check == 6:  # the logits: whose (their hint flag: from hidden states)
+            hint = tl.zeros([], dtype=tl.float32) + from_hidden
         if check == 3:  # advantages: (S,)
             dim0 = n_samples + 0 * B
             dim1 = 0 * B
@@ -805,7 +808,7 @@ def per_sample_fwd(
 
 
 def finish_fwd(
-    out: SampleOutputs, opt, shape: tuple[int, int], V: int
+    out: SampleOutputs, opt, shape: tuple[int, int], V: int, from_hidden: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch: (loss () fp32, scalars (N_SCALAR_METRICS + 2,) fp32 = the scalar metrics then
     the backward's two scales, the value-check record (N_CHECKS, RECORD_COLUMNS) fp64) from the
@@ -821,6 +824,7 @@ def finish_fwd(
         scalars,
         record,
         float(opt.entropy_coef),
+        float(from_hidden),
         out.parts.shape[0],
         shape[0],
         shape[1],

@@ -1,0 +1,227 @@
+"""What one call costs a GPU besides its bytes: kernel launches and host reads, counted on the CPU.
+
+On a GPU an op's time is its launches, its host synchronisations and its bytes; the first two
+are counted here, where every Triton launch (interpreted) and every aten op that would be a
+kernel on a GPU is visible: a TorchDispatchMode sees the aten ops (views, allocations and
+metadata are free on a GPU and are not counted), a wrapper counts the Triton launches, and a
+host read is an aten op that returns a Python scalar (`.item()`, `bool()`) or a `.tolist()`.
+The budgets are the ones the op is designed to: the default F-TIS `ftis_loss` forward and
+backward in at most 6 launches and 1 host read (none in the forward), and `ftis_linear_loss` at
+most its matmuls and 3 more launches per chunk, with no host read unless it checks its inputs
+in the backward. A change that brings small ops or synchronisations back fails here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from ftis_kernels import ftis_linear_loss, ftis_loss
+from ftis_kernels.kernels import logp_lse
+from tests.cases import make_case
+
+pytestmark = pytest.mark.skipif(
+    not logp_lse.INTERPRETED, reason="counts the Triton path's launches under the interpreter"
+)
+
+# Free on a GPU: no kernel runs (views, allocations, metadata).
+FREE = {
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::reshape",
+    "aten::select",
+    "aten::slice",
+    "aten::expand",
+    "aten::as_strided",
+    "aten::t",
+    "aten::transpose",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::detach",
+    "aten::detach_",
+    "aten::alias",
+    "aten::permute",
+    "aten::lift_fresh",
+    "aten::result_type",
+    "aten::contiguous",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::set_",
+}
+MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::matmul", "aten::linear"}
+HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
+
+
+class Work:
+    """What ran in a block: "kernels" (outermost aten ops that launch on a GPU), "matmuls" (of
+    them), "triton" (Triton launches), "reads" (host reads), and the kernels' names."""
+
+    def __init__(self):
+        self.counts = {"kernels": 0, "matmuls": 0, "reads": 0, "triton": 0}
+        self.ops: list[str] = []
+
+    def add(self, events) -> None:
+        for event in events:
+            if event.name in HOST_READS:
+                self.counts["reads"] += 1
+                continue
+            parent, nested = event.cpu_parent, False
+            while parent is not None:
+                # Inside an aten op, or the interpreter's own copies around a Triton launch.
+                nested |= parent.name.startswith("aten::") or parent.name == "triton launch"
+                parent = parent.cpu_parent
+            if event.name.startswith("aten::") and not nested and event.name not in FREE:
+                self.counts["kernels"] += 1
+                self.ops.append(event.name)
+                self.counts["matmuls"] += event.name in MATMULS
+
+
+@contextlib.contextmanager
+def counting():
+    """A Work whose counts cover the block, from the profiler's aten events (those inside the
+    custom ops too), a wrapper of the interpreted Triton kernels and of `.tolist()`."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    work = Work()
+    run, tolist = InterpretedFunction.run, torch.Tensor.tolist
+
+    def counted_run(self, *args, **kwargs):
+        work.counts["triton"] += 1
+        with torch.autograd.profiler.record_function("triton launch"):
+            return run(self, *args, **kwargs)
+
+    def counted_tolist(self):
+        work.counts["reads"] += 1
+        return tolist(self)
+
+    InterpretedFunction.run = counted_run
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            yield work
+    finally:
+        InterpretedFunction.run, torch.Tensor.tolist = run, tolist
+    work.add(prof.events())
+
+
+def launches(work: Work) -> int:
+    return work.counts["triton"] + work.counts["kernels"]
+
+
+def test_default_ftis_loss_forward_and_backward_fit_the_launch_and_read_budget():
+    case = make_case(4, 16, 1000, seed=0)
+    logits = case.logits.float().requires_grad_()
+    with counting() as forward:
+        loss, _ = ftis_loss(logits, *case.inputs)
+    one = torch.ones(())  # the caller's incoming gradient, not the op's launch
+    with counting() as backward:
+        loss.backward(one)
+    assert forward.counts["reads"] == 0, forward.ops
+    assert backward.counts["reads"] <= 1
+    total = launches(forward) + launches(backward)
+    assert total <= 6, (forward.counts, forward.ops, backward.counts, backward.ops)
+    assert forward.counts["triton"] == 3 and backward.counts["triton"] == 1
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(loss_type="dapo", beta=0.04, entropy_coef=0.01),
+        dict(ratio_level="sequence", is_level="sequence", kl_reduction="max"),
+        dict(loss_type="vespo", is_mode="mask"),
+    ],
+    ids=["dapo_beta_entropy", "sequence_levels", "vespo"],
+)
+def test_every_option_keeps_the_launch_budget(opts):
+    case = make_case(3, 8, 300, seed=1, with_ref=True, with_old=True)
+    logits = case.logits.float().requires_grad_()
+    one = torch.ones(())
+    with counting() as work:
+        loss, _ = ftis_loss(logits, *case.inputs, **opts)
+        loss.backward(one)
+    assert work.counts["reads"] <= 1
+    assert launches(work) <= 6, (work.counts, work.ops)
+
+
+def test_a_deferred_check_reads_nothing_and_raise_on_bad_values_reads_once():
+    from ftis_kernels import raise_on_bad_values
+
+    case = make_case(2, 6, 50, seed=2)
+    logits = case.logits.float().requires_grad_()
+    with counting() as work:
+        loss, metrics = ftis_loss(logits, *case.inputs, value_check="deferred")
+        loss.backward()
+    assert work.counts["reads"] == 0
+    with counting() as work:
+        raise_on_bad_values(metrics)
+    assert work.counts["reads"] == 1
+    bad = case.gen_logprobs.clone()
+    bad[1, 2] = 0.5
+    inputs = (case.tokens, bad, *case.inputs[2:])
+    _, metrics = ftis_loss(logits.detach(), *inputs, value_check="deferred")
+    with pytest.raises(ValueError, match=r"^gen_logprobs: expected .* the first at \(1, 2\)"):
+        raise_on_bad_values(metrics)
+
+
+def test_the_check_in_the_backward_raises_the_named_error():
+    case = make_case(2, 6, 50, seed=3, mask="none")
+    tokens = case.tokens.clone()
+    tokens[0, 1] = 50
+    logits = case.logits.float().requires_grad_()
+    loss, _ = ftis_loss(logits, tokens, *case.inputs[1:])  # no read in the forward
+    with pytest.raises(
+        ValueError, match=r"^tokens: expected ids in \[0, 50\).*the first at \(0, 1\)"
+    ):
+        loss.backward()
+    with pytest.raises(ValueError, match=r"^tokens: expected ids in \[0, 50\)"):
+        ftis_loss(logits, tokens, *case.inputs[1:], value_check="call")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^tokens: "):
+        ftis_loss(logits, tokens, *case.inputs[1:])  # no backward will come: read at once
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_linear_loss_launches_per_chunk_its_matmuls_and_three_kernels(grad_in_forward):
+    B, T, V, H = 4, 6, 200, 16
+    case = make_case(B, T, V, H=H, seed=4)
+    hidden = case.hidden.float().requires_grad_()
+    weight = case.weight.float().requires_grad_()
+    runs = {}
+    one = torch.ones(())
+    for chunk_size in (T, 2 * T):  # 4 chunks, then 2: the per-chunk cost is the difference
+        with counting() as work:
+            loss, _ = ftis_linear_loss(
+                hidden,
+                weight,
+                *case.inputs,
+                chunk_size=chunk_size,
+                grad_in_forward=grad_in_forward,
+                value_check="deferred",
+            )
+            loss.backward(one)
+        assert work.counts["reads"] == 0, work.ops
+        runs[B * T // chunk_size] = work
+    per_chunk = {
+        key: (runs[4].counts[key] - runs[2].counts[key]) / 2 for key in ("matmuls", "triton")
+    }
+    other = (launches(runs[4]) - launches(runs[2])) / 2 - per_chunk["matmuls"]
+    matmuls = 3 if grad_in_forward else 4  # the logits once (twice in the backward order)
+    assert per_chunk["matmuls"] == matmuls, runs[4].ops
+    assert other <= 3, (runs[4].ops, runs[2].ops)
+    # No add_ of a partial product: the matmul accumulates grad_weight.
+    assert not any("add_" in op or "add.Tensor" in op for op in runs[4].ops), runs[4].ops
+
+
+def test_linear_loss_checks_its_inputs_with_one_read_in_the_backward():
+    case = make_case(2, 5, 40, H=8, seed=5)
+    hidden = case.hidden.float().requires_grad_()
+    with counting() as work:
+        loss, _ = ftis_linear_loss(hidden, case.weight.float(), *case.inputs, chunk_size=5)
+        loss.backward()
+    assert work.counts["reads"] == 1
