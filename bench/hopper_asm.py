@@ -157,6 +157,8 @@ def loop_stats(kernel: str, dtype: str, block_v: int, num_warps: int) -> LoopSta
             coef_ptr="*fp32",
             entropy_ptr="*fp32",
             entropy_coef_ptr="*fp32",
+            scales_ptr="*fp32",
+            grad_ptr="*fp32",
             temperature="fp32",
             T="i32",
             V="i32",
@@ -170,7 +172,13 @@ def loop_stats(kernel: str, dtype: str, block_v: int, num_warps: int) -> LoopSta
             stride_tt="i32",
         )
         consts = dict(
-            HAS_ENTROPY_GRAD=False, BLOCK_V=block_v, stride_lv=1, stride_dv=1, stride_tt=1
+            HAS_ENTROPY_GRAD=False,
+            HAS_SCALES=True,
+            HAS_GRAD=True,
+            BLOCK_V=block_v,
+            stride_lv=1,
+            stride_dv=1,
+            stride_tt=1,
         )
         div16 = [
             "logits_ptr",

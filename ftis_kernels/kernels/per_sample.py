@@ -649,10 +649,10 @@ def _finish_kernel(
         for s0 in range(0, n_samples, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
             ok = s < n_samples
-            at = faults_ptr + s * (N_CHECKS * 3) + check * 3
-            count += tl.sum(tl.load(at + 0, mask=ok, other=0.0), axis=0)
-            f = tl.load(at + 1, mask=ok, other=_BIG)
-            v = tl.load(at + 2, mask=ok, other=0.0)
+            cell = faults_ptr + s * (N_CHECKS * 3) + check * 3
+            count += tl.sum(tl.load(cell + 0, mask=ok, other=0.0), axis=0)
+            f = tl.load(cell + 1, mask=ok, other=_BIG)
+            v = tl.load(cell + 2, mask=ok, other=0.0)
             block_first = tl.min(f, axis=0)
             block_value = tl.sum(tl.where(f == block_first, v, 0.0), axis=0)
             value = tl.where(block_first < first, block_value, value)
@@ -668,14 +668,14 @@ def _finish_kernel(
         else:
             dim0 = B + 0 * n_samples
             dim1 = T + 0 * B
-        at = record_ptr + check * RECORD_COLUMNS
-        tl.store(at + 0, count)
-        tl.store(at + 1, tl.where(count > 0, first, 0.0))
-        tl.store(at + 2, value)
-        tl.store(at + 3, hint.to(tl.float64))
-        tl.store(at + 4, dim0.to(tl.float64))
-        tl.store(at + 5, dim1.to(tl.float64))
-        tl.store(at + 6, (V + 0 * B).to(tl.float64))
+        out = record_ptr + check * RECORD_COLUMNS
+        tl.store(out + 0, count)
+        tl.store(out + 1, tl.where(count > 0, first, 0.0))
+        tl.store(out + 2, value)
+        tl.store(out + 3, hint.to(tl.float64))
+        tl.store(out + 4, dim0.to(tl.float64))
+        tl.store(out + 5, dim1.to(tl.float64))
+        tl.store(out + 6, (V + 0 * B).to(tl.float64))
 
 
 # --- launchers -----------------------------------------------------------------------------------
