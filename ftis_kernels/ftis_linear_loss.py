@@ -1,33 +1,34 @@
 """`ftis_linear_loss`: the F-TIS loss from the last hidden states and the lm-head, without ever
 materialising the (B, T, V) logits (docs/method.md §2, applied to `hidden @ weight.T + bias`).
 
-The completion positions are processed in chunks of rows (`chunks.py`, the chunk engine). For
-each chunk, one matmul gives the chunk's logits (c, V) in the hidden dtype, and the row passes of
-`ftis_loss` (`kernels/`) read them for log pi_theta of the taken token and the row's statistics.
-The per-sample part (`per_sample.py`) needs every token of a sample (KL filter, sequence-level
-weight, normaliser) and yields the loss, the metrics and coef = d loss / d logp. The gradients
-follow in one of two orders, with the same results:
+The (B, T) positions are processed in chunks of contiguous rows (`chunks.py`, the chunk engine).
+For each chunk, one matmul gives the chunk's logits (c, V) in the hidden dtype, and the row
+passes of `ftis_loss` (`kernels/`) read them for log pi_theta of the taken token and the row's
+statistics. The per-sample part (`kernels/per_sample.py`) needs every token of a sample (KL
+filter, sequence-level weight, normaliser) and yields the loss, the metrics and
+coef = d loss / d logp. The gradients follow in one of two orders, with the same results:
 
 - In the forward (6 N H V FLOPs, as Liger's chunked losses do), when every chunk holds whole
   samples and a sample's coef depends on no other sample's logits (`grad_in_forward_blocker`):
-  each chunk's coef is known as soon as its logits are, so the row backward kernel overwrites
-  them at once with dlogits = coef * (onehot - softmax) / temperature and two matmuls accumulate
-  grad_hidden and grad_weight (fp32 accumulation), for an incoming gradient of 1; the backward
-  only multiplies them by the incoming gradient (in place, nothing at 1).
+  after a chunk's row pass, the per-sample kernel runs on the chunk's samples, the row backward
+  kernel overwrites the logits with dlogits = coef * (onehot - softmax) / temperature, and two
+  matmuls give grad_hidden's rows and accumulate grad_weight (in fp32, inside the GEMM), for an
+  incoming gradient of 1; the backward multiplies them by the incoming gradient (times 1 / N'
+  for a batch-normalised loss) on the device. Per chunk: 3 matmuls and 3 kernels.
 - In the backward (8 N H V FLOPs): each chunk's logits are recomputed, turned into dlogits and
   fed to the same two matmuls.
 
-Rows without gradient (masked, filtered, zero advantage) are skipped by the matmuls of the
-gradients, and masked rows are never read, so their hidden states may hold anything.
+Nothing is read back from the device to plan the chunks (0 host reads with value_check=
+"deferred"; the default reads the value checks once, in the backward). Masked rows are computed
+with the others, on hidden states zeroed there once per call (`chunks.masked_rows`), so whatever
+they held reaches no logit and no gradient.
 
 Extra memory is bounded independently of B * T: one chunk of logits, at most
 max(chunks.AUTO_CHUNK_ELEMENTS, chunks.AUTO_SAMPLE_CHUNK_ELEMENTS) of them with chunk_size=None
-(c * V in the hidden dtype, plus the CPU row passes' fp32 scratch; in the forward order a chunk
-with rows without gradient copies out its other rows, up to a second chunk), for bf16/fp16
-weights an fp32 grad_weight accumulator and one fp32 partial product of
-chunks.GRAD_WEIGHT_BLOCK_V vocabulary rows, and O(B * T) per-token scalars
-(`bench/linear_memory.py` measures it). In the forward order the gradients exist from the forward
-on instead of from the backward on.
+(c * V in the hidden dtype, plus the CPU row passes' fp32 scratch), the masked copy of hidden and
+grad_hidden ((B * T, H) each), for bf16/fp16 weights an fp32 grad_weight accumulator, and O(B * T)
+per-token scalars (`bench/linear_memory.py` measures it). In the forward order the gradients
+exist from the forward on instead of from the backward on.
 
 This is the "cuBLAS matmul per chunk + the row kernels" design. The matmul itself is torch's
 (cuBLAS on GPU, oneDNN/MKL on CPU); only the row passes are Triton. Fusing the log-sum-exp into a
@@ -531,6 +532,8 @@ def ftis_linear_loss(
             any gradient to compute (torch.no_grad(), no input requiring grad) neither order
             does gradient work. In the forward order the gradients are held from the forward
             on, and one backward through the graph is allowed.
+        value_check: as in `ftis_loss` ("backward", "call" or "deferred"); "deferred" makes the
+            call read the host 0 times.
 
     The logits of a chunk are computed in the hidden dtype, as the model's lm-head would; the
     row passes and the reductions accumulate in fp32. Hidden states at masked positions are never

@@ -1,11 +1,13 @@
 """`ftis_loss`: the fused F-TIS loss from logits (docs/method.md §2).
 
-Forward: one streaming pass over each row of logits (`kernels/logp_lse.py`) gives log pi_theta of
-the taken token and the row's log-sum-exp; the per-sample part (`per_sample.py`) turns them into
-the loss, the metrics and d loss / d logp. Backward: one pass writes
+Forward, three launches: one streaming pass over each row of logits (`kernels/logp_lse.py`) gives
+log pi_theta of the taken token and the row's log-sum-exp; one program per sample
+(`kernels/per_sample.py`) turns them into d loss / d logp, the sample's decisions, its share of
+the loss and metrics and the value checks; one program reduces the samples. Backward, one launch:
 dlogits = coef * (onehot - softmax) / temperature, recomputing the softmax from the saved row
-statistics (max and log-sum-exp relative to it), optionally into the logits buffer itself. No
-(B, T, V) temporary is ever created.
+statistics (max and log-sum-exp relative to it), with the incoming gradient and the batch-wide
+normaliser read on the device, optionally into the logits buffer itself. No (B, T, V) temporary
+is ever created, and no host read happens in the forward.
 
 Dispatch, by where the logits live: CUDA -> compiled Triton kernels; CPU with the kernels
 decorated under TRITON_INTERPRET=1 -> the same Triton kernels, interpreted; CPU otherwise -> a
@@ -198,6 +200,13 @@ def ftis_loss(
             kl_source="old"); None = stop_grad(current).
         ref_logprobs: (B, T) float for the beta * k3 penalty; required when beta > 0.
         options: an `FTISOptions` (e.g. `FTISOptions.preset("gspo")`); None = the defaults.
+        value_check: where the values of the inputs and the logits are checked (the kernels
+            check them on the device in any case; this says where the host reads the verdict,
+            one synchronisation): "backward" (default) after the backward's launch, or in the
+            call when no backward will follow (no gradient recorded); "call" in the call;
+            "deferred" never by the op: metrics["value_faults"] holds the verdict and
+            `ftis_kernels.raise_on_bad_values(metrics)` raises the same error (for CUDA graphs,
+            or a step that reads the host anyway).
         **option_keywords: any field of `FTISOptions` (is_mode, filter, loss_type, ratio_level,
             entropy_coef, ...), applied over `options`; help(ftis_loss) lists them all.
         inplace_backward: write d loss / d logits into the logits buffer during backward, saving
@@ -234,9 +243,9 @@ def ftis_loss(
     Raises:
         ValueError naming the argument, in one line: shapes, dtypes, devices, options (an unknown
         name, a bad value, a bad combination naming both options) and the in-place backward's
-        preconditions before any kernel runs; values (token ids, finiteness
-        and sign in float32, the logits) with one synchronisation right after the row pass, with
-        the number of failing positions, the first one and its value. Logits at a completion
+        preconditions before any kernel runs; values (token ids, finiteness and sign in float32,
+        the logits) where `value_check` says, with the number of failing positions, the first
+        one and its value (a bad token id is never used as an address). Logits at a completion
         position must give a finite log pi_theta(token): a row with a NaN or +inf logit (after
         dividing by temperature), with every logit -inf, or with -inf at the taken token is
         refused, on every backend. -inf at other tokens is legal (vocabulary masking) and exact.

@@ -1,14 +1,13 @@
-"""The per-sample part of the loss on (B, T) tensors: KL estimate, rejection, IS weight, policy
-surrogate (every loss type of `options.LOSS_TYPES`), penalties, reduction, metrics, and the
-coefficients d loss / d logp and d loss / d entropy that the backward row kernels need.
+"""The per-sample part of the loss in PyTorch, on (B, T) tensors: KL estimate, rejection, IS
+weight, policy surrogate (every loss type of `options.LOSS_TYPES`), penalties, reduction, metrics,
+and the coefficients d loss / d logp and d loss / d entropy that the backward row passes need.
 
-It is a handful of PyTorch ops on (B, T) fp32 tensors rather than a Triton kernel on purpose: it
-moves O(B * T) bytes against the O(B * T * V) of the row kernels (a 1 / V fraction, < 0.01% for
-real vocabularies), so fusing it would save nothing measurable, while here it is written once, in
-the methods' words, for `ftis_loss` and `ftis_linear_loss` alike. Its gradient with respect to the
-(B, T) log-probabilities (and entropies) is taken by autograd on these small tensors: with eight
-loss types, sequence-level ratios and weights, a hand-written derivative per combination would be
-the largest source of bugs, and the row kernels still receive one scalar per token.
+It is the CPU path's (without Triton's interpreter) and the spelled-out statement of what the
+Triton kernels of `kernels/per_sample.py` compute: written once in the methods' words, with the
+gradient with respect to the (B, T) log-probabilities (and entropies) taken by autograd on these
+small tensors. On a GPU the same work is two launches of `kernels/per_sample.py`, whose
+hand-written derivatives are tested against this module and against the reference: a chain of
+small torch ops there would cost a launch each and dominate the op's time.
 """
 
 from __future__ import annotations

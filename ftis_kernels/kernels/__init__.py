@@ -4,7 +4,8 @@
 compiled Triton kernels; CPU with the kernels decorated under TRITON_INTERPRET=1 -> the same Triton
 kernels, interpreted; CPU otherwise -> the chunked PyTorch path with the same results. `FORWARD`
 and `BACKWARD` map a backend to its row passes (Triton: `logp_lse.py`; CPU PyTorch:
-`logp_lse_cpu.py`): the ops, the tests and the benchmarks import these names.
+`logp_lse_cpu.py`): the ops, the tests and the benchmarks import these names. The per-sample part
+between the row passes is `per_sample.py` on the Triton backend.
 """
 
 from __future__ import annotations
