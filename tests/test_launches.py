@@ -22,7 +22,7 @@ from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse
 from tests.cases import make_case
 
-pytestmark = pytest.mark.skipif(
+interpreted = pytest.mark.skipif(
     not logp_lse.INTERPRETED, reason="counts the Triton path's launches under the interpreter"
 )
 
@@ -115,6 +115,7 @@ def launches(work: Work) -> int:
     return work.counts["triton"] + work.counts["kernels"]
 
 
+@interpreted
 def test_default_ftis_loss_forward_and_backward_fit_the_launch_and_read_budget():
     case = make_case(4, 16, 1000, seed=0)
     logits = case.logits.float().requires_grad_()
@@ -130,6 +131,7 @@ def test_default_ftis_loss_forward_and_backward_fit_the_launch_and_read_budget()
     assert forward.counts["triton"] == 3 and backward.counts["triton"] == 1
 
 
+@interpreted
 @pytest.mark.parametrize(
     "opts",
     [
@@ -150,6 +152,7 @@ def test_every_option_keeps_the_launch_budget(opts):
     assert launches(work) <= 6, (work.counts, work.ops)
 
 
+@interpreted
 def test_a_deferred_check_reads_nothing_and_raise_on_bad_values_reads_once():
     from ftis_kernels import raise_on_bad_values
 
@@ -170,6 +173,7 @@ def test_a_deferred_check_reads_nothing_and_raise_on_bad_values_reads_once():
         raise_on_bad_values(metrics)
 
 
+@interpreted
 def test_the_check_in_the_backward_raises_the_named_error():
     case = make_case(2, 6, 50, seed=3, mask="none")
     tokens = case.tokens.clone()
@@ -186,6 +190,7 @@ def test_the_check_in_the_backward_raises_the_named_error():
         ftis_loss(logits, tokens, *case.inputs[1:])  # no backward will come: read at once
 
 
+@interpreted
 @pytest.mark.parametrize("grad_in_forward", [True, False])
 def test_linear_loss_launches_per_chunk_its_matmuls_and_three_kernels(grad_in_forward):
     B, T, V, H = 4, 6, 200, 16
@@ -218,6 +223,7 @@ def test_linear_loss_launches_per_chunk_its_matmuls_and_three_kernels(grad_in_fo
     assert not any("add_" in op or "add.Tensor" in op for op in runs[4].ops), runs[4].ops
 
 
+@interpreted
 def test_linear_loss_checks_its_inputs_with_one_read_in_the_backward():
     case = make_case(2, 5, 40, H=8, seed=5)
     hidden = case.hidden.float().requires_grad_()
@@ -225,3 +231,34 @@ def test_linear_loss_checks_its_inputs_with_one_read_in_the_backward():
         loss, _ = ftis_linear_loss(hidden, case.weight.float(), *case.inputs, chunk_size=5)
         loss.backward()
     assert work.counts["reads"] == 1
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_profiler_sees_the_same_budget():
+    """The same budget from the CUDA profiler: kernels launched and host synchronisations (a
+    device-to-host copy or a stream/device synchronize) of one default F-TIS forward + backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case = make_case(4, 64, 32000, seed=6, device=torch.device("cuda"))
+    logits = case.logits.to(torch.bfloat16).requires_grad_()
+    one = torch.ones((), device="cuda")
+    for _ in range(2):  # compiled and warm
+        loss, _ = ftis_loss(logits, *case.inputs)
+        loss.backward(one)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loss, _ = ftis_loss(logits, *case.inputs)
+        loss.backward(one)
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
+    syncs = [
+        e
+        for e in events
+        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+        or ("cudaMemcpy" in e.name and "DtoH" in str(getattr(e, "input_shapes", "")))
+    ]
+    assert len(kernels) <= 6, sorted(e.name for e in kernels)
+    # The test's own final synchronize, and at most the backward's read of the value checks.
+    assert len(syncs) <= 2, sorted(e.name for e in syncs)
