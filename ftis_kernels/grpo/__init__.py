@@ -8,16 +8,17 @@ Modules, in the order a round uses them: `task` (problems and the binary reward)
 """  # noqa: E501
 
 import sys
+from pathlib import Path
 
 from ftis_kernels._extras import MissingExtraError, require
 
 try:
     require("grpo", "ftis_kernels.grpo")
 except MissingExtraError as err:
-    # `python -m ftis_kernels.grpo` imports this package first, with sys.argv[0] set to "-m"
-    # (Python's documented marker): answer as the `ftis-grpo` console script does, one line and
-    # exit code 2, rather than with a traceback.
-    if sys.argv[:1] == ["-m"]:
+    # Run as the command, answer as a command does: one line and exit code 2, not a traceback.
+    # `python -m ftis_kernels.grpo` imports this package with sys.argv[0] set to "-m" (Python's
+    # documented marker); the `ftis-grpo` console script imports it from a file of that name.
+    if sys.argv[:1] == ["-m"] or Path(sys.argv[0] if sys.argv else "").name == "ftis-grpo":
         print(f"ftis-grpo: {str(err).split(': ', 1)[1]}", file=sys.stderr)
         raise SystemExit(2) from None
     raise
