@@ -179,7 +179,7 @@ def join_address(maddrs: list[str]) -> str:
 
 def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
     """Run one peer into `cfg.out` (checked and locked as a run's folder is), its samples moved
-    by the transport `connect` starts; returns the exit code (`launch`'s: 0 done, 1 refused, 3
+    by the transport `connect` starts; returns the exit code (of `process`: 0 done, 1 refused, 3
     the swarm lost, 4 diverged, 5 a write failed). ConfigError before anything starts."""
     check_peer_config(cfg)
     out = Path(cfg.out)

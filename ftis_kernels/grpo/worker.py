@@ -144,7 +144,7 @@ def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
         why = f"node {rank}: cannot write {exc.filename or 'its output'}: {exc.strerror or exc}"
         log.error("%s; stopping (the last complete checkpoint is kept)", why)
         leave(EXIT_WRITE, rank, why)
-    finally:  # the ways out through _leave release it as the process ends
+    finally:  # the ways out through leave() release it as the process ends
         lock.release()
     dist.destroy_process_group()
     return 0
