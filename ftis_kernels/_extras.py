@@ -1,8 +1,7 @@
-"""The optional extras, and the `ftis-grpo` console script that checks its extra before importing.
+"""The optional extras: `pip install ftis-kernels` brings the ops only (torch, triton, numpy).
 
-`pip install ftis-kernels` brings the ops only (torch, triton, numpy). The driver and the
-integrations need more; each names its extra when a package is missing, in one line, instead of
-failing deep inside an import.
+The driver and the integrations need more; each names its extra when a package is missing, in one
+line, instead of failing deep inside an import (`require`).
 """
 
 from __future__ import annotations
@@ -10,9 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import sys
 import urllib.parse
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -85,15 +82,3 @@ def require(extra: str, what: str) -> None:
             f"{what}: needs the '{extra}' extra: {install_command(extra)} "
             f"(missing: {', '.join(absent)})"
         )
-
-
-def grpo_cli(argv: Sequence[str] | None = None) -> int:
-    """The `ftis-grpo` console script: without the 'grpo' extra, one line and exit code 2."""
-    try:
-        require("grpo", "ftis-grpo")
-    except MissingExtraError as err:
-        print(err, file=sys.stderr)
-        return 2
-    from ftis_kernels.grpo.cli import main
-
-    return main(argv)

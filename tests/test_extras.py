@@ -88,12 +88,25 @@ def test_ops_run_with_every_optional_package_hidden():
     assert result.stdout.split() == ["True", "True"]
 
 
-def test_ftis_grpo_without_its_extra_says_so_in_one_line_and_exits_2():
-    code = _hide("yaml") + (
-        "from ftis_kernels._extras import grpo_cli\n"
-        "sys.exit(grpo_cli(['--preset', 'smoke', '--out', 'unused']))\n"
+def test_ftis_grpo_without_its_extra_says_so_in_one_line_and_exits_2(tmp_path):
+    # The console script as pip writes it for pyproject's entry point, with a package hidden.
+    module, function = PYPROJECT["scripts"]["ftis-grpo"].split(":")
+    script = tmp_path / "ftis-grpo"
+    script.write_text(
+        _hide("yaml")
+        + f"import re\nfrom {module} import {function}\n"
+        + "if __name__ == '__main__':\n"
+        + "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+        + f"    sys.exit({function}())\n"
     )
-    result = _python(code)
+    result = subprocess.run(
+        [sys.executable, str(script), "--preset", "smoke", "--out", "unused"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.splitlines() == [

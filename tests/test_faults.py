@@ -36,8 +36,9 @@ from ftis_kernels.grpo.config import (
     to_dict,
 )
 from ftis_kernels.grpo.exchange import IMPROBABLE_LOGPROB, Sample, make_hostile, pack, unpack
-from ftis_kernels.grpo.launch import LOCK_FILE, RUN_MARKER, OutLock, _resume_hint, check_out
+from ftis_kernels.grpo.launch import _resume_hint
 from ftis_kernels.grpo.models import build_model
+from ftis_kernels.grpo.run_folder import LOCK_FILE, RUN_MARKER, OutLock, check_out
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
 from ftis_kernels.grpo.tokenizer import build_tokenizer
 from ftis_kernels.grpo.train import grpo_update, skip_cause

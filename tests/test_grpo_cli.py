@@ -14,11 +14,11 @@ import torch
 from ftis_kernels.grpo import cli
 from ftis_kernels.grpo.checkpoint import mark_latest, save_node
 from ftis_kernels.grpo.config import RESUMABLE, ConfigError, build_config, describe_keys, to_dict
-from ftis_kernels.grpo.export import model_folder_problem
-from ftis_kernels.grpo.launch import check_resume
+from ftis_kernels.grpo.model_folder import model_folder_problem
 from ftis_kernels.grpo.models import apply_lora, build_model, load_pretrained, warm_up
-from ftis_kernels.grpo.node import CLEAR_LINE, log_formatter
+from ftis_kernels.grpo.process import CLEAR_LINE, log_formatter
 from ftis_kernels.grpo.report import write_run_config
+from ftis_kernels.grpo.run_folder import check_resume
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, load_jsonl
 from ftis_kernels.grpo.tokenizer import build_tokenizer
 from tests.test_faults import _fake_run, ftis_grpo

@@ -110,7 +110,7 @@ def _peer_config(tmp_path: Path, k: int, rounds: int, warmup_steps: int = 2) -> 
 
 def _start(tmp_path, k, rounds, join=(), resume=False, warmup_steps=2, gate=None):
     """Peer k as its own process; `gate`: the start file its first round waits for."""
-    from ftis_kernels.grpo.peer import START_ENV
+    from ftis_kernels.grpo.process import START_ENV
 
     cmd = [sys.executable, "-m", "ftis_kernels.grpo", "peer", "--out", str(tmp_path / f"p{k}")]
     cmd += ["--config", str(_peer_config(tmp_path, k, rounds, warmup_steps))]
@@ -146,7 +146,7 @@ def test_sigkill_a_late_joiner_and_a_resumed_peer(tmp_path):
     once peer 0 has done 2: it joins at the swarm's round. Peer 1 is killed with SIGKILL after
     its third round: the others lose at most collect_timeout_s once and go on. Restarted with
     --resume (alone, the others done), it continues from its checkpoint as the same peer."""
-    from ftis_kernels.grpo.peer import READY_FILE
+    from ftis_kernels.grpo.process import READY_FILE
 
     rounds, gate, late_gate = 8, tmp_path / "start", tmp_path / "start-late"
     p0 = _start(tmp_path, 0, rounds, gate=gate)

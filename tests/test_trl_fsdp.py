@@ -204,7 +204,7 @@ def test_the_fused_loss_runs_inside_the_lm_heads_forward_as_zero3_needs():
     output (ZeRO's hooks do this with all-gathers). Through `_call_as_forward` the fused loss and
     its weight gradient are those of the whole weight, and the module's forward is restored."""
     from ftis_kernels import ftis_linear_loss
-    from ftis_kernels.integrations.trl import _call_as_forward
+    from ftis_kernels.integrations.trl.trainer import _call_as_forward
 
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 11, bias=False)
@@ -251,7 +251,7 @@ def test_the_fused_loss_runs_inside_the_lm_heads_forward_as_zero3_needs():
 
 def test_a_lora_lm_head_under_zero3_is_refused_naming_ftis_op():
     peft = pytest.importorskip("peft")
-    from ftis_kernels.integrations.trl import _sharding, _zero3_lm_head
+    from ftis_kernels.integrations.trl.trainer import _sharding, _zero3_lm_head
     from tests.test_trl_integration import _tiny_qwen2
 
     config = peft.LoraConfig(r=2, target_modules=["lm_head"])

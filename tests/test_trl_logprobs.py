@@ -9,8 +9,8 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
-from ftis_kernels.integrations import trl as ftis_trl  # noqa: E402
 from ftis_kernels.integrations.trl import FTISGRPOConfig, FTISGRPOTrainer  # noqa: E402
+from ftis_kernels.integrations.trl import trainer as ftis_trl  # noqa: E402
 from tests.test_trl_integration import (  # noqa: E402
     CHECKPOINTING,
     PROMPTS,

@@ -1,23 +1,36 @@
-"""Collaborative GRPO driver: heterogeneous nodes training together with F-TIS over torch.distributed.
+"""Collaborative GRPO driver: heterogeneous nodes training together with F-TIS.
 
-Modules, in the order a round uses them: `task` (problems and the binary reward), `tokenizer`,
-`models` (presets, warm-up, LoRA), `rollout` (sampling with logprobs, group advantages), `exchange`
-(the wire format and the collective), `train` (the update with `ftis_kernels.ftis_loss`),
-`checkpoint`, `report`; `config` (the run's schema), `node` runs one torchrun worker,
-`launch` starts and supervises the swarm, `cli` is the command line.
-"""  # noqa: E501
+Its layers, from the top: the command line (`cli`; `__main__` runs it for `python -m
+ftis_kernels.grpo`), the launcher (`launch`: starts a local swarm's processes as commands and
+supervises them), one process of a swarm (`worker`: a node under torchrun; `peer`: a peer of a
+swarm over hivemind's DHT, `swarm`, on any host), then the round (`node`: set up, then generate,
+exchange, train each round; `claims`: what a node holds its peers' samples to). A module imports
+none of a layer above its own, and no import goes round in a circle (tests/test_layers.py).
+
+Below the round, what it uses: `train` (the update with `ftis_kernels.ftis_loss`), `rollout`
+(sampling with logprobs, group advantages), `exchange` (the wire format), `transport` (how the
+bytes move: the seam, and torchrun's lockstep transport), `models` (presets, warm-up, LoRA),
+`task` (problems and the binary reward), `tokenizer`, `audit` (what each defence did), `report`
+(metrics, curves, summary), `checkpoint`, `provenance` (what a run ran on). The configuration:
+`config` (presets, files and overrides; `--list-keys`, `--print-config`) over `schema` (every
+key, its range, the checks of how the keys fit) and `model_folder` (the check of a `--model`
+folder); `export` (`ftis-grpo export`: a node's checkpoint as a model folder). Shared by the
+processes of a run: `run_folder` (the lock and checks of `--out`), `process` (exit codes, the
+launcher's environment, signals, the log format), `errors` (the one-line usage errors).
+"""
 
 import sys
+from pathlib import Path
 
 from ftis_kernels._extras import MissingExtraError, require
 
 try:
     require("grpo", "ftis_kernels.grpo")
 except MissingExtraError as err:
-    # `python -m ftis_kernels.grpo` imports this package first, with sys.argv[0] set to "-m"
-    # (Python's documented marker): answer as the `ftis-grpo` console script does, one line and
-    # exit code 2, rather than with a traceback.
-    if sys.argv[:1] == ["-m"]:
+    # Run as the command, answer as a command does: one line and exit code 2, not a traceback.
+    # `python -m ftis_kernels.grpo` imports this package with sys.argv[0] set to "-m" (Python's
+    # documented marker); the `ftis-grpo` console script imports it from a file of that name.
+    if sys.argv[:1] == ["-m"] or Path(sys.argv[0] if sys.argv else "").name == "ftis-grpo":
         print(f"ftis-grpo: {str(err).split(': ', 1)[1]}", file=sys.stderr)
         raise SystemExit(2) from None
     raise

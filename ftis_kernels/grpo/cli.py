@@ -9,7 +9,7 @@
 
 Run by hand with torchrun (for example across hosts) the same command runs one node: the CLI
 sees torchrun's environment (RANK, WORLD_SIZE, ...) and does not launch again; rank 0 then checks
-and locks `--out` as the launcher does (`launch.hold_out`).
+and locks `--out` as the launcher does (`run_folder.hold_out`).
 
 Every configuration or usage error is found here, before any process starts, and printed as one
 line `ftis-grpo: <key>: expected <what>, got <value>` with exit code `EXIT_USAGE`.
@@ -38,9 +38,9 @@ from ftis_kernels.grpo.config import (
     render_keys,
     show,
 )
+from ftis_kernels.grpo.process import EXIT_USAGE
 from ftis_kernels.options import KL_ESTIMATORS, option_default
 
-EXIT_USAGE = 2  # a configuration or usage error: nothing was started
 _DEFAULTS = RunConfig()
 # The flags that set a config key of the same name (`dest`), after the preset and --config.
 _KEY_FLAGS = (
@@ -464,8 +464,8 @@ def peer_main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         flags = {k: f"--{k}" for k, v in overrides.items() if v is not None}
         return _usage_lines("ftis-grpo peer", exc.renamed(flags))
-    from ftis_kernels.grpo.node import setup_logging
     from ftis_kernels.grpo.peer import RECORD_TTL_S, Stopped, run_peer, stop_on_signals
+    from ftis_kernels.grpo.process import setup_logging
 
     setup_logging(0, tag=cfg.node(0).name)
     stop_on_signals()
@@ -539,7 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = config_from_args(args)
         if worker:
-            from ftis_kernels.grpo.node import run_worker
+            from ftis_kernels.grpo.worker import run_worker
 
             return run_worker(cfg, overwrite=args.overwrite)
         try:

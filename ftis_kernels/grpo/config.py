@@ -1,16 +1,15 @@
-"""Run configuration: dataclasses, presets, YAML/TOML files and `key=value` overrides.
+"""Run configuration: presets, YAML/TOML files and `key=value` overrides over the schema
+(`schema.RunConfig`), and the schema described for people (`--list-keys`, `--print-config`).
 
 Layers, later wins: the dataclass defaults, `--preset`, `--config FILE`, then the command-line
-flags (`--rounds 8`, `--set nodes.1.hostile=random_tokens`, ...).
+flags (`--rounds 8`, `--set nodes.1.hostile=random_tokens`, ...). The schema's names are
+importable from here too (`__all__`): `from ftis_kernels.grpo.config import RunConfig`.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
-import hashlib
-import json
 import re
 import textwrap
 from dataclasses import fields
@@ -18,520 +17,46 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
-from pydantic.dataclasses import dataclass
+from pydantic import TypeAdapter, ValidationError
 
-from ftis_kernels.grpo.exchange import HOSTILE_KINDS
-from ftis_kernels.grpo.task import OPERATIONS, Difficulty
-from ftis_kernels.options import OPTION_NAMES, FTISOptions, option_choices, option_help
-from ftis_kernels.options import PRESETS as LOSS_PRESETS
-
-COLLABS = ("vertical", "horizontal")
-# What moves the exchange's bytes (`transport.Transport`): torchrun's lockstep world on this host,
-# or hivemind's DHT, one peer per process on any host (`ftis-grpo peer`).
-TRANSPORTS = ("torch", "hivemind")
-# A run's loss: a preset of FTISOptions (README), or on-policy (isolated nodes, plain GRPO).
-LOSSES = ("on-policy",) + tuple(LOSS_PRESETS)
-# The loss options a run config names as its own keys (null: the preset's value); any other
-# option of FTISOptions goes in `loss_options`.
-RUN_LOSS_OPTIONS = ("is_cap", "kl_threshold", "kl_estimator", "epsilon", "loss_type")
-TASKS = ("arith", "jsonl")
-SPLITS = ("train", "test", "ood")  # the JSONL files a `task: jsonl` run reads
-# Preset architectures (Qwen2 sizes) a node without `model` is built from.
-ARCHS: dict[str, dict[str, int]] = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "small": dict(
-        hidden_size=96,
-        intermediate_size=288,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    "base": dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-}
-# Fields that may change between a run and its --resume.
-RESUMABLE = (
-    "rounds",
-    "out",
-    "resume",
-    "timeout_s",
-    "progress",
-    "threads",
-    "eval_every",
-    "ckpt_every",
-    "warmup_cache",
-    "setup_timeout_s",
-    "max_skipped_steps",
-    "pack",
-    "pack_row_tokens",
-    "max_staleness",
-    "collect_timeout_s",
+from ftis_kernels.grpo.errors import ConfigError, Verbatim, show
+from ftis_kernels.grpo.schema import (
+    ARCHS,
+    COLLABS,
+    LOSSES,
+    REPEAT_SEED_STRIDE,
+    RESUMABLE,
+    RUN_LOSS_OPTIONS,
+    TRANSPORTS,
+    NodeSpec,
+    RunConfig,
+    resume_changes,
+    to_dict,
 )
-# What peers of a hivemind swarm must share to exchange samples (`RunConfig.swarm_fingerprint`):
-# the problems and their rewards, the groups and the wire's bounds. The rest (the node spec, the
-# loss, the defences, the schedule) is each peer's own.
-SWARM_KEYS = (
-    "seed",
-    "collab",
-    "prompts_per_node",
-    "group_size",
-    "max_new_tokens",
-    "task",
-    "format_credit",
-    "task_steps",
-    "task_operand_max",
-    "ood_steps",
-    "ood_operand_max",
-    "ood_surface",
-    "disjoint_splits",
-)
-# Seed strides: `--seed s` moves every node's init seed by s * RUN_SEED_STRIDE; `--nodes n` beyond
-# the config's list repeats its specs, the k-th repetition with init seeds k * REPEAT_SEED_STRIDE
-# further, so no two nodes share initial weights.
-RUN_SEED_STRIDE = 1000
-REPEAT_SEED_STRIDE = 100
 
-# The schema's building blocks: every field's type and range is checked when a config is built.
-Count = Annotated[int, Field(ge=1)]
-Index = Annotated[int, Field(ge=0)]
-Positive = Annotated[float, Field(gt=0)]
-# Bounds where a larger value passes the schema only to crash every node at run time: a seed
-# times the seed mixes overflows the generators' 64 bits, a timeout the process group's clock,
-# and a learning rate above 1 writes non-finite weights into the first checkpoint.
-MAX_SEED = 2**32 - 1
-MAX_TIMEOUT_S = 1e6  # 11.6 days
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)]
-LearningRate = Annotated[float, Field(gt=0, le=1.0)]
-# What an error message echoes of a value at most: a config's value can be megabytes.
-MAX_ECHO = 200
-Share = Annotated[float, Field(ge=0, le=1)]
-Steps = Annotated[list[Count], Field(min_length=2, max_length=2)]
-_SCHEMA = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-def _loss_option(name: str) -> Any:
-    """A run config key for the loss option `name`: its help from FTISOptions, default null (the
-    loss preset's value)."""
-    return Field(None, description=f"{option_help(name)} null: the loss preset's value")
-
-
-class ConfigError(ValueError):
-    """Configuration or usage errors, one line each: `key: expected ..., got value`."""
-
-    def __init__(self, *problems: tuple[str, str, Any] | str):
-        """Each problem is (key, what was expected, the value got), or a line already written
-        in that form (the loss options' own errors)."""
-        self.problems = problems
-        self.lines = [
-            p if isinstance(p, str) else f"{p[0]}: expected {p[1]}, got {_got(p[2])}"
-            for p in problems
-        ]
-        super().__init__("\n".join(self.lines))
-
-    def renamed(self, names: dict[str, str]) -> ConfigError:
-        """The same problems, each key found in `names` shown as its value there (the flag that
-        set the key on the command line), and each line once."""
-        renamed = ConfigError(
-            *(p if isinstance(p, str) else (names.get(p[0], p[0]), *p[1:]) for p in self.problems)
-        )
-        renamed.lines = list(dict.fromkeys(renamed.lines))  # one flag that set several keys
-        renamed.args = ("\n".join(renamed.lines),)
-        return renamed
-
-
-def _got(value: Any) -> str:
-    """The `got` part of a problem: a `Described` value whole, any other cut by `_echo`."""
-    return show(value) if isinstance(value, Described) else _echo(show(value))
-
-
-def _echo(text: str) -> str:
-    """`text` as an error message echoes it: at most `MAX_ECHO` characters."""
-    if len(text) <= MAX_ECHO:
-        return text
-    return f"{text[:MAX_ECHO]}... ({len(text)} characters)"
-
-
-def show(value: Any) -> str:
-    """A value as the user wrote it: strings quoted, None as null, the rest as YAML scalars."""
-    if isinstance(value, Verbatim):
-        return str(value)
-    if isinstance(value, str):
-        return repr(value)
-    if value is None or isinstance(value, bool):
-        return json.dumps(value)
-    return str(value)
-
-
-@dataclass(config=_SCHEMA)
-class NodeSpec:
-    """One node: its model (size, initial weights, trainable parameters) and its behaviour."""
-
-    name: str = Field("node", min_length=1, description="the node's name in logs and metrics")
-    arch: Literal[tuple(ARCHS)] = Field(
-        "tiny", description="preset architecture, used when `model` is null"
-    )
-    model: Optional[str] = Field(
-        None, description="local Hugging Face checkpoint folder instead of a preset"
-    )
-    init_seed: Seed = Field(
-        0, description="initial weights and warm-up draw from init_seed + 1000 * seed"
-    )
-    warmup_steps: Index = Field(
-        200, description="supervised warm-up steps of a preset model: its expertise"
-    )
-    warmup_ops: list[Literal[OPERATIONS]] = Field(
-        default_factory=lambda: ["add", "sub"],
-        min_length=1,
-        description="operations the warm-up problems use",
-    )
-    warmup_lr: LearningRate = Field(3e-3, description="learning rate of the warm-up")
-    warmup_format: Share = Field(
-        1.0, description="share of warm-up answers in GSM8K's '#### x' format"
-    )
-    lora: bool = Field(False, description="train a peft LoRA adapter instead of every weight")
-    lora_r: Count = Field(8, description="LoRA rank")
-    lora_alpha: Positive = Field(16.0, description="LoRA scale numerator")
-    lr: LearningRate = Field(1e-4, description="GRPO learning rate (AdamW)")
-    kl_threshold: Optional[Annotated[float, Field(ge=0, allow_inf_nan=True)]] = Field(
-        None, description="this node's g, its filter's KL threshold; null: the run's kl_threshold"
-    )
-    hostile: Optional[Literal[HOSTILE_KINDS]] = Field(
-        None, description="what a hostile node sends its peers instead of its samples"
-    )
-    fail_at_round: Optional[Index] = Field(
-        None, description="fault injection: the node exits at this round's start"
-    )
-
-
-@dataclass(config=_SCHEMA)
-class RunConfig:
-    """A whole swarm run; `nodes[i % len(nodes)]` is the spec of node i."""
-
-    out: str = Field("runs/grpo", min_length=1, description="output folder")
-    seed: Seed = Field(0, description="moves the task's problems and every node's init seed")
-    rounds: Count = Field(20, description="GRPO rounds (generate, exchange, train)")
-    collab: Literal[COLLABS] = Field(
-        "vertical", description="vertical: own prompts per node; horizontal: shared groups"
-    )
-    loss: Literal[LOSSES] = Field(
-        "f-tis",
-        description="loss mode: a preset of FTISOptions (README's presets); on-policy = "
-        "isolated nodes, no exchange",
-    )
-    is_cap: Optional[Annotated[float, Field(gt=0, allow_inf_nan=True)]] = _loss_option("is_cap")
-    kl_threshold: Optional[Annotated[float, Field(ge=0, allow_inf_nan=True)]] = _loss_option(
-        "kl_threshold"
-    )
-    kl_estimator: Optional[Literal[option_choices("kl_estimator")]] = _loss_option("kl_estimator")
-    epsilon: Optional[Annotated[float, Field(gt=0, lt=1)]] = _loss_option("epsilon")
-    loss_type: Optional[Literal[option_choices("loss_type")]] = _loss_option("loss_type")
-    loss_options: dict[Literal[OPTION_NAMES], Any] = Field(
-        default_factory=dict,
-        description="any other option of FTISOptions by name, e.g. "
-        "{ratio_level: sequence, entropy_coef: 0.01} (README's options table)",
-    )
-    prompts_per_node: Count = Field(
-        4, description="vertical: own prompts per round; horizontal: shared prompts"
-    )
-    group_size: Annotated[int, Field(ge=2)] = Field(8, description="G, completions per prompt")
-    temperature: Positive = Field(1.0, description="sampling temperature")
-    max_new_tokens: Count = Field(32, description="completion length limit in training")
-    micro_batch: Count = Field(32, description="sequences per forward pass")
-    pack: bool = Field(
-        True,
-        description="train on packed micro-batches: whole prompt + completion sequences "
-        "concatenated into rows of at most pack_row_tokens tokens, each attending to itself "
-        "only (position ids restart); false: one padded row per sequence",
-    )
-    pack_row_tokens: Count = Field(
-        128,
-        description="longest packed row (a longer sequence gets a row of its own); attention "
-        "on CPU costs the square of a row's length, masked or not",
-    )
-    grad_clip: Positive = Field(1.0, description="gradient norm clip")
-    eval_size: Count = Field(64, description="problems per accuracy evaluation")
-    eval_every: Count = Field(1, description="rounds between evaluations")
-    eval_start: bool = Field(
-        True,
-        description="evaluate before the first round too; false: only every eval_every rounds "
-        "after it and after the last (runs that share a start need its evaluation once)",
-    )
-    eval_max_new_tokens: Count = Field(48, description="completion length limit in evaluation")
-    ckpt_every: Count = Field(5, description="rounds between checkpoints")
-    max_skipped_steps: Count = Field(
-        3,
-        description="a node's non-finite optimizer steps are skipped; this many in a row (since "
-        "the start or --resume) stop the swarm",
-    )
-    blame_peers: bool = Field(
-        True,
-        description="a non-finite step is retried without each peer's samples in turn: the first "
-        "peer without whose samples it is finite is named and dropped for the round (drop kind "
-        "'diverged'), and that step is taken; false: the step is skipped and counts against "
-        "this node",
-    )
-    warmup_batch: Count = Field(32, description="sequences per warm-up step")
-    task: Literal[TASKS] = Field(
-        "arith", description="arith: the built-in generator; jsonl: the files in `data`"
-    )
-    data: dict[Literal[SPLITS], str] = Field(
-        default_factory=dict, description="task jsonl: {train: PATH, test: PATH, ood: PATH}"
-    )
-    format_credit: Annotated[float, Field(ge=0, lt=1)] = Field(
-        0.0,
-        description="reward of a well-formed but wrong answer ('#### x'), a right one earns 1; "
-        "0: the paper's binary reward",
-    )
-    task_steps: Steps = Field(
-        default_factory=lambda: [1, 2],
-        description="arith: [fewest, most] steps of a train or test problem",
-    )
-    task_operand_max: Count = Field(9, description="arith: largest operand of a train/test problem")
-    ood_steps: Steps = Field(
-        default_factory=lambda: [3, 4], description="arith: [fewest, most] steps of an ood problem"
-    )
-    ood_operand_max: Count = Field(19, description="arith: largest operand of an ood problem")
-    ood_surface: bool = Field(
-        False,
-        description="arith: ood problems name people and things no train or test problem names "
-        "(the same arithmetic in unseen words)",
-    )
-    disjoint_splits: bool = Field(
-        False,
-        description="arith: no test or ood problem computes a chain of steps that a train "
-        "problem computes (a hash of the worked solution puts each chain in one side)",
-    )
-    verify_rewards: bool = Field(
-        False, description="rescore each received completion; drop it if its reward lies"
-    )
-    sample_log: bool = Field(
-        False,
-        description="write received.jsonl: per received sample and node, its KL, advantage, "
-        "whether the filter changed it, its truncated share, or why it was dropped",
-    )
-    warmup_cache: Optional[str] = Field(
-        None, description="folder of warmed-up weights, reused by identical warm-ups"
-    )
-    timeout_s: Seconds = Field(
-        120.0, description="seconds to wait for a silent peer before stopping"
-    )
-    setup_timeout_s: Seconds = Field(
-        3600.0, description="seconds nodes wait for each other's warm-up or model load"
-    )
-    transport: Literal[TRANSPORTS] = Field(
-        "torch",
-        description="what moves the samples: torch: one torchrun world on this host, every "
-        "round in lockstep (bit-reproducible); hivemind: one peer per process on any host over "
-        "hivemind's DHT, no barrier (ftis-grpo peer; needs the swarm extra)",
-    )
-    max_staleness: Index = Field(
-        1,
-        description="hivemind: a peer trains on its peers' samples of rounds up to this many "
-        "before its own, each once (0: its own round only); under torch every sample is of "
-        "the round (staleness 0)",
-    )
-    collect_timeout_s: Seconds = Field(
-        30.0,
-        description="hivemind: how long a peer waits for its live peers' samples of its round "
-        "before it trains without the missing ones",
-    )
-    threads: Index = Field(0, description="torch threads per node; 0 = cores / nodes")
-    progress: bool = Field(True, description="a progress bar over the rounds")
-    resume: bool = Field(False, description="continue from the last checkpoint in `out`")
-    nodes: list[NodeSpec] = Field(
-        default_factory=lambda: [NodeSpec()],
-        min_length=1,
-        description="the node specs; node i runs nodes[i % len(nodes)]",
-    )
-
-    def node(self, rank: int) -> NodeSpec:
-        return self.nodes[rank % len(self.nodes)]
-
-    def init_seed(self, rank: int) -> int:
-        """Seed of node `rank`'s initial weights, warm-up data and LoRA init: `--seed` moves all."""
-        return self.node(rank).init_seed + RUN_SEED_STRIDE * self.seed
-
-    def ftis_options(self, rank: Optional[int] = None) -> FTISOptions:
-        """The loss options of this run: the `loss` preset (on-policy = the "grpo" preset: no IS
-        weight, no filter), the sampling temperature, the keys set here, then `loss_options`;
-        for node `rank`, its own `kl_threshold` if it sets one."""
-        explicit = {k: getattr(self, k) for k in RUN_LOSS_OPTIONS if getattr(self, k) is not None}
-        preset = "grpo" if self.loss == "on-policy" else self.loss
-        overrides = {"temperature": self.temperature, **explicit, **self.loss_options}
-        if rank is not None and self.node(rank).kl_threshold is not None:
-            overrides["kl_threshold"] = self.node(rank).kl_threshold
-        return FTISOptions.preset(preset, **overrides)
-
-    def difficulty(self) -> Difficulty:
-        """The built-in task's difficulty (`task_steps`, `task_operand_max`, `ood_*`)."""
-        return Difficulty(
-            *self.task_steps,
-            self.task_operand_max,
-            *self.ood_steps,
-            self.ood_operand_max,
-            self.ood_surface,
-            self.disjoint_splits,
-        )
-
-    def validate(self, world: int) -> None:
-        """ConfigError unless the fields fit together for a swarm of `world` nodes (each field's
-        own type and range is checked when the config is built)."""
-        problems = []
-        for key in ("task_steps", "ood_steps"):
-            if getattr(self, key)[0] > getattr(self, key)[1]:
-                problems.append((key, "[fewest, most] with fewest <= most", getattr(self, key)))
-        horizontal = self.collab == "horizontal" and self.loss != "on-policy"
-        if self.transport == "hivemind" and horizontal:
-            problems.append(
-                (
-                    "collab",
-                    "vertical under transport hivemind (horizontal mode needs every peer's "
-                    "rewards of the same round: a lockstep exchange, torch only)",
-                    self.collab,
-                )
-            )
-        elif horizontal and self.group_size % world:
-            problems.append(
-                (
-                    "group_size",
-                    f"a multiple of the {world} nodes (horizontal mode "
-                    "splits each group over the nodes)",
-                    self.group_size,
-                )
-            )
-        if self.task == "jsonl":
-            for split in SPLITS:
-                path = self.data.get(split)
-                if path is None or not Path(path).is_file():
-                    problems.append((f"data.{split}", "a JSONL file (task jsonl)", path))
-            for i, spec in enumerate(self.nodes):
-                if spec.model is None:
-                    problems.append(
-                        (
-                            f"nodes.{i}.model",
-                            "a model folder: preset models know "
-                            "only the built-in task's vocabulary (task jsonl)",
-                            None,
-                        )
-                    )
-        problems += self.input_problems()
-        if problems:
-            raise ConfigError(*problems)
-        try:
-            options = self.ftis_options()
-            for rank in range(len(self.nodes)):
-                self.ftis_options(rank)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if options.beta > 0:
-            raise ConfigError(
-                ("loss_options.beta", "0 (the driver has no reference model)", options.beta)
-            )
-
-    def input_problems(self) -> list[tuple[str, str, Any]]:
-        """What is wrong with the files the run reads, before any node starts: every line of
-        each data file (`task: jsonl`; its path:line), and each node's model folder."""
-        from ftis_kernels.grpo.export import model_folder_problem
-        from ftis_kernels.grpo.task import load_jsonl
-
-        problems: list[tuple[str, str, Any]] = []
-        if self.task == "jsonl":
-            for split, path in self.data.items():
-                if Path(path).is_file():
-                    try:
-                        load_jsonl(path, split)
-                    except (OSError, ValueError) as exc:
-                        problems.append(
-                            (
-                                f"data.{split}",
-                                'a JSONL file of {"question" (or "problem"), "answer"} objects',
-                                Verbatim(str(exc)),
-                            )
-                        )
-        for i, spec in enumerate(self.nodes):
-            found = None if spec.model is None else model_folder_problem(spec.model)
-            if found is not None:
-                problems.append(
-                    (
-                        f"nodes.{i}.model",
-                        "a Hugging Face model folder (config.json, weights, tokenizer)",
-                        Described(found),
-                    )
-                )
-        return problems
-
-    def fingerprint(self) -> str:
-        """Hash of everything a resumed run must share with the run it continues."""
-        return hashlib.sha256(
-            json.dumps(_shared(to_dict(self)), sort_keys=True).encode()
-        ).hexdigest()[:16]
-
-    def swarm_fingerprint(self) -> str:
-        """Hash of what every node must share to exchange samples: under torch the whole run
-        (`fingerprint`: every node runs one configuration); under hivemind, where each peer has
-        its own node spec, loss and schedule, the `SWARM_KEYS` and the data files' contents."""
-        if self.transport == "torch":
-            return self.fingerprint()
-        shared: dict[str, Any] = {k: getattr(self, k) for k in SWARM_KEYS}
-        shared["data"] = {
-            split: hashlib.sha256(Path(path).read_bytes()).hexdigest()
-            for split, path in sorted(self.data.items())
-        }
-        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
-
-    def samples_per_round(self, world: int) -> int:
-        """How many samples a node sends each round in a swarm of `world` nodes."""
-        if self.collab == "horizontal" and self.loss != "on-policy":
-            return self.prompts_per_node * (self.group_size // world)
-        return self.prompts_per_node * self.group_size
-
-
-def _shared(d: dict[str, Any]) -> dict[str, Any]:
-    """The part of a config dict a resumed run must share with the run it continues."""
-    # The transport is not the run's state (and runs from before the key keep their fingerprint).
-    d = {k: v for k, v in d.items() if k not in RESUMABLE and k != "transport"}
-    d["nodes"] = [{k: v for k, v in n.items() if k != "fail_at_round"} for n in d["nodes"]]
-    return d
-
-
-def resume_changes(before: dict[str, Any], now: RunConfig) -> list[tuple[str, Any, Any]]:
-    """(key, old value, new value) of each setting `now` changes that a --resume must keep."""
-    old, new = _flatten(_shared(before)), _flatten(_shared(to_dict(now)))
-    return [
-        (k, old.get(k), new.get(k))
-        for k in sorted(set(old) | set(new), key=_key_order)
-        if old.get(k) != new.get(k)
-    ]
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict) and d:
-        items = d.items()
-    elif isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
-        items = enumerate(d)
-    else:
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in items:
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def _key_order(key: str) -> tuple:
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))
+__all__ = [
+    "ARCHS",
+    "COLLABS",
+    "LOSSES",
+    "PRESETS",
+    "PRESET_HELP",
+    "RESUMABLE",
+    "RUN_LOSS_OPTIONS",
+    "TRANSPORTS",
+    "ConfigError",
+    "NodeSpec",
+    "RunConfig",
+    "apply_set",
+    "build_config",
+    "describe_keys",
+    "from_dict",
+    "load_file",
+    "render_config",
+    "render_keys",
+    "resume_changes",
+    "show",
+    "to_dict",
+]
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -649,7 +174,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _from_dict(d: dict[str, Any]) -> RunConfig:
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    """The config dict `d` (every key, as `to_dict` writes one) as a RunConfig; ConfigError
+    naming the key of every value the schema refuses."""
     try:
         return _ADAPTER.validate_python(d)
     except ValidationError as exc:
@@ -674,15 +201,6 @@ _EXPECTED = {
     "list_type": "a list",
     "dataclass_type": "a mapping of node keys",
 }
-
-
-class Verbatim(str):
-    """A `got` value shown as is (a description rather than the user's value)."""
-
-
-class Described(Verbatim):
-    """A description whose user values are already cut (`_echo`), shown whole: its advice (a
-    command to run) must not be cut off."""
 
 
 def _problem(err: dict[str, Any]) -> tuple[str, str, Any]:
@@ -837,11 +355,7 @@ def build_config(
                     n["init_seed"] = n.get("init_seed", 0) + REPEAT_SEED_STRIDE * (i // len(base))
     for assignment in sets:
         apply_set(d, assignment)
-    return _from_dict(d)
-
-
-def to_dict(cfg: RunConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    return from_dict(d)
 
 
 # -- the schema, described for people (`--list-keys`, `--print-config`) ---------------------------

@@ -1,25 +1,20 @@
-"""Starting a local swarm: the output folder (lock, checks, clean-up), torchrun, and signals.
+"""Starting a local swarm: torchrun (or one `ftis-grpo peer` per node), its supervision, signals.
 
-Every check here runs before any node starts, so a bad `--out` or `--resume` costs no warm-up.
-The launcher takes an exclusive lock on `--out`, checks the folder, then holds the lock shared
-with the nodes, each of which takes it too (`hold_out`): the lock lasts as long as any process of
-the swarm, and a second run is refused until the last has exited. It starts torchrun in a
+Every check runs before any node starts, so a bad `--out` or `--resume` costs no warm-up: the
+launcher takes the lock on `--out` and checks the folder (`run_folder`), then holds the lock
+shared with the nodes, each of which takes it too (`run_folder.hold_out`). It starts torchrun in a
 session of its own, set to die with the launcher, and forwards SIGINT, SIGTERM and SIGHUP to
 every node (and kills torchrun); nodes still alive `STOP_GRACE_S` seconds later are killed. A node
-whose launcher or torchrun is gone stops by itself (`node.watch_parent`), so nothing outlives the
-launcher, even one killed by SIGKILL.
+whose launcher or torchrun is gone stops by itself (`worker.watch_parent`), so nothing outlives
+the launcher, even one killed by SIGKILL. What the launcher and its processes agree on (exit
+codes, environment variables, files) is in `process`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import datetime
-import fcntl
-import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,251 +23,36 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Optional
 
 import psutil
-import torch.distributed as torch_dist
 import yaml
 
 from ftis_kernels.grpo import checkpoint
-from ftis_kernels.grpo.cli import EXIT_USAGE
-from ftis_kernels.grpo.config import (
-    RESUMABLE,
-    ConfigError,
-    RunConfig,
-    Verbatim,
-    resume_changes,
-    show,
+from ftis_kernels.grpo.errors import ConfigError
+from ftis_kernels.grpo.process import (
+    EXIT_DIVERGED,
+    EXIT_REFUSED,
+    EXIT_REPORTS_ENV,
+    EXIT_SWARM,
+    EXIT_USAGE,
+    LAUNCHER_ENV,
+    PEER_FILE,
+    READY_FILE,
+    START_ENV,
+    STOP_SIGNALS,
+    die_with_parent,
+    read_exit_reports,
+    read_peer_file,
+    threads_per_node,
 )
-from ftis_kernels.grpo.report import read_metrics, skipped_in_a_row
+from ftis_kernels.grpo.report import merge, read_metrics, skipped_in_a_row
+from ftis_kernels.grpo.run_folder import OutLock, check_out, make_out
+from ftis_kernels.grpo.schema import RunConfig, to_dict
 
 log = logging.getLogger("ftis_kernels.grpo")
 
-LOCK_FILE = ".ftis-grpo.lock"
-# Written into --out when a run starts there: the folder holds a run (`holds_a_run`).
-RUN_MARKER = ".ftis-grpo-run"
-# What a run writes into --out, all that --overwrite deletes (with the marker).
-RUN_OUTPUTS = (
-    "ckpt",
-    "metrics.jsonl",
-    "config.json",
-    "config.yaml",
-    "curves.png",
-    "summary.txt",
-    "tokenizer",
-    "received.jsonl",
-    "environment.json",
-)
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# Set by the launcher for the nodes: its PID. Without it (torchrun by hand) rank 0 checks --out.
-LAUNCHER_ENV = "FTIS_GRPO_LAUNCHER_PID"
-# Set by the launcher for the nodes: a folder where each node leaves `node<rank>.json`, its exit
-# code and why (`report_exit`), for the launcher to report the swarm's own.
-EXIT_REPORTS_ENV = "FTIS_GRPO_EXIT_REPORTS"
-# Exit codes of a node and of the launcher (ftis-grpo's 2 is cli.EXIT_USAGE).
-EXIT_REFUSED = 1  # a node refused to start (vocabulary or configuration mismatch, bad --resume)
-EXIT_SWARM = 3  # a peer died or stopped answering
-EXIT_DIVERGED = 4  # a node skipped max_skipped_steps non-finite optimizer steps in a row
-EXIT_WRITE = 5  # a node could not write its output (a full disk, say)
-EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
-_PR_SET_PDEATHSIG = 1  # prctl(2)
 STOP_GRACE_S = 20.0  # how long the nodes get to stop after a forwarded signal before SIGKILL
 _POLL_S = 0.2
-
-
-def threads_per_node(threads: int, local_nodes: int) -> int:
-    """Torch (and OpenMP) threads of each node: `threads`, or 0 for this machine's cores shared
-    evenly by the `local_nodes` nodes it runs."""
-    if threads:
-        return threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // local_nodes)
-
-
-# -- the output folder ----------------------------------------------------------------------------
-class OutLock:
-    """A lock on the output folder: `<out>/.ftis-grpo.lock`, holding the PID, host and start time
-    of the process that checked the folder. One run's processes hold it shared (`share`, `join`);
-    a run that starts needs it exclusive (`acquire`), so it is refused while any process of
-    another run is alive. The kernel releases a holder's share when it exits, however it exits."""
-
-    def __init__(self, out: Path):
-        self.path = out / LOCK_FILE
-        self._file: Optional[IO[str]] = None
-
-    def _take(self, mode: int) -> IO[str]:
-        f = open(self.path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(f, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "a process that has not written its name yet"
-            f.close()
-            raise ConfigError(
-                (
-                    "--out",
-                    "a folder no other run is writing to",
-                    Verbatim(f"{str(self.path.parent)!r}, locked by {holder}"),
-                )
-            ) from None
-        return f
-
-    def acquire(self) -> None:
-        """Take the lock exclusively, or ConfigError naming the run that holds it."""
-        f = self._take(fcntl.LOCK_EX)
-        f.seek(0)
-        f.truncate()
-        since = datetime.datetime.now().isoformat(timespec="seconds")
-        f.write(f"ftis-grpo PID {os.getpid()} on host {socket.gethostname()} since {since}\n")
-        f.flush()
-        self._file = f
-
-    def share(self) -> None:
-        """Hold the exclusive lock taken by `acquire` shared, for the nodes of this run to join."""
-        fcntl.flock(self._file, fcntl.LOCK_SH)
-
-    def join(self) -> None:
-        """Take a share of the lock (a node of the run that holds it), or ConfigError naming the
-        run that holds it exclusively."""
-        self._file = self._take(fcntl.LOCK_SH)
-
-    def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing the descriptor drops the lock
-            self._file = None
-
-    def __enter__(self) -> OutLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-def make_out(out: Path) -> None:
-    """Create the output folder, or ConfigError if it is a file or cannot be created."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(("--out", "a folder", Verbatim(f"{str(out)!r}, which is a file")))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            ("--out", "a folder this user can create", Verbatim(f"{str(out)!r} ({exc.strerror})"))
-        ) from None
-
-
-def check_out(cfg: RunConfig, overwrite: bool) -> None:
-    """Before a run starts into `cfg.out` (locked by the caller): a fresh run needs a folder that
-    holds no run, unless `overwrite` (then the previous run's `RUN_OUTPUTS` are deleted, nothing
-    else); a --resume needs a complete checkpoint of the same configuration and rounds left to
-    run. A folder with files of those names that no run wrote (no `RUN_MARKER`) is refused
-    either way. Stale `round_*.tmp` folders of a killed checkpoint write are removed. Writes the
-    marker; ConfigError otherwise."""
-    out = Path(cfg.out)
-    previous = [name for name in RUN_OUTPUTS if (out / name).exists()]
-    if previous and not holds_a_run(out):
-        raise ConfigError(
-            (
-                "--out",
-                "a folder without files of the names a run writes, or one a run wrote",
-                Verbatim(
-                    f"{str(out)!r}, which holds {', '.join(previous)} that no run wrote "
-                    "(move them, or choose another --out)"
-                ),
-            )
-        )
-    if cfg.resume:
-        if overwrite:
-            raise ConfigError(
-                (
-                    "--overwrite",
-                    "no --resume (--resume continues the run in --out, --overwrite replaces it)",
-                    True,
-                )
-            )
-        check_resume(cfg)
-        stale = sorted((out / "ckpt").glob("node*/round_*.tmp"))
-        for folder in stale:
-            shutil.rmtree(folder)
-        if stale:
-            log.warning(
-                "removed %d unfinished checkpoint write(s): %s",
-                len(stale),
-                ", ".join(str(p.relative_to(out)) for p in stale),
-            )
-    elif previous and not overwrite:
-        raise ConfigError(
-            (
-                "--out",
-                "an empty or new folder (--resume continues the run there, "
-                "--overwrite replaces it)",
-                Verbatim(f"{str(out)!r}, which holds a run: {', '.join(previous)}"),
-            )
-        )
-    elif previous:
-        for name in previous:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        log.warning("--overwrite: deleted the previous run's %s in %s", ", ".join(previous), out)
-    (out / RUN_MARKER).write_text(
-        "ftis-grpo writes its run here; --overwrite deletes only this file and its outputs: "
-        f"{', '.join(RUN_OUTPUTS)}\n"
-    )
-
-
-def holds_a_run(out: Path) -> bool:
-    """Whether `out` holds a run: its marker, or (a run from before markers) `ckpt/latest.json`."""
-    return (out / RUN_MARKER).is_file() or (out / "ckpt" / "latest.json").is_file()
-
-
-def check_resume(cfg: RunConfig) -> None:
-    """ConfigError unless `cfg.out` holds a complete checkpoint of the same configuration (the
-    keys in `config.RESUMABLE` may change) with fewer than `cfg.rounds` rounds done."""
-    out = Path(cfg.out)
-    done = checkpoint.latest_round(out / "ckpt")
-    if done is None:
-        raise ConfigError(
-            (
-                "--resume",
-                f"a complete checkpoint in {out / 'ckpt'}",
-                Verbatim("none (start the run without --resume)"),
-            )
-        )
-    config_file = out / "config.json"
-    try:
-        before = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:  # the nodes still compare the checkpoint's fingerprint
-        log.warning(
-            "--resume: cannot compare with the previous configuration (%s): %s", config_file, exc
-        )
-        before = None
-    if before is not None:
-        changes = resume_changes(before, cfg)
-        if changes:
-            raise ConfigError(
-                *(
-                    (
-                        key,
-                        f"{show(old)} as in the run being resumed (--resume may change only "
-                        f"{', '.join(k for k in RESUMABLE if k not in ('out', 'resume'))})",
-                        new,
-                    )
-                    for key, old, new in changes
-                )
-            )
-    if cfg.rounds <= done:
-        raise ConfigError(
-            (
-                "rounds",
-                f"more than the {done} rounds the run in {out} has done (--rounds N extends it)",
-                cfg.rounds,
-            )
-        )
-    if (out / "metrics.jsonl").exists():
-        try:  # rank 0 reads it again, and warns of a torn last line then
-            read_metrics(out / "metrics.jsonl", warn=False)
-        except ValueError as exc:
-            raise ConfigError(f"--resume: {exc}") from None
 
 
 # -- torchrun and its supervision -----------------------------------------------------------------
@@ -324,7 +104,7 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
         with tempfile.TemporaryDirectory(prefix="ftis-grpo-exit-") as reports:
             env[EXIT_REPORTS_ENV] = reports
             rc = supervise(
-                subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
             )
             code, reason = swarm_exit(rc, read_exit_reports(Path(reports)))
     if code != 0:
@@ -350,10 +130,6 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
     multiaddr. Signals are forwarded as `launch` does; returns the swarm's exit code (`swarm_exit`
     over the peers' codes, a peer killed by a signal as 128 + its number), and merges the peers'
     metrics into `cfg.out`/curves.png and summary.txt. ConfigError before anything starts."""
-    from ftis_kernels.grpo.config import to_dict
-    from ftis_kernels.grpo.peer import READY_FILE, START_ENV, read_peer_file
-    from ftis_kernels.grpo.report import merge
-
     out, n = Path(cfg.out), len(cfg.nodes)
     make_out(out)
     with OutLock(out):  # one local swarm per folder; each peer locks its own node_k
@@ -389,11 +165,11 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
             cmd += ["--initial-peers", *join] if join else []
             # Its own session: a terminal's Ctrl-C reaches the launcher, which forwards it once.
             return subprocess.Popen(
-                cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent
+                cmd, env=env, start_new_session=True, preexec_fn=die_with_parent
             )
 
         for k in range(n):
-            (peer_folder(out, k) / "peer.json").unlink(missing_ok=True)
+            (peer_folder(out, k) / PEER_FILE).unlink(missing_ok=True)
             (peer_folder(out, k) / READY_FILE).unlink(missing_ok=True)
         log.info("starting a local swarm of %d peers over loopback in %s", n, out)
         procs = [start(0, [])]
@@ -449,7 +225,7 @@ def supervise_peers(
             if p.poll() is None:
                 p.send_signal(signum if len(received) == 1 else signal.SIGKILL)
 
-    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         deadline = None
         while any(p.poll() is None for p in procs):
@@ -467,30 +243,6 @@ def supervise_peers(
     return {
         k: (128 - p.returncode if p.returncode < 0 else p.returncode) for k, p in enumerate(procs)
     }
-
-
-def read_exit_reports(folder: Path) -> dict[int, tuple[int, str]]:
-    """{rank: (exit code, why)} of the nodes that left a report in `folder` (`report_exit`)."""
-    reports = {}
-    for path in folder.glob("node*.json"):
-        try:
-            got = json.loads(path.read_text())
-            reports[int(path.stem[len("node") :])] = (int(got["code"]), str(got["reason"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a node killed while writing it: as if it had left none
-    return reports
-
-
-def report_exit(rank: int, code: int, reason: str) -> None:
-    """A node's exit code and why, for its launcher (nothing under torchrun by hand)."""
-    folder = os.environ.get(EXIT_REPORTS_ENV)
-    if folder:
-        try:
-            tmp = Path(folder) / f"node{rank}.json.tmp"
-            tmp.write_text(json.dumps({"code": code, "reason": reason}))
-            os.replace(tmp, tmp.with_suffix(""))
-        except OSError:
-            pass  # the launcher is gone, or its temporary folder: nobody to tell
 
 
 def swarm_exit(rc: int, reports: dict[int, tuple[int, str]]) -> tuple[int, str]:
@@ -527,42 +279,6 @@ def _torchrun(argv: Sequence[str]) -> int:
     except ChildFailedError:
         return 1
     return 0
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGKILL when the launcher dies, however it dies; its
-    nodes then see torchrun gone and stop (`node.watch_parent`)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def hold_out(cfg: RunConfig, rank: int, overwrite: bool, group=None) -> OutLock:
-    """A node's share of the lock on `cfg.out`, held until it exits. Under the launcher, which
-    has checked the folder, each node joins its lock. Under torchrun by hand, rank 0 does what the
-    launcher does (the lock, then `check_out`) while the others wait on `group`'s broadcast; a
-    refusal stops every node with ConfigError (rank 0's carries the lines, the others' none)."""
-    out, lock = Path(cfg.out), OutLock(Path(cfg.out))
-    if os.environ.get(LAUNCHER_ENV):
-        make_out(out)
-        lock.join()
-        return lock
-    refusal: list[Optional[list[str]]] = [None]
-    if rank == 0:
-        try:
-            make_out(out)
-            lock.acquire()
-            check_out(cfg, overwrite)
-            lock.share()
-        except ConfigError as exc:
-            lock.release()
-            refusal = [exc.lines]
-    torch_dist.broadcast_object_list(refusal, src=0, group=group)
-    if refusal[0] is not None:
-        raise ConfigError(*refusal[0]) if rank == 0 else ConfigError()
-    if rank != 0:
-        make_out(out)
-        lock.join()
-    return lock
 
 
 def _resume_hint(argv: Sequence[str], cfg: RunConfig) -> str:
@@ -612,7 +328,7 @@ def supervise(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int:
         except ProcessLookupError:
             pass
 
-    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         deadline = None
         while True:

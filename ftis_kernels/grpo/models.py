@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from ftis_kernels.grpo.config import ARCHS
+from ftis_kernels.grpo.schema import ARCHS
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
 
 log = logging.getLogger(__name__)

@@ -1,33 +1,23 @@
-"""One node of the swarm: set up, then generate, exchange, train each round.
+"""One node of the swarm (`Node`): set up, then generate, exchange, train each round.
 
 The node talks to its peers only through a `transport.Transport` (the agreement checks, the
 barriers, the checkpoint check, the reward and sample exchanges, the gathers of metrics and
-sample-log rows), and never asks which one runs. Under torchrun (`run_worker`) it is the lockstep
-`TorchTransport`, whose collectives turn a peer that dies or falls silent into a `SwarmError`
-naming the phase (after at most `timeout_s`, the process group's timeout), and the node stops
-with a clear message and exit code `EXIT_SWARM` instead of hanging. A node whose
-optimizer steps keep coming out non-finite (`max_skipped_steps` in a row) stops the whole swarm
-with exit code `EXIT_DIVERGED`.
+sample-log rows), and never asks which one runs: the process around it is a torchrun worker
+(`worker.run_worker`, the lockstep `TorchTransport`) or a peer of a swarm (`peer.run_peer`, a
+swarm transport). A node whose optimizer steps keep coming out non-finite (`max_skipped_steps` in
+a row) raises `Diverged` on every node; what it checks of its peers' samples is in `claims`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
-import sys
-import threading
 import time
-import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
-import psutil
 import torch
-import torch.distributed as dist
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.audit import (
@@ -37,26 +27,8 @@ from ftis_kernels.grpo.audit import (
     sample_rows,
     start_sample_log,
 )
-from ftis_kernels.grpo.config import RESUMABLE, RunConfig, to_dict
-from ftis_kernels.grpo.exchange import (
-    Drop,
-    Sample,
-    SwarmError,
-    exchange,
-    make_hostile,
-    record_bytes,
-)
-from ftis_kernels.grpo.launch import (
-    EXIT_DIVERGED,
-    EXIT_FAULT_INJECTION,
-    EXIT_REFUSED,
-    EXIT_SWARM,
-    EXIT_WRITE,
-    LAUNCHER_ENV,
-    hold_out,
-    report_exit,
-    threads_per_node,
-)
+from ftis_kernels.grpo.claims import blame_peers, check_claims
+from ftis_kernels.grpo.exchange import Drop, Sample, exchange, make_hostile
 from ftis_kernels.grpo.models import (
     apply_lora,
     build_model,
@@ -64,6 +36,7 @@ from ftis_kernels.grpo.models import (
     warm_up_cached,
     warmup_cache_file,
 )
+from ftis_kernels.grpo.process import EXIT_FAULT_INJECTION, leave
 from ftis_kernels.grpo.provenance import describe, environment, record_environment
 from ftis_kernels.grpo.report import (
     METRIC_KEYS,
@@ -75,10 +48,11 @@ from ftis_kernels.grpo.report import (
     write_run_config,
 )
 from ftis_kernels.grpo.rollout import horizontal_advantages, sample, vertical_advantages
+from ftis_kernels.grpo.schema import RESUMABLE, RunConfig, to_dict
 from ftis_kernels.grpo.task import Difficulty, Problems, format_prompt, reward
 from ftis_kernels.grpo.tokenizer import build_tokenizer, vocab_fingerprint
 from ftis_kernels.grpo.train import grpo_update, packing_keeps_sequences_apart, skip_cause
-from ftis_kernels.grpo.transport import TorchTransport, Transport, source_of
+from ftis_kernels.grpo.transport import Transport, source_of
 
 log = logging.getLogger("ftis_kernels.grpo")
 
@@ -434,7 +408,7 @@ class Node:
         if self.spec.fail_at_round == round_:
             why = f"node {self.rank}: fault injection (fail_at_round={round_}): exiting now"
             log.error("%s", why)
-            _leave(EXIT_FAULT_INJECTION, self.rank, why)
+            leave(EXIT_FAULT_INJECTION, self.rank, why)
         evaluate = self.evaluates(round_)
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
@@ -463,8 +437,13 @@ class Node:
         per_sample: dict[str, list[float]] = {}
         stats = self.update(own + received, per_sample)
         if stats["skipped"] and received and cfg.blame_peers:
-            stats, received, per_sample, blamed = self.update_without_culprits(
-                own, received, stats, per_sample, round_
+            stats, received, per_sample, blamed = blame_peers(
+                self.update,
+                own,
+                received,
+                stats,
+                per_sample,
+                who=f"node {self.rank} ({self.spec.name}) round {round_}",
             )
             drops += blamed
         if cfg.sample_log:
@@ -513,135 +492,14 @@ class Node:
             per_sample=per_sample,
         )
 
-    def update_without_culprits(
-        self,
-        own: list[Sample],
-        received: list[Sample],
-        skipped: dict[str, float],
-        skipped_per_sample: dict[str, list[float]],
-        round_: int,
-    ) -> tuple[dict[str, float], list[Sample], dict[str, list[float]], list[Drop]]:
-        """After a skipped step on own + received: retry without each peer's samples in turn (peers
-        in rank order), then with this node's own samples alone. The first retry that comes out
-        finite is the step taken (a skipped retry changes nothing), and the peers it left out are
-        named and their samples dropped ("diverged"): a peer whose samples make the update
-        non-finite costs the receiver that peer's samples, not a skipped step. When no retry is
-        finite, this node's own samples diverge: returns the skipped step as it was.
-
-        Returns (stats, the received samples trained on, their per-sample stats, the drops)."""
-        sources = sorted({s.source for s in received})
-        trials = [[p] for p in sources] + ([sources] if len(sources) > 1 else [])
-        for left_out in trials:
-            kept = [s for s in received if s.source not in left_out]
-            per_sample: dict[str, list[float]] = {}
-            stats = self.update(own + kept, per_sample)
-            if stats["skipped"]:
-                continue
-            cause = skip_cause(skipped)
-            names = ", ".join(f"node {p}" for p in left_out)
-            log.warning(
-                "node %d (%s) round %d: the update with every peer's samples was skipped (%s); "
-                "without those of %s it is finite and was taken: their samples are dropped",
-                self.rank,
-                self.spec.name,
-                round_,
-                cause,
-                names,
-            )
-            drops = [
-                Drop(
-                    f"node {s.source}: its samples made the update non-finite ({cause})",
-                    "diverged",
-                    s.source,
-                )
-                for s in received
-                if s.source in left_out
-            ]
-            return stats, kept, per_sample, drops
-        return skipped, received, skipped_per_sample, []
-
     def check_advantages(self, received: list[Sample]) -> tuple[list[Sample], list[Drop]]:
-        """Check each received sample's claims; returns (the samples to train on, with the
-        advantages this node computed, and one `Drop` per refused sample).
-
-        A peer's advantage field never reaches the loss. Vertical collaboration: a peer sends
-        whole groups, so the group advantages of its claimed rewards must give its claimed
-        advantages; a sample whose group is not `group_size` samples, or whose advantage differs,
-        is dropped ("advantage"). Horizontal: each (peer, prompt) share must be one of this
-        round's shared prompts, with the rewards the peer reported in the reward exchange, and
-        each advantage the one the swarm group gives its reward. With `verify_rewards`, each
-        completion is rescored and a false reward dropped ("verify"); in vertical mode the kept
-        samples' advantages are then recomputed from the rescored rewards of their whole group.
-        """
-        horizontal = self.cfg.collab == "horizontal"
-        groups: dict[tuple[int, int], list[Sample]] = {}
-        for s in received:
-            groups.setdefault((s.source, s.prompt_id), []).append(s)
-        kept, drops = [], []
-        for (source, prompt_id), group in groups.items():
-            if horizontal:
-                expected, problem = self._swarm_advantages(source, prompt_id, group)
-            else:
-                expected, problem = self._group_advantages(group, [s.reward for s in group])
-            if problem is not None:
-                drops += [Drop(f"node {source}: {problem}", "advantage", source) for _ in group]
-                continue
-            true = [s.reward for s in group]
-            if self.cfg.verify_rewards:
-                true = [self.score(prompt_id, s.tokens) for s in group]
-                rescored, _ = self._group_advantages(group, true)
-            for i, s in enumerate(group):
-                if not math.isclose(s.advantage, expected[i], rel_tol=1e-5, abs_tol=1e-5):
-                    why = (
-                        f"claimed advantage {s.advantage:g} for prompt {prompt_id}, its group's "
-                        f"rewards give {expected[i]:g}"
-                    )
-                    drops.append(Drop(f"node {source}: {why}", "advantage", source))
-                elif true[i] != s.reward:
-                    why = f"claimed reward {s.reward:g}, completion scores {true[i]:g}"
-                    drops.append(Drop(f"node {source}: {why}", "verify", source))
-                else:
-                    adv = rescored[i] if self.cfg.verify_rewards and not horizontal else expected[i]
-                    kept.append(
-                        Sample(
-                            s.prompt_id, s.source, s.tokens, s.logprobs, s.reward, adv, s.staleness
-                        )
-                    )
-        for reason in drops[:3]:
-            log.warning("dropped peer sample: %s", reason)
-        if len(drops) > 3:
-            log.warning("dropped %d more peer samples whose claims failed", len(drops) - 3)
-        return kept, drops
-
-    def _group_advantages(
-        self, group: list[Sample], rewards: list[float]
-    ) -> tuple[list[float], Optional[str]]:
-        """Vertical mode: (the group advantages of `rewards`, None), or ([], why not) when the
-        group is not `group_size` samples."""
-        if len(group) != self.cfg.group_size:
-            return [], (
-                f"{len(group)} samples for prompt {group[0].prompt_id}, a group is "
-                f"{self.cfg.group_size}"
-            )
-        return vertical_advantages(torch.tensor([rewards])).flatten().tolist(), None
-
-    def _swarm_advantages(
-        self, source: int, prompt_id: int, share: list[Sample]
-    ) -> tuple[list[float], Optional[str]]:
-        """Horizontal mode: (the advantage of each sample of node `source`'s `share` of prompt
-        `prompt_id`'s swarm group, None), or ([], why not)."""
-        p = self.shared_prompts.get(prompt_id)
-        if p is None:
-            return [], f"prompt {prompt_id} is not one of this round's shared prompts"
-        reported = self.swarm_rewards[source, p]
-        if sorted(s.reward for s in share) != sorted(reported.tolist()):
-            return [], (
-                f"rewards {sorted(s.reward for s in share)} for prompt {prompt_id}, it reported "
-                f"{sorted(reported.tolist())} in the reward exchange"
-            )
-        advantages = horizontal_advantages(self.swarm_rewards)[source, p]
-        by_reward = dict(zip(reported.tolist(), advantages.tolist()))
-        return [by_reward[s.reward] for s in share], None
+        """Check each received sample's claims (`claims.check_claims`); returns (the samples to
+        train on, with the advantages this node computed, and one `Drop` per refused sample)."""
+        swarm = {}
+        if self.cfg.collab == "horizontal":
+            swarm = dict(swarm_rewards=self.swarm_rewards, shared_prompts=self.shared_prompts)
+        score = self.score if self.cfg.verify_rewards else None
+        return check_claims(received, self.cfg.group_size, score=score, **swarm)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict]:
@@ -744,146 +602,3 @@ def progress_bar(total: int, desc: str, unit: str, initial: int = 0):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, unit=unit)
-
-
-def _leave(code: int, rank: int, why: str) -> NoReturn:
-    """Exit now with `code`, reported with `why` to the launcher, the log flushed, without running
-    destructors: a gloo group whose peer is gone can abort in its C++ teardown, which would
-    replace `code` by SIGABRT."""
-    report_exit(rank, code, why)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def stop_on_signals(rank: int) -> None:
-    """SIGINT, SIGTERM or SIGHUP (forwarded by the launcher) stop the node with one log line and
-    exit code 128 + the signal's number. A checkpoint write it interrupts leaves a `.tmp` folder
-    that the next --resume removes."""
-
-    def stop(signum: int, _frame) -> None:
-        why = f"node {rank}: stopped by {signal.Signals(signum).name}"
-        log.warning("%s", why)
-        _leave(128 + signum, rank, why)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-
-
-def watch_parent(rank: int, poll_s: float = 0.5) -> None:
-    """Stop the node within `poll_s` seconds of its torchrun, or of the launcher that started
-    torchrun, being gone (killed by SIGKILL, say), with one log line and exit code 128 + SIGHUP:
-    the lock on --out it holds is then released, and no orphan keeps writing into a folder
-    another run may take."""
-    torchrun = os.getppid()
-    launcher_pid = os.environ.get(LAUNCHER_ENV)
-    try:
-        launcher = psutil.Process(int(launcher_pid)) if launcher_pid else None
-    except (ValueError, psutil.NoSuchProcess):
-        log.error("node %d: its launcher (PID %s) is gone; stopping", rank, launcher_pid)
-        _leave(128 + signal.SIGHUP, rank, f"node {rank}: its launcher is gone")
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != torchrun:
-                gone = f"its torchrun (PID {torchrun})"
-            elif launcher is not None and not launcher.is_running():
-                gone = f"its launcher (PID {launcher.pid})"
-            else:
-                continue
-            log.error("node %d: %s is gone; stopping", rank, gone)
-            _leave(128 + signal.SIGHUP, rank, f"node {rank}: {gone} is gone")
-
-    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
-
-
-# On a terminal: back to column 0 and clear the line, so that a log line (of any node) written
-# while node 0's progress bar is drawn replaces the bar, which redraws below it at its next update,
-# instead of being glued to the bar's end.
-CLEAR_LINE = "\r\x1b[K"
-
-
-def log_formatter(rank: int, terminal: bool, tag: Optional[str] = None) -> logging.Formatter:
-    """The nodes' log format, tagged with the node (`tag`, default node<rank>); on a
-    `terminal`, each line starts with `CLEAR_LINE`."""
-    start = CLEAR_LINE if terminal else ""
-    tag = f"node{rank}" if tag is None else tag
-    return logging.Formatter(
-        f"{start}%(asctime)s {tag} %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
-
-
-def setup_logging(rank: int, tag: Optional[str] = None) -> None:
-    """Log lines tagged with the node (`tag`, default node<rank>); third-party advisories a user
-    cannot act on silenced."""
-    # peft asks transformers the deprecated `is_gradient_checkpointing` on every LoRA wrap.
-    warnings.filterwarnings(
-        "ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
-    )
-    handler = logging.StreamHandler()
-    handler.setFormatter(log_formatter(rank, sys.stderr.isatty(), tag))
-    logging.basicConfig(level=os.environ.get("FTIS_LOG_LEVEL", "INFO"), handlers=[handler])
-
-
-def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
-    """Entry point of one torchrun worker; returns the process exit code. `overwrite`: torchrun by
-    hand with --overwrite (under the launcher, the launcher has done it)."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    setup_logging(rank)
-    stop_on_signals(rank)
-    watch_parent(rank)
-    cfg.validate(world)
-    torch.set_num_threads(threads_per_node(cfg.threads, local_world))
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    # The exchange moves CPU tensors, so gloo carries it even next to nccl on GPUs.
-    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
-    setup_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.setup_timeout_s))
-    lock = hold_out(cfg, rank, overwrite, setup_group)
-    transport = TorchTransport(
-        names=[cfg.node(i).name for i in range(world)],
-        max_payload_bytes=cfg.samples_per_round(world) * record_bytes(cfg.max_new_tokens),
-        timeout_s=cfg.timeout_s,
-        setup_group=setup_group,
-    )
-    try:
-        Node(cfg, rank, world, device, transport).run()
-        transport.barrier("the final barrier")
-    except SwarmError as exc:
-        resumable = checkpoint.latest_round(Path(cfg.out) / "ckpt") is not None
-        why = (
-            f"node {rank}: lost contact with the swarm {exc}. A peer node died or stopped "
-            "answering; stopping."
-        )
-        log.error(
-            "%s%s", why, " Continue from the last checkpoint with --resume." if resumable else ""
-        )
-        _leave(EXIT_SWARM, rank, why)
-    except Diverged as exc:  # rank 0 logged why
-        report_exit(rank, EXIT_DIVERGED, str(exc))
-        dist.destroy_process_group()
-        return EXIT_DIVERGED
-    except SystemExit as exc:  # a refusal to start: the same line on every node, said once
-        if not isinstance(exc.code, str):
-            raise
-        if rank == 0:
-            log.error("%s", exc.code)
-        _leave(EXIT_REFUSED, rank, exc.code)
-    except OSError as exc:  # a full disk, a folder gone: the path and the cause, in one line
-        why = f"node {rank}: cannot write {exc.filename or 'its output'}: {exc.strerror or exc}"
-        log.error("%s; stopping (the last complete checkpoint is kept)", why)
-        _leave(EXIT_WRITE, rank, why)
-    finally:  # the ways out through _leave release it as the process ends
-        lock.release()
-    dist.destroy_process_group()
-    return 0

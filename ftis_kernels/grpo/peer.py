@@ -16,12 +16,9 @@ writes its own metrics.jsonl, curves.png and summary.txt; `ftis-grpo report DIR.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,18 +27,23 @@ from typing import Optional, Protocol
 import torch
 
 from ftis_kernels.grpo import checkpoint
-from ftis_kernels.grpo.config import ConfigError, RunConfig
+from ftis_kernels.grpo.errors import ConfigError
 from ftis_kernels.grpo.exchange import WIRE_VERSION, SwarmError, record_bytes
-from ftis_kernels.grpo.launch import (
+from ftis_kernels.grpo.node import Diverged, Node
+from ftis_kernels.grpo.process import (
     EXIT_DIVERGED,
     EXIT_REFUSED,
     EXIT_SWARM,
     EXIT_WRITE,
-    OutLock,
-    check_out,
-    make_out,
+    PEER_FILE,
+    READY_FILE,
+    START_ENV,
+    STOP_SIGNALS,
+    die_with_parent,
     threads_per_node,
 )
+from ftis_kernels.grpo.run_folder import OutLock, check_out, make_out
+from ftis_kernels.grpo.schema import RunConfig
 from ftis_kernels.grpo.transport import Transport, source_of
 
 log = logging.getLogger("ftis_kernels.grpo")
@@ -53,13 +55,6 @@ PEER_SLOTS = 65521
 # The largest payload a peer may publish a round: a DHT read returns every peer's record of a
 # round in one message of hivemind's daemon, which carries at most 4 MiB.
 MAX_PEER_PAYLOAD_BYTES = 1 << 20
-# Written into --out once the peer is reachable: its peer id and the multiaddrs others join by.
-PEER_FILE = "peer.json"
-# The local swarm of `ftis-grpo --transport hivemind` starts its peers' first rounds together:
-# each peer, warmed up, leaves READY_FILE in its --out and waits for the file this variable names
-# (the launcher writes it once every peer is ready, or one has exited).
-START_ENV = "FTIS_GRPO_START_FILE"
-READY_FILE = ".ftis-grpo-ready"
 # How long a published round stays in the DHT: long enough for a peer `max_staleness` rounds
 # behind to collect it.
 RECORD_TTL_S = 900.0
@@ -78,11 +73,11 @@ def stop_on_signals() -> None:
     """SIGINT, SIGTERM and SIGHUP raise `Stopped` in the peer's main thread."""
 
     def stop(signum: int, _frame) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # once: the way out runs
+        for sig in STOP_SIGNALS:  # once: the way out runs
             signal.signal(sig, signal.SIG_IGN)
         raise Stopped(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
 
 
@@ -168,12 +163,11 @@ def _forked() -> None:
     if _HELD:  # the peer's Stopped is the peer's: the child ends as its own code says
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-    if _HELD and sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _HELD:
+        die_with_parent()
 
 
 os.register_at_fork(after_in_child=_forked)
-_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def join_address(maddrs: list[str]) -> str:
@@ -185,10 +179,8 @@ def join_address(maddrs: list[str]) -> str:
 
 def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
     """Run one peer into `cfg.out` (checked and locked as a run's folder is), its samples moved
-    by the transport `connect` starts; returns the exit code (`launch`'s: 0 done, 1 refused, 3
+    by the transport `connect` starts; returns the exit code (of `process`: 0 done, 1 refused, 3
     the swarm lost, 4 diverged, 5 a write failed). ConfigError before anything starts."""
-    from ftis_kernels.grpo.node import Diverged, Node
-
     check_peer_config(cfg)
     out = Path(cfg.out)
     make_out(out)
@@ -279,12 +271,3 @@ def wait_for_start(out: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not Path(start).exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def read_peer_file(out: Path) -> Optional[dict]:
-    """The peer id and multiaddrs a running peer wrote into `out` (None before it has)."""
-    try:
-        got = json.loads((out / PEER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return got if isinstance(got, dict) and isinstance(got.get("maddrs"), list) else None

@@ -5,6 +5,9 @@
 - `ftis_kernels.integrations.trl` (needs the `trl` extra): `FTISGRPOConfig` and `FTISGRPOTrainer`,
   TRL's GRPOTrainer with the F-TIS loss, and `PeerRollout`, a rollout_func whose prompt groups
   are sampled in turn by the trained model and by peer models.
+- `ftis_kernels.integrations.genrl` (needs the `genrl` extra): `FTISGRPOLanguageTrainerModule`,
+  GenRL's GRPO trainer (Gensyn's RL Swarm) with the generator's log-probabilities carried with each
+  rollout and the F-TIS loss.
 - `ftis_kernels.integrations.verl` (needs the `verl` extra): registers F-TIS as verl's policy
   loss `ftis`; `FTISPolicyLossConfig` carries its options in verl's actor config.
 

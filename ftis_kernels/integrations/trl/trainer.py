@@ -1,94 +1,28 @@
-"""TRL integration: `FTISGRPOTrainer`, TRL's `GRPOTrainer` with its loss replaced by F-TIS.
-
-    from ftis_kernels.integrations.trl import FTISGRPOConfig, FTISGRPOTrainer
-    args = FTISGRPOConfig(output_dir="out", is_mode="tis", filter="negative_offpolicy")
-    trainer = FTISGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds)
-
-Everything but the loss is TRL's: generation, rewards, group advantages, the reference model,
-logging. The loss of each micro-batch is `ftis_loss` on the completion logits, or
-`ftis_linear_loss` on the completion hidden states and the lm-head (`ftis_op`), with:
-
-    pi_gen  = the generator's sampling logprobs when TRL has them (the vLLM path, or a custom
-              `rollout_func`, which is how another node's completions and logprobs come in),
-              else TRL's old logprobs, else the current policy (detached, from one extra
-              gradient-free pass of the op): TRL generated the batch with this very model, so
-              w = 1 and KL = 0;
-    pi_old  = TRL's old logprobs when it computed them (num_iterations > 1, or generation not
-              aligned with optimiser steps), else stop_grad(current), as in TRL;
-    ref     = TRL's reference logprobs when beta > 0.
-
-Without sampler logprobs pi_gen is pi_old and F-TIS corrects nothing (the loss is GRPO's); the
-trainer logs that once. `PeerRollout` is a `rollout_func` for collaboration in one process: the
-prompt groups are sampled in turn by the trained model and by peer models, with their sampler
-logprobs as pi_gen.
-
-pi_gen must be the distribution the tokens were sampled from: with a vLLM server, start it with
-`--logprobs-mode processed_logprobs` (after temperature and top-p/top-k), as TRL asks for its own
-correction. Without generator logprobs, top_p/top_k/min_p/repetition_penalty are ignored in pi_gen,
-as TRL ignores them in its ratio.
-
-TRL's loss options keep their meaning: all eight loss types, importance_sampling_level (the op's
-ratio_level), delta, beta with use_bias_correction_kl, entropy_coef (static, or with
-use_adaptive_entropy TRL's controller, fed by the op's per-token entropy), the SAPO and VESPO
-parameters, epsilon, epsilon_high and temperature; off_policy_mask_threshold (OPSM) and, on the
-vLLM path, vllm_importance_sampling_correction with its four modes and clip bounds are mapped onto
-the op's filter and IS weight. The loss is scaled exactly as TRL scales it (gradient accumulation;
-the generation-batch token count of dapo / cispo / vespo; dr_grpo's max_completion_length), so
-with is_mode="none" and filter=None the loss is TRL's own. What F-TIS cannot reproduce
-(top_entropy_quantile < 1, a MoE router loss) is refused with a ValueError
-naming it, at config and at trainer construction.
-
-Several processes: DDP, FSDP2 and DeepSpeed ZeRO-1/2/3 (`FTISGRPOTrainer`'s docstring).
-
-Tested with trl 1.11 to 1.16 (TESTED_TRL); other versions get a warning at import.
+"""`FTISGRPOTrainer`: TRL's `GRPOTrainer` whose loss of each micro-batch is F-TIS, from the
+completion logits (`ftis_loss`) or from the hidden states and the lm-head (`ftis_linear_loss`),
+under one process, DDP, FSDP2 or DeepSpeed ZeRO (how the engine holds the lm-head: `_sharding`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import math
-import typing
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from trl import GRPOTrainer
 
-from ftis_kernels._extras import require
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_logprobs import ftis_logprobs
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import _active_module, _unwrap_peft, lm_head_inputs
-from ftis_kernels.options import (
-    DEFAULTS,
-    OPTION_FIELDS,
-    OPTION_NAMES,
-    FTISOptions,
-    dispatch,
-    loss_type,
-)
+from ftis_kernels.integrations.trl.config import FTISGRPOConfig, _refuse, check_trl_options
+from ftis_kernels.options import FTISOptions, loss_type
 
-require("trl", "ftis_kernels.integrations.trl")
+logger = logging.getLogger("ftis_kernels.integrations.trl")
 
-import trl  # noqa: E402
-from packaging.specifiers import SpecifierSet  # noqa: E402
-from packaging.version import Version  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-logger = logging.getLogger(__name__)
-
-TESTED_TRL = ">=1.11,<1.17"
-if Version(trl.__version__) not in SpecifierSet(TESTED_TRL):
-    warnings.warn(
-        f"ftis_kernels.integrations.trl is tested with trl{TESTED_TRL}, "
-        f"found trl {trl.__version__}",
-        stacklevel=2,
-    )
-FTIS_OPS = ("ftis_linear_loss", "ftis_loss")
 LOGGED_METRICS = (
     "kl_mean",
     "filtered_frac",
@@ -100,129 +34,6 @@ LOGGED_METRICS = (
     "is_ratio_min",
     "clip_frac",
 )
-# Options TRL has under another name: ours -> TRL's. Every other option TRL has (loss_type, beta,
-# epsilon, epsilon_high, delta, temperature, max_completion_length, sapo_*, vespo_*,
-# use_bias_correction_kl, entropy_coef) is TRL's field, with TRL's default and meaning.
-TRL_NAMES = {"ratio_level": "importance_sampling_level"}
-_TRL_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
-OWN_OPTIONS = tuple(n for n in OPTION_NAMES if n not in _TRL_FIELDS and n not in TRL_NAMES)
-"""The options FTISGRPOConfig adds to GRPOConfig, with the defaults and help of `FTISOptions`."""
-
-# TRL's vLLM importance-sampling modes as op options (pi_old / pi_gen, truncated or masked).
-VLLM_IS_MODES = {
-    "token_truncate": dict(is_mode="tis", is_level="token"),
-    "token_mask": dict(is_mode="mask", is_level="token"),
-    "sequence_truncate": dict(is_mode="tis", is_level="sequence_product"),
-    "sequence_mask": dict(is_mode="mask", is_level="sequence_product"),
-}
-IS_OPTIONS = ("is_mode", "is_level", "is_source", "is_cap", "is_cap_min")
-FILTER_OPTIONS = (
-    "filter",
-    "kl_threshold",
-    "kl_threshold_low",
-    "kl_estimator",
-    "kl_reduction",
-    "kl_source",
-    "reject_mode",
-)
-
-
-def _option_field(name: str) -> tuple:
-    f = OPTION_FIELDS[name]
-    hint = typing.get_type_hints(FTISOptions)[name]
-    return name, hint, field(default=f.default, metadata={"help": f.metadata["help"]})
-
-
-FTISOptionFields = dataclasses.make_dataclass(
-    "FTISOptionFields", [_option_field(name) for name in OWN_OPTIONS]
-)
-
-
-@dataclass
-class FTISGRPOConfig(GRPOConfig, FTISOptionFields):
-    """`GRPOConfig` plus the options of `FTISOptions` that TRL does not have (OWN_OPTIONS: the IS
-    weight, the filter, ...), with their defaults and help from that one definition.
-
-    TRL's own loss options keep their names, defaults and meaning and are the op's options of the
-    same names (`importance_sampling_level` is `ratio_level`). TRL's corrections are mapped:
-    `off_policy_mask_threshold` is the OPSM preset of the filter, and on the vLLM path
-    `vllm_importance_sampling_correction` with its mode and clip bounds is the IS weight
-    pi_old / pi_gen (is_source="old"); these replace the filter and the IS weight options, and
-    refuse a `filter` / `is_mode` set to anything but its default or off. One TRL default
-    changes to False:
-    `vllm_importance_sampling_correction` (F-TIS's own weight min(pi_theta / pi_gen, is_cap), with
-    pi_gen = vLLM's logprobs, is the correction).
-    """
-
-    ftis_op: str = field(
-        default="ftis_linear_loss",
-        metadata={
-            "help": "'ftis_linear_loss' (fused with the lm-head: the logits are never "
-            "materialised; one process, DDP, FSDP2 or DeepSpeed ZeRO, not FSDP1) or 'ftis_loss' "
-            "(from the completion logits of the model's forward)."
-        },
-    )
-    vllm_importance_sampling_correction: bool = field(
-        default=False,
-        metadata={
-            "help": "TRL's vLLM IS correction, mapped onto the op's IS weight (is_source='old'); "
-            "False by default: F-TIS's weight with pi_gen = vLLM's logprobs is the correction."
-        },
-    )
-
-    def __post_init__(self):
-        for name in OWN_OPTIONS:  # the command line passes None as a string
-            value = getattr(self, name)
-            if OPTION_FIELDS[name].default is None or name == "filter":
-                if isinstance(value, str) and value.lower() in ("none", "null"):
-                    setattr(self, name, None)
-        super().__post_init__()
-        check_trl_options(self)
-        self.ftis_options()
-
-    def ftis_options(self) -> FTISOptions:
-        """The op's options: the fields of FTISOptions by their name here, with TRL's OPSM and
-        vLLM IS correction mapped onto the filter and the IS weight."""
-        values = {name: getattr(self, TRL_NAMES.get(name, name)) for name in OPTION_NAMES}
-        if self.off_policy_mask_threshold is not None:
-            opsm = FTISOptions.preset("opsm", kl_threshold=self.off_policy_mask_threshold)
-            _replace(values, FILTER_OPTIONS, "off_policy_mask_threshold", opsm.as_kwargs())
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            mode = self.vllm_importance_sampling_mode
-            mapped = dict(dispatch(VLLM_IS_MODES, mode, "vllm_importance_sampling_mode"))
-            cap = self.vllm_importance_sampling_clip_max
-            mapped.update(
-                is_source="old",
-                is_cap=math.inf if cap is None else cap,
-                is_cap_min=self.vllm_importance_sampling_clip_min,
-            )
-            _replace(values, IS_OPTIONS, "vllm_importance_sampling_correction", mapped)
-        return FTISOptions(**values)
-
-
-def _replace(values: dict, names: tuple, trl_option: str, mapped: dict) -> None:
-    """values[names] = mapped[names]. The first name (filter, is_mode) is the user's choice that
-    TRL's option replaces: refused unless left at its default or off (None, "none")."""
-    key = names[0]
-    if values[key] not in (getattr(DEFAULTS, key), None, "none"):
-        _refuse(key, values[key], f"{trl_option} replaces it; leave it at its default or off")
-    values.update({name: mapped[name] for name in names})
-
-
-def _refuse(option: str, value: Any, why: str) -> None:
-    raise ValueError(f"{option}={value!r} is not supported by FTISGRPOTrainer: {why}")
-
-
-def check_trl_options(args: GRPOConfig) -> None:
-    """ValueError naming the first TRL option whose effect on the loss F-TIS cannot honour."""
-    if args.top_entropy_quantile < 1.0:
-        _refuse(
-            "top_entropy_quantile",
-            args.top_entropy_quantile,
-            "F-TIS trains on every completion token",
-        )
-    if args.ftis_op not in FTIS_OPS:
-        _refuse("ftis_op", args.ftis_op, f"expected one of {FTIS_OPS}")
 
 
 def _refuse_fsdp1() -> None:
@@ -607,113 +418,3 @@ class FTISGRPOTrainer(GRPOTrainer):
         )
         for name, value in zip(names, gathered):
             self._metrics[mode][name].append(value)
-
-
-class PeerRollout:
-    """A TRL `rollout_func` for collaborative GRPO in one process: the prompt groups of each batch
-    are sampled in turn by the model being trained and by `peers`, other models that share its
-    tokenizer, and each completion comes with its sampler's log-probabilities, which
-    `FTISGRPOTrainer` takes as pi_gen. The peers' samples are off-policy: F-TIS weights and filters
-    them (ftis/kl_mean, ftis/is_weight_mean, ftis/filtered_frac show it).
-
-        rollout = PeerRollout([peer_model])  # groups: policy, peer, policy, peer, ...
-        trainer = FTISGRPOTrainer(model=model, ..., rollout_func=rollout)
-
-    Args:
-        peers: causal LMs with `generate` (transformers), on the trained model's device, with its
-            vocabulary (the completion ids are the trainer's tokens). They are not trained.
-        own_groups: groups the trained model samples per cycle before the peers sample one each;
-            0 = every group from the peers.
-
-    Sampling follows the trainer's config (temperature, top_p, top_k, min_p, repetition_penalty,
-    max_completion_length), each model with `generate(do_sample=True)`, and the log-probability
-    of a sampled token is taken from the processed scores `generate` sampled from: pi_gen is the
-    distribution the token was drawn from. Completions are cut after the first eos. Prompts are
-    text, or chat messages rendered with the tokenizer's chat template.
-
-    TRL marks `rollout_func` experimental (its UserWarning; TRL_EXPERIMENTAL_SILENCE=1 silences it).
-    """
-
-    def __init__(self, peers: Sequence[nn.Module], *, own_groups: int = 1):
-        if isinstance(peers, nn.Module) or not isinstance(peers, Sequence) or not peers:
-            raise ValueError(f"peers: expected a non-empty list of models, got {peers!r:.80}")
-        for i, peer in enumerate(peers):
-            if not callable(getattr(peer, "generate", None)):
-                raise ValueError(
-                    f"peers[{i}]: expected a causal LM with `generate`, got {type(peer).__name__}"
-                )
-        if isinstance(own_groups, bool) or not isinstance(own_groups, int) or own_groups < 0:
-            raise ValueError(f"own_groups: expected an int >= 0, got {own_groups!r}")
-        self.peers = list(peers)
-        self.own_groups = own_groups
-
-    def sampler(self, group: int, policy: nn.Module) -> nn.Module:
-        """The model that samples the group-th prompt group of a batch."""
-        cycle = [policy] * self.own_groups + self.peers
-        return cycle[group % len(cycle)]
-
-    def __call__(self, prompts: list, trainer: GRPOTrainer) -> dict[str, list]:
-        args, tokenizer = trainer.args, trainer.processing_class
-        policy = trainer.accelerator.unwrap_model(trainer.model)
-        vocab = policy.get_output_embeddings().weight.shape[0]
-        n = args.num_generations
-        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for g in range(0, len(prompts), n):  # TRL lists each prompt's group consecutively
-            model = self.sampler(g // n, policy)
-            peer_vocab = model.get_output_embeddings().weight.shape[0]
-            if peer_vocab != vocab:
-                raise ValueError(
-                    f"peers: a peer has a vocabulary of {peer_vocab} tokens, the trained model "
-                    f"{vocab}; PeerRollout needs models that share the trainer's tokenizer"
-                )
-            prompt_ids = _prompt_ids(tokenizer, prompts[g])
-            completions, logprobs = _sample(model, prompt_ids, n, args, tokenizer)
-            out["prompt_ids"] += [prompt_ids] * n
-            out["completion_ids"] += completions
-            out["logprobs"] += logprobs
-        return out
-
-
-def _prompt_ids(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-
-
-@torch.no_grad()
-def _sample(model: nn.Module, prompt_ids: list[int], n: int, args, tokenizer) -> tuple:
-    """n completions of one prompt from `model` and the log-probabilities their tokens were
-    sampled with, each cut after the first eos."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device).expand(n, -1)
-    training = model.training
-    model.eval()
-    try:
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            max_new_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k or 0,  # TRL: 0 or None is no top-k
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    finally:
-        model.train(training)
-    tokens = out.sequences[:, ids.shape[1] :]
-    scores = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)
-    logprobs = scores.gather(-1, tokens[..., None]).squeeze(-1)
-    eos = tokenizer.eos_token_id
-    completions, logps = [], []
-    for row, lp in zip(tokens.tolist(), logprobs.tolist()):
-        end = row.index(eos) + 1 if eos in row else len(row)
-        completions.append(row[:end])
-        logps.append(lp[:end])
-    return completions, logps
