@@ -26,7 +26,8 @@ from typing import Any, Optional
 
 import torch
 
-from ftis_kernels.kernels.per_sample import SampleOutputs, finish_fwd, per_sample_fwd
+from ftis_kernels.kernels.per_sample import SampleOutputs, per_sample_fwd
+from ftis_kernels.kernels.sample_reduce import finish_fwd
 from ftis_kernels.options import FTISOptions, option_parameters, options_from_args
 from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.per_sample import (

@@ -9,9 +9,7 @@ log-probabilities, mask and advantage) in blocks of BLOCK_T tokens, in up to thr
    coef = d loss / d logp (times the sample's own normaliser) and the entropy bonus's token
    indicator, and the sample's partial sums of the loss and of every metric;
 3. with a sequence-level PPO ratio only: the ratio's gradient, spread over the sample's tokens.
-`_finish_kernel`, one program, reduces the samples' partial sums into the loss, the scalar
-metrics, the two scales the backward applies (the batch-wide normaliser and the entropy bonus's)
-and the value-check record, in a fixed order: the result does not depend on scheduling.
+`sample_reduce.py` then reduces the samples' partial sums (one program).
 
 The derivatives are written by hand from the formulas of `per_sample.py` (the PyTorch path, which
 lets autograd take them) and tested against the reference's autograd: d/dR of PPO's clipped
@@ -34,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftis_kernels.kernels.loss_terms import is_weight, surrogate_and_grad
 from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
 from ftis_kernels.options import loss_type
 
@@ -82,43 +81,27 @@ def _first_bad(count, first, value, bad, j, x):
 
 
 @triton.jit
-def _surrogate_and_grad(
-    R, adv, lo, hi, eps_high, delta, logp, tau_pos, tau_neg, phi, SURROGATE: tl.constexpr
-):
-    """The policy term P of the loss type (a loss: to minimise), d P / d R (through the PPO
-    ratio), d P / d logp (directly), and whether the clip acts (clip_frac). R, adv and logp are
-    blocks of a sample's tokens."""
-    zero = tl.zeros_like(R)
-    inf = float("inf")
-    if SURROGATE == 0:  # PPO's clipped min, R' = min(R, delta) in the unclipped branch
-        a = tl.minimum(R, delta) * adv
-        clipped_r = tl.minimum(tl.maximum(R, lo), hi)
-        b = clipped_r * adv
-        P = -tl.minimum(a, b)
-        da = tl.where(R <= delta, adv, 0.0)
-        db = tl.where((R >= lo) & (R <= hi), adv, 0.0)
-        dP_dR = -tl.where(a < b, da, tl.where(a > b, db, 0.5 * (da + db)))
-        dP_dlogp = zero
-        clip = ((adv > 0) & (R > hi)) | ((adv < 0) & (R < lo))
-    elif SURROGATE == 1:  # CISPO: -sg(min(R, eps_high)) A logp
-        c = tl.minimum(R, eps_high) * adv
-        P = -c * logp
-        dP_dR = zero
-        dP_dlogp = -c
-        clip = (adv > 0) & (R > eps_high)
-    elif SURROGATE == 2:  # SAPO: -sigmoid(tau (R - 1)) 4 / tau A
-        tau = tl.where(adv > 0, tau_pos, tau_neg)
-        sig = tl.sigmoid(tau * (R - 1.0))
-        P = -sig * (4.0 / tau) * adv
-        dP_dR = -4.0 * adv * sig * (1.0 - sig)
-        dP_dlogp = zero
-        clip = R > inf  # never
-    else:  # VESPO: -phi A logp
-        P = -phi * adv * logp
-        dP_dR = zero
-        dP_dlogp = -phi * adv
-        clip = R > inf
-    return P, dP_dR, dP_dlogp, clip
+def _token_block(
+    j0, L, start, b, row0, logp_ptr, gen_ptr, mask_ptr, old_ptr,
+    stride_gen_b, stride_gen_t, stride_mask_b, stride_mask_t, stride_old_b, stride_old_t,
+    HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """A block of a sample's tokens: (positions j, in the sample, completion tokens, logp, gen,
+    old), fp32, 0 off the completion (old is logp without old_logprobs)."""
+    j = j0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    inb = j < L
+    t = start + j
+    m = inb
+    if HAS_MASK:
+        mv = tl.load(mask_ptr + b * stride_mask_b + t * stride_mask_t, mask=inb, other=0)
+        m = inb & (mv != 0)
+    logp = tl.load(logp_ptr + row0 + j, mask=m, other=0.0)
+    gen = tl.load(gen_ptr + b * stride_gen_b + t * stride_gen_t, mask=m, other=0.0).to(tl.float32)
+    old = logp
+    if HAS_OLD:
+        old = tl.load(old_ptr + b * stride_old_b + t * stride_old_t, mask=m, other=0.0)
+        old = old.to(tl.float32)
+    return j, inb, m, logp, gen, old
 
 
 @triton.heuristics(
@@ -231,24 +214,13 @@ def _per_sample_kernel(
     r_sum = 0.0
     probs = 0.0  # completion tokens whose gen_logprobs lie in (0, 1]: probabilities?
     zero64 = adv64 * 0.0
-    c0 = 0.0
-    f0 = s * 0 + _BIG
-    v0 = zero64
-    c1 = 0.0
-    f1 = s * 0 + _BIG
-    v1 = zero64
-    c2 = 0.0
-    f2 = s * 0 + _BIG
-    v2 = zero64
-    c4 = 0.0
-    f4 = s * 0 + _BIG
-    v4 = zero64
-    c5 = 0.0
-    f5 = s * 0 + _BIG
-    v5 = zero64
-    c6 = 0.0
-    f6 = s * 0 + _BIG
-    v6 = zero64
+    zero32 = tl.zeros([], dtype=tl.float32)
+    c0, f0, v0 = zero32, s * 0 + _BIG, zero64
+    c1, f1, v1 = zero32, s * 0 + _BIG, zero64
+    c2, f2, v2 = zero32, s * 0 + _BIG, zero64
+    c4, f4, v4 = zero32, s * 0 + _BIG, zero64
+    c5, f5, v5 = zero32, s * 0 + _BIG, zero64
+    c6, f6, v6 = zero32, s * 0 + _BIG, zero64
     for j0 in range(0, L, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T).to(tl.int64)
         inb = j < L
@@ -367,26 +339,16 @@ def _per_sample_kernel(
     if SURROGATE == 3:
         log_is_sum = 0.0
         for j0 in range(0, L, BLOCK_T):
-            j = j0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            inb = j < L
-            t = start + j
-            m = inb
-            if HAS_MASK:
-                mv = tl.load(mask_ptr + b * stride_mask_b + t * stride_mask_t, mask=inb, other=0)
-                m = inb & (mv != 0)
-            logp = tl.load(logp_ptr + row0 + j, mask=m, other=0.0)
-            gen = tl.load(gen_ptr + b * stride_gen_b + t * stride_gen_t, mask=m, other=0.0)
-            gen = gen.to(tl.float32)
-            if HAS_OLD:
-                old = tl.load(old_ptr + b * stride_old_b + t * stride_old_t, mask=m, other=0.0)
-                old = old.to(tl.float32)
-            else:
-                old = logp
+            j, inb, m, logp, gen, old = _token_block(
+                j0, L, start, b, row0, logp_ptr, gen_ptr, mask_ptr, old_ptr, stride_gen_b,
+                stride_gen_t, stride_mask_b, stride_mask_t, stride_old_b, stride_old_t, HAS_MASK,
+                HAS_OLD, BLOCK_T,
+            )  # fmt: skip
             if IS_FROM_OLD:
                 log_r = old - gen
             else:
                 log_r = logp - gen
-            w = _is_weight(log_r, is_cap, is_cap_min, IS_MODE)
+            w = is_weight(log_r, is_cap, is_cap_min, IS_MODE)
             # log(max(w, 1e-8)): the clamp's lower edge, without a log of 0.
             log_is = tl.minimum(tl.log(tl.maximum(w, 1e-8)), VESPO_LOG_MAX)
             clamped = tl.minimum(tl.maximum(logp - old, -20.0), 20.0)
@@ -413,24 +375,14 @@ def _per_sample_kernel(
     ent_sum = 0.0
     ent_loss = 0.0
     for j0 in range(0, L, BLOCK_T):
-        j = j0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        inb = j < L
+        j, inb, m, logp, gen, old = _token_block(
+            j0, L, start, b, row0, logp_ptr, gen_ptr, mask_ptr, old_ptr,
+            stride_gen_b, stride_gen_t, stride_mask_b, stride_mask_t, stride_old_b, stride_old_t,
+            HAS_MASK, HAS_OLD, BLOCK_T,
+        )  # fmt: skip
         t = start + j
-        m = inb
-        if HAS_MASK:
-            mv = tl.load(mask_ptr + b * stride_mask_b + t * stride_mask_t, mask=inb, other=0)
-            m = inb & (mv != 0)
-        m_loss = tl.where(
-            in_loss, m, False
-        )  # (the interpreter cannot & a scalar bool with a block)
-        logp = tl.load(logp_ptr + row0 + j, mask=m, other=0.0)
-        gen = tl.load(gen_ptr + b * stride_gen_b + t * stride_gen_t, mask=m, other=0.0)
-        gen = gen.to(tl.float32)
-        if HAS_OLD:
-            old = tl.load(old_ptr + b * stride_old_b + t * stride_old_t, mask=m, other=0.0)
-            old = old.to(tl.float32)
-        else:
-            old = logp
+        # (The interpreter cannot & a scalar bool with a block.)
+        m_loss = tl.where(in_loss, m, False)
         # The IS weight (no gradient) from the token's or the sample's log ratio.
         if IS_LEVEL == 0:
             if IS_FROM_OLD:
@@ -440,14 +392,14 @@ def _per_sample_kernel(
         else:
             log_ratio = tl.zeros_like(logp) + log_ratio_seq
         raw = tl.exp(log_ratio)
-        w = _is_weight(log_ratio, is_cap, is_cap_min, IS_MODE)
+        w = is_weight(log_ratio, is_cap, is_cap_min, IS_MODE)
         in_band = (raw >= is_cap_min) & (raw <= is_cap)
         # The PPO ratio R (its gradient flows through logp).
         if RATIO_SEQ:
             R = tl.zeros_like(logp) + R_seq
         else:
             R = tl.exp(logp - old)
-        P, dP_dR, dP_dlogp, clip = _surrogate_and_grad(
+        P, dP_dR, dP_dlogp, clip = surrogate_and_grad(
             R,
             adv_hat + tl.zeros_like(R),
             lo,
@@ -549,133 +501,6 @@ def _store_check(faults, row, count, first, value):
     tl.store(faults + row * 3 + 0, count.to(tl.float64))
     tl.store(faults + row * 3 + 1, first.to(tl.float64))
     tl.store(faults + row * 3 + 2, value.to(tl.float64))
-
-
-@triton.jit
-def _is_weight(log_ratio, is_cap, is_cap_min, IS_MODE: tl.constexpr):
-    """w of docs/method.md §2 from the log ratio: 1 | r | clamp(r, C_min, C) | r in band else 0."""
-    raw = tl.exp(log_ratio)
-    if IS_MODE == 0:
-        w = tl.zeros_like(raw) + 1.0
-    elif IS_MODE == 1:
-        w = raw
-    elif IS_MODE == 2:
-        w = tl.minimum(tl.maximum(raw, is_cap_min), is_cap)
-    else:
-        w = tl.where((raw >= is_cap_min) & (raw <= is_cap), raw, 0.0)
-    return w
-
-
-@triton.jit(do_not_specialize=["n_samples", "B", "T", "V"])
-def _finish_kernel(
-    # pointers
-    parts_ptr,  # (S, N_PARTS) fp32
-    faults_ptr,  # (S, N_CHECKS, 3) fp64
-    loss_ptr,  # () fp32 out
-    scalars_ptr,  # (N_SCALAR_METRICS + 2,) fp32 out: the scalar metrics, then the two scales
-    record_ptr,  # (N_CHECKS, RECORD_COLUMNS) fp64 out: the value checks
-    # scalars
-    entropy_coef,
-    from_hidden,  # 1.0 when the logits come from hidden states (the error names hidden)
-    # sizes
-    n_samples,
-    B,  # the per-token tensors' shape (packed: 1, N)
-    T,
-    V,
-    # meta-parameters
-    BATCH_MEAN: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    inf = float("inf")
-    loss = 0.0
-    n = 0.0
-    n_loss = 0.0
-    clip_n = 0.0
-    w_sum = 0.0
-    trunc_n = 0.0
-    masked_n = 0.0
-    raw_sum = 0.0
-    raw_max = -inf
-    raw_min = inf
-    ent_sum = 0.0
-    ent_loss = 0.0
-    filtered_n = 0.0
-    kl_sum = 0.0
-    probs = 0.0
-    for s0 in range(0, n_samples, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
-        ok = s < n_samples
-        row = parts_ptr + s * N_PARTS
-        loss += tl.sum(tl.load(row + 0, mask=ok, other=0.0), axis=0)
-        n += tl.sum(tl.load(row + 1, mask=ok, other=0.0), axis=0)
-        n_loss += tl.sum(tl.load(row + 2, mask=ok, other=0.0), axis=0)
-        clip_n += tl.sum(tl.load(row + 3, mask=ok, other=0.0), axis=0)
-        w_sum += tl.sum(tl.load(row + 4, mask=ok, other=0.0), axis=0)
-        trunc_n += tl.sum(tl.load(row + 5, mask=ok, other=0.0), axis=0)
-        masked_n += tl.sum(tl.load(row + 6, mask=ok, other=0.0), axis=0)
-        raw_sum += tl.sum(tl.load(row + 7, mask=ok, other=0.0), axis=0)
-        raw_max = tl.maximum(raw_max, tl.max(tl.load(row + 8, mask=ok, other=-inf), axis=0))
-        raw_min = tl.minimum(raw_min, tl.min(tl.load(row + 9, mask=ok, other=inf), axis=0))
-        ent_sum += tl.sum(tl.load(row + 10, mask=ok, other=0.0), axis=0)
-        ent_loss += tl.sum(tl.load(row + 11, mask=ok, other=0.0), axis=0)
-        filtered_n += tl.sum(tl.load(row + 12, mask=ok, other=0.0), axis=0)
-        kl_sum += tl.sum(tl.load(row + 13, mask=ok, other=0.0), axis=0)
-        probs += tl.sum(tl.load(row + 14, mask=ok, other=0.0), axis=0)
-    n_live = tl.maximum(n, 1.0)
-    n_all = tl.maximum(n_loss, 1.0)
-    if BATCH_MEAN:
-        scale = 1.0 / n_all
-    else:
-        scale = 1.0 + 0.0 * n_all
-    bonus = tl.where(entropy_coef > 0, entropy_coef * (ent_loss / n_all), 0.0)
-    tl.store(loss_ptr, loss * scale - bonus)
-    tl.store(scalars_ptr + 0, filtered_n / n_samples)
-    tl.store(scalars_ptr + 1, kl_sum / n_samples)
-    tl.store(scalars_ptr + 2, clip_n / n_live)
-    tl.store(scalars_ptr + 3, w_sum / n_live)
-    tl.store(scalars_ptr + 4, trunc_n / n_live)
-    tl.store(scalars_ptr + 5, masked_n / n_live)
-    tl.store(scalars_ptr + 6, raw_sum / n_live)
-    tl.store(scalars_ptr + 7, tl.where(n > 0, raw_max, 0.0))
-    tl.store(scalars_ptr + 8, tl.where(n > 0, raw_min, 0.0))
-    tl.store(scalars_ptr + 9, ent_sum / n_live)
-    tl.store(scalars_ptr + N_SCALAR_METRICS, scale)
-    tl.store(scalars_ptr + N_SCALAR_METRICS + 1, -entropy_coef / n_all)
-    # The value checks: counts summed, the first bad position over every sample, its value.
-    for check in tl.static_range(N_CHECKS):
-        count = tl.zeros([], dtype=tl.float64)
-        first = tl.zeros([], dtype=tl.float64) + _BIG
-        value = tl.zeros([], dtype=tl.float64)
-        for s0 in range(0, n_samples, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
-            ok = s < n_samples
-            cell = faults_ptr + s * (N_CHECKS * 3) + check * 3
-            count += tl.sum(tl.load(cell + 0, mask=ok, other=0.0), axis=0)
-            f = tl.load(cell + 1, mask=ok, other=_BIG)
-            v = tl.load(cell + 2, mask=ok, other=0.0)
-            block_first = tl.min(f, axis=0)
-            block_value = tl.sum(tl.where(f == block_first, v, 0.0), axis=0)
-            value = tl.where(block_first < first, block_value, value)
-            first = tl.minimum(first, block_first)
-        hint = tl.zeros([], dtype=tl.float32)
-        if check == 2:  # gen_logprobs that all look like probabilities
-            hint = tl.where((n > 0) & (probs == n), 1.0, 0.0)
-        if check == 6:  # the logits: whose (their hint flag: from hidden states)
-            hint = tl.zeros([], dtype=tl.float32) + from_hidden
-        if check == 3:  # advantages: (S,)
-            dim0 = n_samples + 0 * B
-            dim1 = 0 * B
-        else:
-            dim0 = B + 0 * n_samples
-            dim1 = T + 0 * B
-        out = record_ptr + check * RECORD_COLUMNS
-        tl.store(out + 0, count)
-        tl.store(out + 1, tl.where(count > 0, first, 0.0))
-        tl.store(out + 2, value)
-        tl.store(out + 3, hint.to(tl.float64))
-        tl.store(out + 4, dim0.to(tl.float64))
-        tl.store(out + 5, dim1.to(tl.float64))
-        tl.store(out + 6, (V + 0 * B).to(tl.float64))
 
 
 # --- launchers -----------------------------------------------------------------------------------
@@ -805,32 +630,3 @@ def per_sample_fwd(
         BLOCK_T=BLOCK_T,
         num_warps=4,
     )
-
-
-def finish_fwd(
-    out: SampleOutputs, opt, shape: tuple[int, int], V: int, from_hidden: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One launch: (loss () fp32, scalars (N_SCALAR_METRICS + 2,) fp32 = the scalar metrics then
-    the backward's two scales, the value-check record (N_CHECKS, RECORD_COLUMNS) fp64) from the
-    per-sample outputs; shape = the per-token tensors' (B, T) ((1, N) packed)."""
-    device = out.parts.device
-    loss = torch.empty((), dtype=torch.float32, device=device)
-    scalars = torch.empty(N_SCALAR_METRICS.value + 2, dtype=torch.float32, device=device)
-    record = torch.empty(N_CHECKS.value, RECORD_COLUMNS.value, dtype=torch.float64, device=device)
-    _finish_kernel[(1,)](
-        out.parts,
-        out.faults,
-        loss,
-        scalars,
-        record,
-        float(opt.entropy_coef),
-        float(from_hidden),
-        out.parts.shape[0],
-        shape[0],
-        shape[1],
-        V,
-        BATCH_MEAN=loss_type(opt.loss_type).batch_normalised,
-        BLOCK_S=BLOCK_S,
-        num_warps=4,
-    )
-    return loss, scalars, record
