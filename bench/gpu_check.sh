@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a lent GPU: environment, optional wheels, the CUDA tests, the full suite with
+# One command for a machine with a CUDA GPU: environment, optional wheels, the CUDA tests, the full suite with
 # compiled kernels (no interpreter), then the benchmark, inside a time budget (default 450 s, under
 # the 8 minutes), everything written to $OUT:
 #   check.log     every step's output          summary.txt  step exit codes + the results table
