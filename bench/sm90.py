@@ -167,7 +167,8 @@ def compile_launches(launches: list[dict]) -> dict:
 
 def _classes(fn: JITFunction, signature: dict, constexprs: dict, attrs: dict) -> set[str]:
     """Which of Triton's specialisations of runtime arguments this launch has: "int=1",
-    "int%16", "int", "i64", "ptr%16", "ptr", "None"."""
+    "int%16", "int" (an int Triton may specialise, with none applying), "int unspecialised" (one
+    under `do_not_specialize`), "i64", "ptr%16", "ptr", "None"."""
     out = set()
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
@@ -178,8 +179,12 @@ def _classes(fn: JITFunction, signature: dict, constexprs: dict, attrs: dict) ->
             out.add("None" if const is None else f"int={const}")
         elif ty.startswith("*"):
             out.add("ptr%16" if divisible else "ptr")
-        elif ty in ("i32", "i64"):
-            out.add("i64" if ty == "i64" else ("int%16" if divisible else "int"))
+        elif ty == "i64":
+            out.add("i64")
+        elif ty == "i32":
+            out.add(
+                "int unspecialised" if p.do_not_specialize else ("int%16" if divisible else "int")
+            )
     return out
 
 

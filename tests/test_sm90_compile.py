@@ -152,10 +152,13 @@ def test_every_kernel_launch_compiles_for_sm90_at_triton_specialisations(monkeyp
     shown = "\n\n".join(f"{row.get('launch')}\n{row['error']}" for row in failed[:3])
     assert not failed, f"{len(failed)} of {total} launches do not compile for sm_90:\n{shown}"
     assert done.returncode == 0, done.stdout + done.stderr
-    # The shapes above must keep reaching every specialisation, in every kernel.
-    kernels = {launch["kernel"] for launch in launches}
-    assert len(kernels) >= 2, kernels
-    for kernel in kernels:
-        classes = set(report["classes"][kernel])
-        want = {"int=1", "int%16", "int", "i64", "ptr%16", "ptr", "None"}
-        assert want <= classes, f"{kernel}: specialisations never reached: {want - classes}"
+    # The shapes above must keep reaching every specialisation, and every kernel with an int
+    # argument that Triton specialises must see it equal to 1 (the bug class this test is for).
+    classes = {kernel: set(seen) for kernel, seen in report["classes"].items()}
+    assert len(classes) >= 2, classes
+    want = {"int=1", "int%16", "int", "i64", "ptr%16", "ptr", "None"}
+    reached = set().union(*classes.values())
+    assert want <= reached, f"specialisations never reached: {want - reached}"
+    for kernel, seen in classes.items():
+        if seen & {"int", "int%16"}:
+            assert "int=1" in seen, f"{kernel}: no int argument was ever 1 ({sorted(seen)})"
