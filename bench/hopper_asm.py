@@ -96,33 +96,45 @@ def _hot_loop(lines: list[str]) -> list[str]:
 
 
 def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
-    """(the kernel, its positional arguments, its keyword arguments) as `logp_lse.py` launches it
-    in the benchmark's workload: contiguous (16, 1024, V) logits, int64 tokens, a mask, the
-    entropy in the forward and no entropy bonus in the backward (pointers are CPU stand-ins:
-    Triton reads only their dtype and alignment)."""
+    """(the kernel, its arguments by name, before its `triton.heuristics`) as `logp_lse.py`
+    launches it in the benchmark's workload: contiguous (16, 1024, V) logits, int64 tokens, a
+    mask, the entropy in the forward and no entropy bonus in the backward. Pointers are CPU
+    stand-ins: Triton reads only their dtype and alignment."""
     from ftis_kernels.kernels import logp_lse as K
 
     T = 1024
     x, f32 = sm90.pointer(getattr(torch, dtype)), sm90.pointer(torch.float32)
-    tokens, mask = sm90.pointer(torch.int64), sm90.pointer(torch.bool)
-    logits_strides, row_strides = (T * V, V, 1), (T, 1)
+    tokens = sm90.pointer(torch.int64)
     block_v = K._block_v(V)
-    meta = {"BLOCK_V": block_v, "num_warps": K._num_warps(block_v)}
+    common = dict(
+        logits_ptr=x,
+        tokens_ptr=tokens,
+        temperature=1.0,
+        T=T,
+        V=V,
+        stride_lb=T * V,
+        stride_lt=V,
+        stride_lv=1,
+        stride_tb=T,
+        stride_tt=1,
+        BLOCK_V=block_v,
+        num_warps=K._num_warps(block_v),
+    )
     if kernel == "fwd":
-        args = (x, tokens, mask, f32, f32, f32, f32, 1.0, T, V)
-        args += (*logits_strides, *row_strides, *row_strides)
-        return K._logp_lse_fwd_kernel, args, {**meta, "HAS_MASK": True, "WITH_ENTROPY": True}
-    args = (x, x, tokens, f32, f32, f32, None, None, 1.0, T, V)
-    args += (*logits_strides, *logits_strides, *row_strides)
-    return K._logits_bwd_kernel, args, {**meta, "HAS_ENTROPY_GRAD": False}
+        outputs = dict(logp_ptr=f32, row_max_ptr=f32, log_sum_ptr=f32, entropy_ptr=f32)
+        mask = dict(mask_ptr=sm90.pointer(torch.bool), stride_mb=T, stride_mt=1)
+        return K._logp_lse_fwd_kernel, {**common, **outputs, **mask}
+    rows = dict(row_max_ptr=f32, log_sum_ptr=f32, coef_ptr=f32, entropy_ptr=None)
+    grad = dict(dlogits_ptr=x, entropy_coef_ptr=None, stride_db=T * V, stride_dt=V, stride_dv=1)
+    return K._logits_bwd_kernel, {**common, **rows, **grad}
 
 
 def loop_stats(kernel: str, dtype: str, V: int) -> LoopStats:
     """Compile one kernel for sm_90 as the H200 benchmark launches it, with the specialisations
     Triton makes at that launch (`bench/sm90.py`), and read its vocabulary loop."""
-    fn, args, kwargs = _h200_launch(kernel, dtype, V)
+    fn, kwargs = sm90.through_heuristics(*_h200_launch(kernel, dtype, V))
     block_v, num_warps = kwargs["BLOCK_V"], kwargs["num_warps"]
-    compiled = sm90.compile_sm90(sm90.jit_function(fn), args, kwargs)
+    compiled = sm90.compile_sm90(fn, (), kwargs)
     lines, usage = _sass(compiled)
     body = _hot_loop(lines)
     reg = re.search(r"REG:(\d+)", usage)

@@ -48,6 +48,17 @@ def jit_function(kernel) -> JITFunction:
     return kernel
 
 
+def through_heuristics(kernel, kwargs: dict) -> tuple[JITFunction, dict]:
+    """(the `JITFunction`, kwargs with the values of the `triton.heuristics` around it), as a
+    launch kernel[grid](**kwargs) computes them (`Heuristics.run`)."""
+    kwargs = dict(kwargs)
+    while not isinstance(kernel, JITFunction):
+        for name, heuristic in getattr(kernel, "values", {}).items():
+            kwargs[name] = heuristic(kwargs)
+        kernel = kernel.fn
+    return kernel, kwargs
+
+
 def pointer(dtype: torch.dtype, misalign: int = 0) -> torch.Tensor:
     """A CPU tensor standing in for a pointer argument: Triton reads only its dtype and the
     address modulo 16 (CPU allocations, like CUDA's, start 64-byte aligned)."""
