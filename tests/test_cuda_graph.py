@@ -4,7 +4,8 @@ graph replays fixed addresses; a training loop copies each batch into them).
 
 Capture needs an op without host synchronisation and with shapes fixed by the inputs' shapes:
 no `.item()`, `.tolist()`, `bool(tensor)`, `nonzero()` or boolean-mask indexing on the way from
-the inputs to the gradients.
+the inputs to the gradients. The ops then check the values on the device only
+(value_check="deferred"); the verdict is a metric, `value_faults`, replayed like the others.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ftis_kernels
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from tests.cases import make_case
 
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.cuda
 
 B, T, V, H = 4, 16, 1000, 64
 OPTIONS = dict(beta=0.04, entropy_coef=0.01, filter="negative_offpolicy", kl_threshold=0.5)
+CHECK = dict(value_check="deferred")
 
 
 ROWS = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
@@ -51,16 +54,19 @@ def _refill(op: str, dtype: torch.dtype, static: dict[str, torch.Tensor], seed: 
 
 
 def _step(op: str, static: dict[str, torch.Tensor], **kw) -> tuple[torch.Tensor, ...]:
-    """(loss, kl, filtered, entropy, *gradients) of one forward and backward."""
+    """(loss, kl, filtered, entropy, value_faults, *gradients) of one forward and backward."""
     rows = [static[name] for name in ROWS]
     leaves = [static[name] for name in LEAVES[op]]
     if op == "ftis_loss":
-        loss, metrics = ftis_loss(*leaves, *rows, **OPTIONS, **kw)
+        loss, metrics = ftis_loss(*leaves, *rows, **OPTIONS, **CHECK, **kw)
     else:
         h, w, b = leaves
-        loss, metrics = ftis_linear_loss(h, w, *rows, bias=b, chunk_size=32, **OPTIONS, **kw)
+        loss, metrics = ftis_linear_loss(
+            h, w, *rows, bias=b, chunk_size=32, **OPTIONS, **CHECK, **kw
+        )
     grads = torch.autograd.grad(loss, leaves)
-    return (loss, metrics["kl"], metrics["filtered"], metrics["entropy"], *grads)
+    names = ("kl", "filtered", "entropy", "value_faults")
+    return (loss, *(metrics[name] for name in names), *grads)
 
 
 def _capture(op: str, static: dict[str, torch.Tensor], **kw):
@@ -103,8 +109,10 @@ def test_a_captured_step_replays_with_the_eager_result(op, dtype, kw):
         got = [x.detach().clone() for x in outputs]
         _refill(op, dtype, static, seed)  # the in-place backward wrote its gradient there
         want = _step(op, static, **kw)
-        names = ("loss", "kl", "filtered", "entropy", *(f"grad {k}" for k in LEAVES[op]))
+        names = ("loss", "kl", "filtered", "entropy", "value_faults")
+        names += tuple(f"grad {k}" for k in LEAVES[op])
         for name, a, b in zip(names, got, want):
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"seed {seed} {name}: {m}")  # noqa: B023
+        ftis_kernels.raise_on_bad_values({"value_faults": got[4]})  # valid inputs: none recorded
         losses.append(float(got[0]))
     assert losses[0] != losses[1], "the replay did not read the new inputs"
