@@ -1,14 +1,14 @@
 """Compile the row kernels of `ftis_loss` for Hopper (sm_90) without a GPU and read their machine
 code: `python -m bench.hopper_asm`.
 
-METHOD.md: "read what costs no device time". Triton compiles for a named target on any machine
-and ships ptxas and cuobjdump, so the SASS of the kernels as they would launch on an H200
-(contiguous logits, sizes divisible by 16, unit vocabulary stride) can be inspected here: registers,
-shared memory, and per loop iteration the instructions per logit, the exp units (MUFU), barriers
-and the width of the loads and stores. At the copy roofline an H200 moves 4.3 TB/s / 132 SMs /
-1.98 GHz = 16.5 B per SM per clock, i.e. 8.2 bf16 logits per clock in the forward (read only):
-an SM issues at most 128 thread-instructions per clock, so a forward loop above ~15
-instructions per logit is bound by instruction issue, not memory, in bf16.
+Triton compiles for a named target on any machine and ships ptxas and cuobjdump, so the SASS of
+the kernels as they launch on an H200 in the benchmark (contiguous logits, sizes divisible by 16,
+unit vocabulary stride; `bench/sm90.py` gives them Triton's launch-time specialisations) can be
+read without device time: registers, shared memory, and per loop iteration the instructions per
+logit, the exp units (MUFU), barriers and the width of the loads and stores. At the copy roofline
+an H200 moves 4.21 TB/s / 132 SMs / 1.98 GHz = 16.1 B per SM per clock, i.e. 8.1 bf16 logits per
+clock in the forward (read only): an SM issues at most 128 thread-instructions per clock, so a
+forward loop above ~16 instructions per logit is bound by instruction issue, not memory, in bf16.
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-# H200 (KINDS.md / H200.md): copy bandwidth measured here, SM count, boost clock.
-H200_COPY_BYTES_PER_S = 4.3e12
+from bench import sm90
+
+# NVIDIA H200: the copy bandwidth (read + write) `bench.run` measured on one on 2026-12-04
+# (bench/results/h200-2026-12-04/results.json, "ceilings"), its SM count (NVIDIA's H200
+# specification: the GH100 die with 132 SMs enabled) and its boost clock (nvidia-smi's
+# clocks.max.sm on that machine, bench/results/h200-2026-12-04/env.txt).
+H200_COPY_BYTES_PER_S = 4.21e12
 H200_SMS = 132
 H200_CLOCK_HZ = 1.98e9
 ISSUE_PER_SM_CLOCK = 128  # 4 schedulers x 1 warp-instruction x 32 threads
@@ -60,19 +64,6 @@ def _tools() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_sm90(fn, types: dict, constexprs: dict, divisible16: list, num_warps: int):
-    """triton.compile for sm_90 with the given signature and launch-time specialisations."""
-    names = fn.arg_names
-    sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
-    src = ASTSource(
-        fn=fn,
-        signature=sig,
-        constexprs={(names.index(k),): v for k, v in constexprs.items()},
-        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible16},
-    )
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-
-
 def _sass(compiled) -> tuple[list[str], str]:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
@@ -104,97 +95,47 @@ def _hot_loop(lines: list[str]) -> list[str]:
     return best
 
 
-def loop_stats(kernel: str, dtype: str, block_v: int, num_warps: int) -> LoopStats:
+def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
+    """(the kernel, its arguments by name, before its `triton.heuristics`) as `logp_lse.py`
+    launches it in the benchmark's workload: contiguous (16, 1024, V) logits, int64 tokens, a
+    mask, the entropy in the forward and no entropy bonus in the backward. Pointers are CPU
+    stand-ins: Triton reads only their dtype and alignment."""
     from ftis_kernels.kernels import logp_lse as K
 
-    ty = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[dtype]
+    T = 1024
+    x, f32 = sm90.pointer(getattr(torch, dtype)), sm90.pointer(torch.float32)
+    tokens = sm90.pointer(torch.int64)
+    block_v = K._block_v(V)
+    common = dict(
+        logits_ptr=x,
+        tokens_ptr=tokens,
+        temperature=1.0,
+        T=T,
+        V=V,
+        stride_lb=T * V,
+        stride_lt=V,
+        stride_lv=1,
+        stride_tb=T,
+        stride_tt=1,
+        BLOCK_V=block_v,
+        num_warps=K._num_warps(block_v),
+    )
     if kernel == "fwd":
-        fn = K._logp_lse_fwd_kernel.fn  # under triton.heuristics
-        types = dict(
-            logits_ptr=f"*{ty}",
-            tokens_ptr="*i64",
-            mask_ptr="*i1",
-            logp_ptr="*fp32",
-            row_max_ptr="*fp32",
-            log_sum_ptr="*fp32",
-            entropy_ptr="*fp32",
-            temperature="fp32",
-            T="i32",
-            V="i32",
-            stride_lb="i32",
-            stride_lt="i32",
-            stride_lv="i32",
-            stride_tb="i32",
-            stride_tt="i32",
-            stride_mb="i32",
-            stride_mt="i32",
-        )
-        consts = dict(
-            HAS_MASK=True, WITH_ENTROPY=True, BLOCK_V=block_v, stride_lv=1, stride_tt=1, stride_mt=1
-        )
-        div16 = [
-            "logits_ptr",
-            "tokens_ptr",
-            "mask_ptr",
-            "logp_ptr",
-            "row_max_ptr",
-            "log_sum_ptr",
-            "entropy_ptr",
-            "V",
-            "stride_lb",
-            "stride_lt",
-            "stride_tb",
-            "stride_mb",
-        ]
-    else:
-        fn = K._logits_bwd_kernel.fn  # under triton.heuristics
-        types = dict(
-            logits_ptr=f"*{ty}",
-            dlogits_ptr=f"*{ty}",
-            tokens_ptr="*i64",
-            row_max_ptr="*fp32",
-            log_sum_ptr="*fp32",
-            coef_ptr="*fp32",
-            entropy_ptr="*fp32",
-            entropy_coef_ptr="*fp32",
-            scales_ptr="*fp32",
-            grad_ptr="*fp32",
-            temperature="fp32",
-            T="i32",
-            V="i32",
-            stride_lb="i32",
-            stride_lt="i32",
-            stride_lv="i32",
-            stride_db="i32",
-            stride_dt="i32",
-            stride_dv="i32",
-            stride_tb="i32",
-            stride_tt="i32",
-        )
-        consts = dict(
-            HAS_ENTROPY_GRAD=False,
-            HAS_SCALES=True,
-            HAS_GRAD=True,
-            BLOCK_V=block_v,
-            stride_lv=1,
-            stride_dv=1,
-            stride_tt=1,
-        )
-        div16 = [
-            "logits_ptr",
-            "dlogits_ptr",
-            "tokens_ptr",
-            "row_max_ptr",
-            "log_sum_ptr",
-            "coef_ptr",
-            "V",
-            "stride_lb",
-            "stride_lt",
-            "stride_db",
-            "stride_dt",
-            "stride_tb",
-        ]
-    compiled = compile_sm90(fn, types, consts, div16, num_warps)
+        outputs = dict(logp_ptr=f32, row_max_ptr=f32, log_sum_ptr=f32, entropy_ptr=f32)
+        mask = dict(mask_ptr=sm90.pointer(torch.bool), stride_mb=T, stride_mt=1)
+        return K._logp_lse_fwd_kernel, {**common, **outputs, **mask}
+    rows = dict(row_max_ptr=f32, log_sum_ptr=f32, coef_ptr=f32, entropy_ptr=None)
+    rows.update(scales_ptr=f32, grad_ptr=f32)
+    grad = dict(dlogits_ptr=x, entropy_coef_ptr=None, stride_db=T * V, stride_dt=V, stride_dv=1)
+    return K._logits_bwd_kernel, {**common, **rows, **grad}
+
+
+def loop_stats(kernel: str, dtype: str, V: int) -> LoopStats:
+    """Compile one kernel for sm_90 as the H200 benchmark launches it, with the specialisations
+    Triton makes at that launch (`bench/sm90.py`), and read its vocabulary loop."""
+    fn, kwargs = sm90.through_heuristics(*_h200_launch(kernel, dtype, V))
+    block_v, num_warps = kwargs["BLOCK_V"], kwargs["num_warps"]
+    compiled = sm90.compile_sm90(fn, (), kwargs)
     lines, usage = _sass(compiled)
     body = _hot_loop(lines)
     reg = re.search(r"REG:(\d+)", usage)
@@ -235,7 +176,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for kernel in ("fwd", "bwd"):
         for dtype in args.dtypes.split(","):
-            s = loop_stats(kernel, dtype, bv, _num_warps(bv))
+            s = loop_stats(kernel, dtype, args.V)
             size = 2 if dtype == "bfloat16" else 4
             bpe = size if kernel == "fwd" else 2 * size
             print(

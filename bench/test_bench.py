@@ -22,7 +22,7 @@ import textwrap
 import pytest
 import torch
 
-from bench import measure, plot, report
+from bench import measure, plot, profile_ops, report
 from bench.impls import IMPLS, MODES, liger_version, prepare, trl_fused_lm_head, unavailable
 from bench.run import (
     finish_record,
@@ -238,8 +238,8 @@ def test_liger_triton_is_configured_to_the_same_work(device):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     (ours, liger), (w_ours, w_liger) = res["loss"], res["wired"]
     # A configuration check: a wrong cap, clip or reduction moves the loss by percents, so 1e-4
-    # relative. (One CI run saw ours 1.3e-5 off Liger on this case, not reproduced in 80+ runs since:  # noqa: E501
-    # an open question, recorded in the 2026-11-30 session note.)
+    # relative. (One CI run on 2026-11-30 saw ours 1.3e-5 off Liger on this case, not reproduced in
+    # 80+ runs since: an open question.)
     assert abs(ours - liger) <= 1e-4 * (abs(ours) + 1e-2)
     assert abs(w_ours - w_liger) <= 1e-4 * (abs(w_ours) + 1e-2)  # the bench's own wiring
     assert res["grad_err"] <= 1e-5 and res["grad_last_row"] == 0.0
@@ -389,6 +389,17 @@ def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
     assert len(rows) == 1
     mufu_per_logit, loads = float(rows[0][6]), int(rows[0][8])
     assert mufu_per_logit < 1.1 and loads >= 1
+
+
+def test_profile_ops_prints_the_timings_and_the_profiler_tables(capsys):
+    profile_ops.main(
+        "--device cpu --tokens 32 --vocab 100 --hidden 8 --linear-tokens 32 --reps 1 "
+        "--linear-reps 1".split()
+    )
+    out = capsys.readouterr().out
+    assert "N=32 V=100 bf16: fwd " in out and "(no check " in out
+    assert "ftis_kernels::ftis_loss_fwd" in out and "ftis_kernels::ftis_linear_loss_fwd" in out
+    assert "linear 32 x 100 H8 fwd+bwd " in out
 
 
 def test_ceilings_are_measured_on_this_device():

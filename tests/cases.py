@@ -34,6 +34,7 @@ from ref import ref_ftis_loss
 # The modules, not the functions of the same name.
 ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")
 linear_module = importlib.import_module("ftis_kernels.ftis_linear_loss")
+logprobs_module = importlib.import_module("ftis_kernels.ftis_logprobs")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The 0-dim metrics of both ops, from the one list the ops return.
@@ -196,13 +197,15 @@ seeds = st.integers(0, 2**16)
 
 @contextlib.contextmanager
 def backend(name: Optional[str]):
-    """Forces both ops' internal dispatch ("triton" or "torch"); None keeps the automatic choice.
-    The one way the tests choose a backend."""
+    """Forces the ops' internal dispatch ("triton" or "torch"); None keeps the automatic choice.
+    The one way the tests choose a backend: only among `implementations(device)`, since a CPU
+    tensor given to "triton" where the kernels are compiled (a machine with CUDA) is a launch of a
+    GPU kernel on host memory."""
     if name is None:
         yield
         return
     with contextlib.ExitStack() as stack:
-        for module in (ftis_loss_module, linear_module):
+        for module in (ftis_loss_module, linear_module, logprobs_module):
             stack.enter_context(mock.patch.object(module, "select_backend", lambda device: name))
         yield
 

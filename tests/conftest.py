@@ -82,11 +82,12 @@ def pytest_terminal_summary(terminalreporter, config):
     if not numerics.MAX_ERRORS:
         return
     rows = error_table()
-    where = "--error-table prints it"
-    if config.cache is not None:
-        path = config.cache.mkdir("ftis") / "error_table.txt"
+    where = ": --error-table prints them"
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    if cache is not None:
+        path = cache.mkdir("ftis") / "error_table.txt"
         path.write_text("\n".join(rows) + "\n")
-        where = f"{path.relative_to(config.rootpath)}; --error-table prints it"
+        where = f" in {path.relative_to(config.rootpath)}; --error-table prints it"
     if config.getoption("error_table"):
         terminalreporter.section("property tests: largest error against the float64 reference")
         for row in rows:
@@ -94,5 +95,5 @@ def pytest_terminal_summary(terminalreporter, config):
     else:
         terminalreporter.write_line(
             f"property tests: {numerics.EXAMPLES['count']} examples; largest errors against the "
-            f"float64 reference in {where}"
+            f"float64 reference{where}"
         )

@@ -7,11 +7,17 @@ and metrics; backward goes through the compiled graph (AOTAutograd and the ops' 
 autograd) and SGD updates the weights, three times. Proof of no graph break is twofold:
 fullgraph=True raises on any break, and `torch._dynamo.explain` counts graphs and breaks. The
 same steps also may not recompile: the options are runtime scalars and only values change.
+The choice of backend inside the traced region traces too, on CPU and as Dynamo sees Triton's
+kernels on a machine with a GPU.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +26,7 @@ import torch._dynamo.testing
 from torch import nn
 
 import ftis_kernels
+from ftis_kernels.kernels import logp_lse, select_backend
 from tests.cases import backend as force_backend
 from tests.cases import implementations
 
@@ -171,3 +178,44 @@ def test_compiled_training_steps_match_eager_and_compile_once(op, backend, impl,
             **tol,
             msg=lambda m: f"weight {name} after {STEPS} steps: {m}",  # noqa: B023
         )
+
+
+def _backend_choice(x: torch.Tensor) -> torch.Tensor:
+    """x plus a code of what `select_backend` chose for a CPU (1 or 2) and a CUDA (10 or 20)
+    device: called inside the traced region, as the ops call it."""
+    cpu = select_backend(torch.device("cpu"))
+    cuda = select_backend(torch.device("cuda"))
+    return x + (1 if cpu == "triton" else 2) + (10 if cuda == "triton" else 20)
+
+
+# The same in a process whose kernels are compiled Triton `JITFunction`s (no TRITON_INTERPRET), with
+# Dynamo told that Triton has a GPU (`has_triton()`, False on a machine without one): Dynamo then
+# wraps the kernels as it does on a CUDA machine, as TritonKernelVariable, and an isinstance() or
+# hasattr() on one inside the traced region is a graph break (under torch 2.11 on an H200,
+# 2026-12-04: "isinstance() cannot determine type of argument TritonKernelVariable()").
+AS_ON_A_GPU = """
+import torch, torch.utils._triton
+torch.utils._triton.has_triton = lambda: True
+from tests.test_compile import _backend_choice
+print(torch.compile(_backend_choice, fullgraph=True, backend="eager")(torch.zeros(1)).item())
+"""
+
+
+def test_backend_choice_traces_without_a_graph_break():
+    torch._dynamo.reset()
+    compiled = torch.compile(_backend_choice, fullgraph=True, backend="eager")
+    assert compiled(torch.zeros(1)).item() == (11 if logp_lse.triton_is_interpreted() else 12)
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", AS_ON_A_GPU],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The kernels are compiled there: CPU tensors take the PyTorch path.
+    assert done.stdout.split()[-1] == "12.0", done.stdout

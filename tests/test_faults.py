@@ -21,13 +21,20 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-import yaml
 
-from ftis_kernels.grpo import checkpoint, cli
-from ftis_kernels.grpo.config import (
+from ftis_kernels._extras import MissingExtraError
+
+# Skips, naming the extra and its missing packages, where the 'grpo' extra is not installed; any
+# other ImportError is an error.
+pytest.importorskip("ftis_kernels.grpo", exc_type=MissingExtraError)
+
+import psutil  # noqa: E402
+import yaml  # noqa: E402
+
+from ftis_kernels.grpo import checkpoint, cli  # noqa: E402
+from ftis_kernels.grpo.config import (  # noqa: E402
     ConfigError,
     NodeSpec,
     RunConfig,
@@ -35,16 +42,16 @@ from ftis_kernels.grpo.config import (
     describe_keys,
     to_dict,
 )
-from ftis_kernels.grpo.exchange import IMPROBABLE_LOGPROB, Sample, make_hostile, pack, unpack
-from ftis_kernels.grpo.launch import _resume_hint
-from ftis_kernels.grpo.models import build_model
-from ftis_kernels.grpo.run_folder import LOCK_FILE, RUN_MARKER, OutLock, check_out
-from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id
-from ftis_kernels.grpo.tokenizer import build_tokenizer
-from ftis_kernels.grpo.train import grpo_update, skip_cause
-from ftis_kernels.options import FTISOptions
-from tests.test_grpo_run import comparable, rows_of
-from tests.test_grpo_run import ftis_grpo as run_swarm
+from ftis_kernels.grpo.exchange import IMPROBABLE_LOGPROB, Sample, make_hostile, pack, unpack  # noqa: E402
+from ftis_kernels.grpo.launch import _resume_hint  # noqa: E402
+from ftis_kernels.grpo.models import build_model  # noqa: E402
+from ftis_kernels.grpo.run_folder import LOCK_FILE, RUN_MARKER, OutLock, check_out  # noqa: E402
+from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id  # noqa: E402
+from ftis_kernels.grpo.tokenizer import build_tokenizer  # noqa: E402
+from ftis_kernels.grpo.train import grpo_update, skip_cause  # noqa: E402
+from ftis_kernels.options import FTISOptions  # noqa: E402
+from tests.test_grpo_run import comparable, rows_of  # noqa: E402
+from tests.test_grpo_run import ftis_grpo as run_swarm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from ftis_kernels import ftis_logprobs
 from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 from ref import ref_ftis_loss
 from tests import numerics
-from tests.cases import make_case
+from tests.cases import backend, implementations, make_case
 
 
 @pytest.fixture(autouse=True)
@@ -37,25 +37,27 @@ def oracle(logits64, tokens, mask, temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("from_hidden", [False, True])
-def test_logprobs_and_entropy_match_the_reference(dtype, from_hidden, monkeypatch):
+def test_logprobs_and_entropy_match_the_reference(dtype, from_hidden, device):
     case = make_case(3, 5, 37, H=6, seed=1)
+    want_logp, want_ent = oracle(case.logits, case.tokens, case.mask, 0.7)  # exact logits
+    case = case.to(device)
     tokens, mask = case.tokens, case.mask
     hidden, weight, bias = case.hidden, case.weight, case.bias
-    logits64 = case.logits  # exact inputs: the same logits in every dtype
-    want_logp, want_ent = oracle(logits64, tokens, mask, 0.7)
     args = (
         (hidden.to(dtype), tokens, weight.to(dtype))
         if from_hidden
-        else (logits64.to(dtype), tokens)
+        else (case.logits.to(dtype), tokens)
     )
     kwargs = dict(mask=mask, temperature=0.7)
     if from_hidden:
         kwargs.update(bias=bias.to(dtype), chunk_size=4)
-    for interpreted in (True, False):  # the Triton kernels, then the PyTorch CPU path
-        monkeypatch.setattr(logp_lse, "triton_is_interpreted", lambda: interpreted)  # noqa: B023
-        logp, entropy = ftis_logprobs(*args, **kwargs)
-        numerics.assert_close("logp", logp, want_logp)
-        numerics.assert_close("entropy", entropy, want_ent)
+    # The Triton kernels where this machine runs them for the device (compiled on CUDA,
+    # interpreted on CPU under TRITON_INTERPRET=1), and the PyTorch path.
+    for impl in implementations(device):
+        with backend(impl):
+            logp, entropy = ftis_logprobs(*args, **kwargs)
+        numerics.assert_close(f"{impl} logp", logp, want_logp)
+        numerics.assert_close(f"{impl} entropy", entropy, want_ent)
 
 
 def test_packed_rows_give_the_padded_values():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, per_sample
+from ftis_kernels._extras import MissingExtraError
 from ftis_kernels.custom_op import ForwardSignature
 from ftis_kernels.options import (
     OPTION_FIELDS,
@@ -77,7 +78,7 @@ def test_a_new_option_reaches_the_public_signature_and_the_op_schema(monkeypatch
 
 
 def test_trl_config_takes_its_option_fields_from_the_definition():
-    trl_module = pytest.importorskip("ftis_kernels.integrations.trl")
+    trl_module = pytest.importorskip("ftis_kernels.integrations.trl", exc_type=MissingExtraError)
     config_fields = {f.name: f for f in dataclasses.fields(trl_module.FTISGRPOConfig)}
     for name in OPTION_NAMES:
         assert trl_module.TRL_NAMES.get(name, name) in config_fields, name
@@ -116,7 +117,7 @@ def test_every_enumerated_option_dispatches_through_a_table_that_raises(name):
 
 
 def test_driver_config_takes_its_loss_options_from_the_definition():
-    config = pytest.importorskip("ftis_kernels.grpo.config")
+    config = pytest.importorskip("ftis_kernels.grpo.config", exc_type=MissingExtraError)
     fields = {f.name: f for f in dataclasses.fields(config.RunConfig)}
     assert set(config.LOSSES) == {"on-policy", *PRESETS}
     for name in config.RUN_LOSS_OPTIONS:

@@ -34,8 +34,9 @@ def test_nothing_points_outside_the_repository():
 
 def test_nothing_cites_a_tracker_the_repository_does_not_have():
     # Users have no issue tracker or work log: a comment or document says what happened instead
-    # of citing an issue, session or stop number. The changelog and stored results are history.
-    cited = re.compile(r"\b(issue|stop|session)s?[ -][0-9]+(\.[0-9]+)?\b", re.I)
+    # of citing an issue, a work period or a stop by number. The changelog and stored results are
+    # history.
+    cited = re.compile(r"\b(issue|stop|sess" + r"ion)s?[ -][0-9]+(\.[0-9]+)?\b", re.I)
     hits = [
         f"{f.relative_to(ROOT)}:{i}"
         for f in _tracked_text_files()
@@ -43,7 +44,25 @@ def test_nothing_cites_a_tracker_the_repository_does_not_have():
         for i, line in enumerate(f.read_text().splitlines(), 1)
         if cited.search(line)
     ]
-    assert not hits, f"lines that cite an issue, session or stop by number: {hits}"
+    assert not hits, f"lines that cite an issue, a work period or a stop by number: {hits}"
+
+
+def test_no_line_speaks_the_words_of_the_machines_that_built_it():
+    # A user has none of the workplace's notes and was at none of its work periods: a line says
+    # what can be checked (a date, a machine, a measurement), not which note or period it came
+    # from, nor how a GPU came to it. A process's own session (start_new_session) is fine.
+    # Written in pieces, so that these lines do not match themselves.
+    notes = r"\b(METHOD|KINDS|H200|HOPPER)\." + "md\\b"
+    period = r"(?<!own )\bsess" + r"ions?\b(?! of its own)"
+    words = re.compile(f"{notes}|(?i:{period})|(?i:\\ble" + "nt\\b)")
+    hits = [
+        f"{f.relative_to(ROOT)}:{i}: {line.strip()[:80]}"
+        for f in _tracked_text_files()
+        if f.name != "CHANGELOG.md" and "results" not in f.relative_to(ROOT).parts
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if words.search(line)
+    ]
+    assert not hits, "lines that only the people who wrote them can check:\n" + "\n".join(hits)
 
 
 def test_every_method_section_reference_resolves():

@@ -1,6 +1,8 @@
 """Vocabulary-sharded ftis_loss / ftis_linear_loss on 2 and 4 gloo processes (CPU) against the
 unsharded op on the same data: loss, metrics, grad_hidden and each shard's grad_weight / grad_bias
-/ logits columns; V not divisible by P, tokens owned by every rank; bad shards refused."""
+/ logits columns; V not divisible by P, tokens owned by every rank; bad shards refused. On CUDA,
+the same on 2 processes sharing the GPU (gloo moves CUDA tensors through the host), called from
+torch.compile(fullgraph=True): no graph break."""
 
 from __future__ import annotations
 
@@ -117,6 +119,44 @@ def _compiled_and_refused(rank, logits, hidden, weight, bias, tokens, rows, cols
     bad[1, 0] = V
     with pytest.raises(ValueError, match=rf"^tokens: expected ids in \[0, {V}\)"):
         ftis_loss(logits[..., cols], bad, *rows, **OPTIONS, **shard)
+
+
+def _cuda_worker(rank: int, P: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P)
+    try:
+        hidden, weight, bias, tokens, rows = _data(P)
+        hidden, weight, bias, tokens = (x.cuda() for x in (hidden, weight, bias, tokens))
+        rows = tuple(None if x is None else x.cuda() for x in rows)
+        cols = _shard(rank, P)
+        shard = {"vocab_start": cols.start, "process_group": dist.group.WORLD}
+        logits = hidden @ weight.T + bias
+
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def logits_step(x):
+            return ftis_loss(x, tokens, *rows, **OPTIONS, **shard)
+
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def linear_step(h, w, b):
+            return ftis_linear_loss(h, w, tokens, *rows, bias=b, chunk_size=3, **OPTIONS, **shard)
+
+        x = logits[..., cols].clone().requires_grad_()
+        loss, metrics = logits_step(x)
+        loss.backward()
+        _compare((loss, metrics, {"logits": x.grad}), _run_logits(logits, tokens, rows), cols)
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight[cols], bias[cols])]
+        loss, metrics = linear_step(*leaves)
+        loss.backward()
+        grads = dict(zip(("hidden", "weight", "bias"), (t.grad for t in leaves)))
+        want = _run_linear(hidden, weight, bias, tokens, rows)
+        _compare((loss, metrics, grads), want, cols)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_compiled_sharded_ops_on_cuda_have_no_graph_break_and_equal_the_unsharded_op():
+    mp.spawn(_cuda_worker, args=(2, _free_port()), nprocs=2)
 
 
 @pytest.mark.parametrize("P", [2, 4])
