@@ -14,8 +14,10 @@ on a stride that Triton made the constant 1 is an AttributeError at compile time
     python -m bench.sm90 LAUNCHES.json
 
 compiles every distinct launch a JSON file lists (`tests/test_sm90_compile.py` records them while
-the ops run under the interpreter, `describe_launch` writes one) and exits 1 if any fails. Run it
-without TRITON_INTERPRET: the kernels must be decorated as `JITFunction`s.
+the ops run under the interpreter, `describe_launch` writes one) and exits 1 if any fails; with
+--binaries it only counts the binaries each kernel would need (`tests/test_sm90_compile.py` holds
+that a new completion length or option value needs none). Run it without TRITON_INTERPRET: the
+kernels must be decorated as `JITFunction`s.
 """
 
 from __future__ import annotations
@@ -176,6 +178,20 @@ def compile_launches(launches: list[dict]) -> dict:
     return report
 
 
+def binaries(launches: list[dict]) -> dict[str, int]:
+    """How many binaries Triton would compile for each kernel over these launches: the distinct
+    (options, signature, constexprs, attrs) its binder gives them. Nothing is compiled."""
+    keys: dict[str, set] = {}
+    for launch in launches:
+        fn = _kernel(launch["kernel"])
+        args = tuple(_value(a) for a in launch["args"])
+        kwargs = {k: _value(v) for k, v in launch["kwargs"].items()}
+        options, signature, constexprs, attrs = specialise(fn, args, kwargs)
+        key = repr((options, sorted(signature.items()), constexprs, attrs))
+        keys.setdefault(launch["kernel"], set()).add(key)
+    return {kernel: len(k) for kernel, k in keys.items()}
+
+
 def _classes(fn: JITFunction, signature: dict, constexprs: dict, attrs: dict) -> set[str]:
     """Which of Triton's specialisations of runtime arguments this launch has: "int=1",
     "int%16", "int" (an int Triton may specialise, with none applying), "int unspecialised" (one
@@ -215,11 +231,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sm90", description=__doc__.splitlines()[0])
     ap.add_argument("launches", help="JSON list of launches (describe_launch)")
     ap.add_argument("--report", help="write the report as JSON here")
+    ap.add_argument(
+        "--binaries",
+        action="store_true",
+        help="count the binaries each kernel would need (`binaries`) instead of compiling",
+    )
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         ap.error("run without TRITON_INTERPRET: the interpreter's kernels do not compile")
     with open(args.launches) as f:
         launches = json.load(f)
+    if args.binaries:
+        counts = binaries(launches)
+        print(json.dumps(counts, indent=1))
+        if args.report:
+            with open(args.report, "w") as f:
+                json.dump(counts, f)
+        return 0
     report = compile_launches(launches)
     for row in report["compiled"]:
         print(f"ok   {row['seconds']:5.2f} s  {row['launch']}")

@@ -162,3 +162,43 @@ def test_every_kernel_launch_compiles_for_sm90_at_triton_specialisations(monkeyp
     for kernel, seen in classes.items():
         if seen & {"int", "int%16"}:
             assert "int=1" in seen, f"{kernel}: no int argument was ever 1 ({sorted(seen)})"
+
+
+def test_new_lengths_and_option_values_need_no_new_binary(monkeypatch, tmp_path):
+    """Liger's GRPO kernel takes lengths and hyperparameters as constexprs and compiles a binary
+    for every new completion length; here lengths and option values are runtime arguments. Over
+    39 completion lengths and 5 values of each runtime option, a kernel needs at most the
+    binaries its strides' alignment classes make (a stride divisible by 16 or not: 2)."""
+    launches: list[dict] = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        launches.append(describe_launch(self.fn, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    g = torch.Generator().manual_seed(1)
+    V = 37
+    for T in range(2, 41):
+        logits = torch.randn(2, T, V, generator=g, requires_grad=True)
+        rows = _rows(2, T, V, g)
+        i = T % 5
+        opts = dict(kl_threshold=1.0 + i, epsilon=0.1 + 0.02 * i, is_cap=1.5 + i, beta=0.0)
+        loss, _ = ftis_loss(logits, *rows, **opts)
+        loss.backward()
+    path, report_path = tmp_path / "launches.json", tmp_path / "binaries.json"
+    path.write_text(json.dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.sm90", str(path), "--binaries", "--report", str(report_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    binaries = json.loads(report_path.read_text())
+    assert len(binaries) == 4, binaries  # row forward, per-sample, reduction, row backward
+    assert all(n <= 2 for n in binaries.values()), binaries
