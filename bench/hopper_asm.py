@@ -123,7 +123,7 @@ def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
     if kernel == "fwd":
         outputs = dict(logp_ptr=f32, row_max_ptr=f32, log_sum_ptr=f32, entropy_ptr=f32)
         mask = dict(mask_ptr=sm90.pointer(torch.bool), stride_mb=T, stride_mt=1)
-        return K._logp_lse_fwd_kernel, {**common, **outputs, **mask}
+        return K._logp_lse_fwd_kernel, {**common, **outputs, **mask, **K.fwd_meta(block_v)}
     rows = dict(row_max_ptr=f32, log_sum_ptr=f32, coef_ptr=f32, entropy_ptr=None)
     rows.update(scales_ptr=f32, grad_ptr=f32)
     grad = dict(dlogits_ptr=x, entropy_coef_ptr=None, stride_db=T * V, stride_dt=V, stride_dv=1)

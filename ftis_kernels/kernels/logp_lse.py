@@ -33,11 +33,22 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ftis_kernels.kernels.tl_utils import NEG_BIG, online_lse_entropy_update, online_lse_update
+from ftis_kernels.kernels.tl_utils import NEG_BIG
 
 # Largest vocabulary block one program holds in registers at once (the tests lower it to cover
 # the multi-block loop with small vocabularies).
 MAX_BLOCK_V = 4096
+
+
+# Logits per thread per block in the forward (`_logp_lse_fwd_kernel`'s VEC).
+FWD_VEC = 8
+
+
+def fwd_meta(block_v: int) -> dict:
+    """The forward kernel's meta-parameters for a vocabulary block: BLOCK_V, VEC, LANES and
+    num_warps."""
+    vec = min(FWD_VEC, block_v)
+    return dict(BLOCK_V=block_v, VEC=vec, LANES=block_v // vec, num_warps=_num_warps(block_v))
 
 
 def _block_v(V: int) -> int:
@@ -81,6 +92,8 @@ def _logp_lse_fwd_kernel(
     HAS_MASK: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr,  # logits a thread holds contiguously (16 bytes of bf16)
+    LANES: tl.constexpr,  # BLOCK_V // VEC
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // T
@@ -96,16 +109,43 @@ def _logp_lse_fwd_kernel(
     # x * (1 / tau), not x / tau: compiled Triton divides by a runtime scalar with a reciprocal and
     # two range fix-ups per element (bench/hopper_asm.py counted 3 instructions a logit).
     inv_t = tl.math.div_rn(1.0, temperature)
-    m = NEG_BIG
-    s = 0.0
-    u = 0.0
+    # The exponentials in base 2: e^(x / tau - m / tau) = 2^(x k - m k), one FFMA and one MUFU.EX2
+    # a logit. The block is (LANES, VEC), VEC contiguous logits in one thread: each lane keeps its
+    # own running max, sum and entropy sum, rescaled once per VEC logits, and the lanes are
+    # combined once after the loop; a block costs no cross-thread reduction (bench/hopper_asm.py:
+    # no barrier in the loop).
+    k = inv_t * 1.4426950408889634
+    lane = tl.arange(0, LANES)
+    offs_in = lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    m = tl.full([LANES], NEG_BIG, dtype=tl.float32)  # each lane's running max of the raw logits
+    s = tl.zeros([LANES], dtype=tl.float32)  # sum of 2^(x k - m k)
+    u = tl.zeros([LANES], dtype=tl.float32)  # sum of 2^(x k - m k) (x k - m k): base-2 units
     for v0 in range(0, v_end, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
+        offs = v0 + offs_in
         x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        # A lane with nothing summed yet has no past to rescale (its max may be the sentinel,
+        # whose product by k would overflow).
+        shift = tl.where(s > 0, (m - m_new) * k, 0.0)
+        alpha = tl.exp2(shift)
+        # A lane that has seen only -inf keeps the sentinel max, whose product by k would overflow
+        # to -inf (and -inf - -inf is NaN): its offset is 0, its logits give 2^-inf = 0.
+        m_k = tl.where(m_new > NEG_BIG, m_new * k, 0.0)
+        d = x * k - m_k[:, None]
+        e = tl.exp2(d)
         if WITH_ENTROPY:
-            m, s, u = online_lse_entropy_update(m, s, u, x.to(tl.float32) * inv_t)
-        else:
-            m, s = online_lse_update(m, s, x.to(tl.float32) * inv_t)
+            # max(d, -200): exact wherever e > 0 (2^-150 underflows), and e * d = 0, not 0 * -inf,
+            # at a -inf logit.
+            u = alpha * (u + shift * s) + tl.sum(e * tl.maximum(d, -200.0), axis=1)
+        s = s * alpha + tl.sum(e, axis=1)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    shift = tl.where(s > 0, (m - m_row) * k, 0.0)
+    alpha = tl.exp2(shift)
+    u = tl.sum(alpha * (u + shift * s), axis=0)
+    s = tl.sum(s * alpha, axis=0)
+    m = m_row * inv_t  # max_v x_v / tau, rounded as x * inv_t rounds its max element
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
     # A bad token id is refused by the caller after the forward: until then it reads nothing.
     token_ok = (token >= 0) & (token < V)
@@ -117,7 +157,10 @@ def _logp_lse_fwd_kernel(
     tl.store(row_max_ptr + row, tl.where(active, m, 0.0))
     tl.store(log_sum_ptr + row, log_sum)
     if WITH_ENTROPY:
-        tl.store(entropy_ptr + row, tl.where(active, log_sum - u / s_safe, 0.0))
+        # H = log s - (sum_v e_v (x_v / tau - m)) / s, the sum in base-2 units times ln 2.
+        tl.store(
+            entropy_ptr + row, tl.where(active, log_sum - 0.6931471805599453 * u / s_safe, 0.0)
+        )
 
 
 def logp_lse_fwd(
@@ -158,8 +201,7 @@ def logp_lse_fwd(
         *logits.stride(),
         *tokens.stride(),
         *mask_strides,
-        BLOCK_V=block_v,
-        num_warps=_num_warps(block_v),
+        **fwd_meta(block_v),
     )
     return logp, row_max, log_sum, entropy
 
