@@ -146,7 +146,7 @@ def _option_table(path: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
-@pytest.mark.parametrize("path", ["README.md", "docs/method.md"])
+@pytest.mark.parametrize("path", ["docs/options.md", "docs/method.md"])
 def test_the_docs_option_tables_give_every_option_its_definitions_default_and_values(path):
     # The allowed cell is the definition's (`option_allowed`), optionally followed by "; " and a
     # combination (e.g. is_cap_min <= is_cap).
