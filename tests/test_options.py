@@ -156,3 +156,9 @@ def test_the_docs_option_tables_give_every_option_its_definitions_default_and_va
         default, allowed = rows[name]
         assert default == option_default_text(name), (name, default)
         assert allowed.split("; ")[0] == option_allowed(name), (name, allowed)
+
+
+def test_the_options_page_names_every_preset():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
+    listed = text.split("with `name` one of", 1)[1].split("docs/method.md", 1)[0]
+    assert set(re.findall(r"`([\w-]+)`", listed)) == set(PRESETS)

@@ -1,6 +1,7 @@
 """The Python code of the README and of the docs pages runs as written: every ```python block is
 a whole program (a block that needs names it does not define would be a fragment, and the pages
-have none)."""
+have none). The README stays one screen: what the library is, its commands, the op, the
+measurements and the pages; the rest is in docs/."""
 
 import re
 from pathlib import Path
@@ -32,6 +33,14 @@ def test_readme_python_code_is_in_whole_python_blocks():
         assert helper in shown, f"the docs show the Hugging Face helper and TRL: {helper}"
     fragments = [page.name for page in PAGES if re.search(r"```py\n", page.read_text())]
     assert not fragments, f"a ```py fragment in {fragments}: make it a ```python block"
+
+
+def test_the_readme_is_one_screen_and_names_every_docs_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 80, "the README's first screen grew: move the rest to docs/"
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in PAGES if p != README)
+    missing = [page for page in pages if f"`{page}`" not in text]
+    assert not missing, f"docs pages the README does not name: {missing}"
 
 
 @pytest.mark.parametrize("page, code", BLOCKS, ids=[_name(p, b) for p, b in BLOCKS])
