@@ -69,7 +69,7 @@ def smoke(tmp_path_factory):
 
 
 def test_smoke_preset_runs_two_gloo_nodes_through_torchrun(smoke):
-    out, log, _ = smoke  # its time is the README's figure, measured idle, not a test
+    out, log, _ = smoke  # its time is docs/driver.md's figure, measured idle, not a test
     rows = rows_of(out)
     assert len(rows) == SMOKE["rounds"] * SMOKE["nodes"]
     assert {(r["round"], r["node"]) for r in rows} == {(i, n) for i in range(4) for n in range(2)}

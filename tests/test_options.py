@@ -146,7 +146,7 @@ def _option_table(path: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
-@pytest.mark.parametrize("path", ["README.md", "docs/method.md"])
+@pytest.mark.parametrize("path", ["docs/options.md", "docs/method.md"])
 def test_the_docs_option_tables_give_every_option_its_definitions_default_and_values(path):
     # The allowed cell is the definition's (`option_allowed`), optionally followed by "; " and a
     # combination (e.g. is_cap_min <= is_cap).
@@ -156,3 +156,9 @@ def test_the_docs_option_tables_give_every_option_its_definitions_default_and_va
         default, allowed = rows[name]
         assert default == option_default_text(name), (name, default)
         assert allowed.split("; ")[0] == option_allowed(name), (name, allowed)
+
+
+def test_the_options_page_names_every_preset():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
+    listed = text.split("with `name` one of", 1)[1].split("docs/method.md", 1)[0]
+    assert set(re.findall(r"`([\w-]+)`", listed)) == set(PRESETS)
