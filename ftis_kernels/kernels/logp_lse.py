@@ -109,11 +109,11 @@ def _logp_lse_fwd_kernel(
     # x * (1 / tau), not x / tau: compiled Triton divides by a runtime scalar with a reciprocal and
     # two range fix-ups per element (bench/hopper_asm.py counted 3 instructions a logit).
     inv_t = tl.math.div_rn(1.0, temperature)
-    # The exponentials in base 2: e^(x / tau - m / tau) = 2^(x k - m k), one FFMA and one MUFU.EX2
-    # a logit. The block is (LANES, VEC), VEC contiguous logits in one thread: each lane keeps its
-    # own running max, sum and entropy sum, rescaled once per VEC logits, and the lanes are
-    # combined once after the loop; a block costs no cross-thread reduction (bench/hopper_asm.py:
-    # no barrier in the loop).
+    # The exponentials in base 2: e^(x / tau - m / tau) = 2^((x - m) k), one MUFU.EX2 a logit.
+    # The block is (LANES, VEC), VEC contiguous logits in one thread: each lane keeps its own
+    # running max, sum and entropy sum, rescaled once per VEC logits, and the lanes are combined
+    # once after the loop; a block costs no cross-thread reduction (bench/hopper_asm.py: no
+    # barrier in the loop).
     k = inv_t * 1.4426950408889634
     lane = tl.arange(0, LANES)
     offs_in = lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
@@ -129,10 +129,10 @@ def _logp_lse_fwd_kernel(
         # whose product by k would overflow).
         shift = tl.where(s > 0, (m - m_new) * k, 0.0)
         alpha = tl.exp2(shift)
-        # A lane that has seen only -inf keeps the sentinel max, whose product by k would overflow
-        # to -inf (and -inf - -inf is NaN): its offset is 0, its logits give 2^-inf = 0.
-        m_k = tl.where(m_new > NEG_BIG, m_new * k, 0.0)
-        d = x * k - m_k[:, None]
+        # (x - m) k, not x k - m k: the difference is exact near the max (Sterbenz), where the
+        # digits matter, so that |logits| = 1e8 keep the digits of log_softmax. A lane that has
+        # seen only -inf keeps the finite sentinel: -inf - NEG_BIG = -inf, 2^-inf = 0.
+        d = (x - m_new[:, None]) * k
         e = tl.exp2(d)
         if WITH_ENTROPY:
             # max(d, -200): exact wherever e > 0 (2^-150 underflows), and e * d = 0, not 0 * -inf,
