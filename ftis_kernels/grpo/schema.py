@@ -26,7 +26,7 @@ COLLABS = ("vertical", "horizontal")
 # What moves the exchange's bytes (`transport.Transport`): torchrun's lockstep world on this host,
 # or hivemind's DHT, one peer per process on any host (`ftis-grpo peer`).
 TRANSPORTS = ("torch", "hivemind")
-# A run's loss: a preset of FTISOptions (README), or on-policy (isolated nodes, plain GRPO).
+# A run's loss: a preset of FTISOptions (docs/options.md), or on-policy (isolated nodes, GRPO).
 LOSSES = ("on-policy",) + tuple(LOSS_PRESETS)
 # The loss options a run config names as its own keys (null: the preset's value); any other
 # option of FTISOptions goes in `loss_options`.
@@ -175,7 +175,7 @@ class RunConfig:
     )
     loss: Literal[LOSSES] = Field(
         "f-tis",
-        description="loss mode: a preset of FTISOptions (README's presets); on-policy = "
+        description="loss mode: a preset of FTISOptions (docs/options.md); on-policy = "
         "isolated nodes, no exchange",
     )
     is_cap: Optional[Annotated[float, Field(gt=0, allow_inf_nan=True)]] = _loss_option("is_cap")
@@ -188,7 +188,7 @@ class RunConfig:
     loss_options: dict[Literal[OPTION_NAMES], Any] = Field(
         default_factory=dict,
         description="any other option of FTISOptions by name, e.g. "
-        "{ratio_level: sequence, entropy_coef: 0.01} (README's options table)",
+        "{ratio_level: sequence, entropy_coef: 0.01} (docs/options.md)",
     )
     prompts_per_node: Count = Field(
         4, description="vertical: own prompts per round; horizontal: shared prompts"
