@@ -373,7 +373,10 @@ def _neg_big_is_constexpr() -> bool:
 @pytest.mark.parametrize("kernel", ["fwd", "bwd"])
 def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
     """The kernels as an H200 would launch them compile (with an empty Triton cache, which would
-    otherwise hide front-end errors) and keep one exp per logit and 16-byte accesses."""
+    otherwise hide front-end errors) and keep one exp per logit (the forward: plus one per lane's
+    rescale, every 8 logits) and 16-byte accesses; the bf16 forward loop stays under the issue
+    rate the copy roofline needs (no cross-thread reduction in the loop, ~11 instructions a
+    logit, where the block reductions cost 20.4)."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(measure.REPO))
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run(
@@ -387,8 +390,13 @@ def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
     assert out.returncode == 0, out.stderr[-1500:]
     rows = [ln.split("|") for ln in out.stdout.splitlines() if ln.startswith(f"| {kernel} ")]
     assert len(rows) == 1
-    mufu_per_logit, loads = float(rows[0][6]), int(rows[0][8])
-    assert mufu_per_logit < 1.1 and loads >= 1
+    instructions, mufu_per_logit, barriers = float(rows[0][5]), float(rows[0][6]), int(rows[0][7])
+    loads = int(rows[0][8])
+    assert loads >= 1
+    if kernel == "fwd":
+        assert mufu_per_logit < 1 + 1 / 8 + 0.01 and barriers == 0 and instructions < 12.5
+    else:
+        assert mufu_per_logit < 1.1
 
 
 def test_profile_ops_prints_the_timings_and_the_profiler_tables(capsys):
