@@ -21,6 +21,7 @@ What is here, in the order a call meets it:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,7 +29,7 @@ import torch
 
 from ftis_kernels.kernels.per_sample import SampleOutputs, per_sample_fwd
 from ftis_kernels.kernels.sample_reduce import finish_fwd
-from ftis_kernels.options import FTISOptions, option_parameters, options_from_args
+from ftis_kernels.options import OPTION_FIELDS, OPTION_NAMES, FTISOptions
 from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.per_sample import (
     PER_SAMPLE_METRICS,
@@ -37,7 +38,7 @@ from ftis_kernels.per_sample import (
 )
 from ftis_kernels.sharded import check_shards, combine_row_stats
 from ftis_kernels.validate import CHECKS as CHECK_ROWS
-from ftis_kernels.validate import check_row_tensors, fault_record, raise_on_faults
+from ftis_kernels.validate import check_row_tensors, dispatch, fault_record, raise_on_faults
 
 # A forward op's outputs, in order: the loss, the per-token and per-sample metrics, the scalar
 # metrics as one (len(SCALAR_METRICS) + 2,) vector whose last two entries are the backward's
@@ -116,13 +117,51 @@ def row_inputs(
     return (tokens, gen.detach(), adv.detach(), mask, old, ref), max_seqlen
 
 
+# --- the options across the custom-op boundary ------------------------------------------------
+# A torch.library custom op takes tensors and plain scalars only: the options travel unpacked, in
+# OPTION_NAMES order, with schema types derived from the field annotations.
+
+_SCHEMA_TYPES: dict[str, tuple[str, type]] = {
+    "str": ("str", str),
+    "Optional[str]": ("str?", str),
+    "float": ("float", float),
+    "Optional[float]": ("float?", float),
+    "Optional[int]": ("int?", int),
+    "bool": ("bool", bool),
+}
+
+
+def option_parameters() -> tuple[tuple[str, str], ...]:
+    """The options as custom-op parameters (schema type, name): ("str", "is_mode"), ..."""
+    return tuple(
+        (dispatch(_SCHEMA_TYPES, f.type, f"the type of {name}")[0], name)
+        for name, f in OPTION_FIELDS.items()
+    )
+
+
+def option_args(opt: FTISOptions) -> tuple:
+    """The options unpacked in OPTION_NAMES order, as plain Python scalars of their schema type."""
+    casts = [_SCHEMA_TYPES[f.type][1] for f in OPTION_FIELDS.values()]
+    values = (getattr(opt, name) for name in OPTION_NAMES)
+    return tuple(None if v is None else cast(v) for cast, v in zip(casts, values))
+
+
+def options_from_args(args: Mapping[str, Any]) -> FTISOptions:
+    """FTISOptions from a custom op's arguments, read by name: the values `option_args` unpacked
+    from options the public op validated, put back together without validating them again."""
+    opt = object.__new__(FTISOptions)
+    for name in OPTION_NAMES:
+        object.__setattr__(opt, name, args[name])
+    return opt
+
+
 # --- the forward ops' parameters -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ForwardSignature:
     """A forward op's parameters as (schema type, name), in order: `leading` (the op's own
-    tensors), ROW_PARAMETERS, the options (`options.option_parameters`, typed from the annotations
+    tensors), ROW_PARAMETERS, the options (`option_parameters`, typed from the annotations
     of FTISOptions), PACKING_PARAMETERS, then `trailing` (the op's own switches). Its outputs:
     OUTPUT_NAMES, then `extra_outputs` more tensors."""
 

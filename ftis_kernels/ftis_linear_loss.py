@@ -53,7 +53,6 @@ from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
     loss_type,
-    option_args,
     resolve_options,
     with_option_keywords,
 )
@@ -568,5 +567,7 @@ def ftis_linear_loss(
     offsets = [] if cu_seqlens is None else custom_op.segment_offsets(cu_seqlens)
     switches = (offsets, chunk, backend, in_forward, *needs)
     lm_head = (hidden, weight, bias)
-    outputs = _ftis_linear_loss_fwd(*lm_head, *rows, *option_args(opt), *packing, *switches)
+    outputs = _ftis_linear_loss_fwd(
+        *lm_head, *rows, *custom_op.option_args(opt), *packing, *switches
+    )
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

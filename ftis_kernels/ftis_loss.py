@@ -27,7 +27,6 @@ from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
-    option_args,
     resolve_options,
     with_option_keywords,
 )
@@ -265,6 +264,14 @@ def ftis_loss(
     shard = (vocab_start, group_name(process_group, vocab_start))
     checks = (value_check, check_now(value_check, logits))
     outputs = _ftis_loss_fwd(
-        logits, *rows, *option_args(opt), cu_seqlens, max_seqlen, *shard, *checks, inplace, backend
+        logits,
+        *rows,
+        *custom_op.option_args(opt),
+        cu_seqlens,
+        max_seqlen,
+        *shard,
+        *checks,
+        inplace,
+        backend,
     )
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from ftis_kernels.options import FTISOptions, dispatch, loss_type
+from ftis_kernels.options import FTISOptions, loss_type
+from ftis_kernels.validate import dispatch
 
 METRIC_NAMES = (
     "logp",

@@ -12,14 +12,26 @@ address, so a bad value costs a wrong loss at worst until the record is read, ne
 from __future__ import annotations
 
 import math
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, NoReturn, Optional
 
 import torch
 
-from ftis_kernels.options import refuse
-
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
+
+
+def refuse(name: str, expected: str, got: object) -> NoReturn:
+    """The one form of the library's input errors: ValueError("name: expected ..., got ...") with
+    `got` as its str (callers pass a repr where the value itself is shown)."""
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def dispatch(table: Mapping[Any, Any], value: Any, option: str) -> Any:
+    """table[value], or a ValueError naming the option and the allowed values: no silent else."""
+    if value not in table:
+        refuse(option, f"one of {tuple(table)}", repr(value))
+    return table[value]
 
 
 def _describe(x: object) -> str:

@@ -16,15 +16,13 @@ import torch
 
 from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, per_sample
 from ftis_kernels._extras import MissingExtraError
-from ftis_kernels.custom_op import ForwardSignature
+from ftis_kernels.custom_op import ForwardSignature, option_args, options_from_args
 from ftis_kernels.options import (
     OPTION_FIELDS,
     OPTION_NAMES,
     PRESETS,
     option_allowed,
-    option_args,
     option_default_text,
-    options_from_args,
     with_option_keywords,
 )
 
