@@ -2,16 +2,18 @@
 
 Each loss registers its passes with torch.library, so that torch.compile(fullgraph=True) sees one
 opaque node per pass with a fake (shape-only) implementation and an autograd formula, instead of
-graph-breaking on Triton launches and data-dependent Python. A custom op's schema takes tensors and
-plain scalars only, so the options cross the boundary unpacked, in `OPTION_NAMES` order, and are
-put back together inside without being validated again (the public op validated them once).
+graph-breaking on Triton launches and data-dependent Python. The public op resolves one
+`FTISOptions` (validated once, on construction); a custom op's schema takes tensors and plain
+scalars only, so `ForwardSignature.flatten` unpacks it, in `OPTION_NAMES` order, in the call of
+the op, and `ForwardSignature.bind` puts it back together once inside (`ForwardInputs.opt`)
+without validating it again. Nothing in between reads the options or derives them anew.
 
 What is here, in the order a call meets it:
 - the prologue of the public ops: a packed input given as (N, D), the row tensors' checks
   (`validate.check_row_tensors`), and the detached row tensors the forward op takes;
-- `ForwardSignature`: a forward op's typed parameters, written out, from which its schema is built
-  and its inputs are named (the op's own tensors, the row tensors, the options, the packing and
-  shard parameters, then the op's own switches);
+- `ForwardSignature`: a forward op's typed parameters, written out, from which its schema is built,
+  its inputs are flattened for the call and bound again inside (the op's own tensors, the row
+  tensors, the options, the packing and shard parameters, then the op's own switches);
 - inside the forward op: this shard's token ids, the row statistics completed over the shards, and
   the tail both losses share (the per-sample part and the value checks, `finish_forward`);
 - the outputs (`OUTPUT_NAMES`): `fake_forward_outputs`, `public_metrics`;
@@ -186,21 +188,38 @@ class ForwardSignature:
         outputs = ", ".join(["Tensor"] * (N_OUTPUTS + self.extra_outputs))
         return f"({arguments}) -> ({outputs})"
 
-    def bind(self, inputs: tuple) -> dict[str, Any]:
-        """The op's inputs by name (the fake implementation, the real one and setup_context
-        receive them positionally)."""
-        return dict(zip((name for _, name in self.parameters), inputs))
+    def flatten(
+        self, leading: tuple, rows: tuple, opt: FTISOptions, packing: tuple, trailing: tuple
+    ) -> tuple:
+        """The op's inputs in the schema's order, the options unpacked (`option_args`): what the
+        public op passes the custom op, the one place its options are flattened."""
+        return (*leading, *rows, *option_args(opt), *packing, *trailing)
 
-    @staticmethod
-    def options(args: dict[str, Any]) -> FTISOptions:
-        """The options among the bound inputs, as the public op validated them."""
-        return options_from_args(args)
+    def bind(self, inputs: tuple) -> ForwardInputs:
+        """The op's inputs as the fake implementation, the real one and setup_context receive them
+        (positionally), put back together: the options once, the rest by name."""
+        named = dict(zip((name for _, name in self.parameters), inputs))
+        rest = {name: x for name, x in named.items() if name not in OPTION_FIELDS}
+        return ForwardInputs(options_from_args(named), rest)
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """A forward op's inputs, bound (`ForwardSignature.bind`): `opt` the options as the public op
+    validated them, every other input by name (`args["cu_seqlens"]`); the options are read from
+    `opt` only."""
+
+    opt: FTISOptions
+    named: dict[str, Any]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.named[name]
 
 
 # --- inside the forward ops ----------------------------------------------------------------------
 
 
-def shard_tokens(args: dict[str, Any]) -> torch.Tensor:
+def shard_tokens(args: ForwardInputs) -> torch.Tensor:
     """The token ids in this shard's columns (global ids less vocab_start) when the vocabulary is
     sharded, else the ids themselves: another shard's token is never hit."""
     tokens = args["tokens"]
@@ -218,7 +237,7 @@ class Shard:
     tokens: torch.Tensor
 
     @classmethod
-    def of(cls, args: dict[str, Any], device: torch.device, width: int, H: int = 0) -> Shard:
+    def of(cls, args: ForwardInputs, device: torch.device, width: int, H: int = 0) -> Shard:
         """From the bound inputs; sharded, after one all-gather that checks the shards tile the
         vocabulary (and agree on H when given)."""
         name, tokens = args["group_name"], shard_tokens(args)
@@ -235,7 +254,7 @@ class Shard:
         return combine_row_stats(self.group, self.tokens, self.width, mask, *stats)
 
 
-def completion_mask(args: dict[str, Any]) -> Optional[torch.Tensor]:
+def completion_mask(args: ForwardInputs) -> Optional[torch.Tensor]:
     """The mask as bool (it may come as 0/1), or None."""
     mask = args["mask"]
     return None if mask is None or mask.dtype == torch.bool else mask != 0
@@ -244,10 +263,10 @@ def completion_mask(args: dict[str, Any]) -> Optional[torch.Tensor]:
 ROW_NAMES = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
 
 
-def dr_grpo_length(args: dict[str, Any], opt: FTISOptions, T: int) -> int:
+def dr_grpo_length(args: ForwardInputs, T: int) -> int:
     """dr_grpo's L: max_completion_length, else the padded length (packed: the longest segment)."""
-    if opt.max_completion_length is not None:
-        return opt.max_completion_length
+    if args.opt.max_completion_length is not None:
+        return args.opt.max_completion_length
     return args["max_seqlen"] if args["cu_seqlens"] is not None else T
 
 
@@ -258,8 +277,7 @@ def segment_offsets(cu_seqlens: torch.Tensor) -> list[int]:
 
 
 def finish_forward(
-    args: dict[str, Any],
-    opt: FTISOptions,
+    args: ForwardInputs,
     vocab: int,
     stats: tuple,
     logits_name: str = "logits",
@@ -271,6 +289,7 @@ def finish_forward(
     PyTorch: `per_sample.py` and `validate.fault_record`), the checks read at once when the call
     asked for it, and the outputs in OUTPUT_NAMES order."""
     logp, row_max, log_sum, entropy = stats
+    opt = args.opt
     rows = tuple(args[name] for name in ROW_NAMES)
     shape = tuple(logp.shape)
     if args["backend"] == "triton":
@@ -284,7 +303,7 @@ def finish_forward(
                 rows,
                 opt,
                 V=vocab,
-                length=dr_grpo_length(args, opt, shape[1]),
+                length=dr_grpo_length(args, shape[1]),
                 cu_seqlens=args["cu_seqlens"],
             )
         loss, scalars, record = finish_fwd(out, opt, shape, vocab, logits_name != "logits")
@@ -355,15 +374,15 @@ def public_metrics(
 # --- the saved tensors ---------------------------------------------------------------------------
 
 
-def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *tensors) -> None:
+def save_for_backward(ctx, args: ForwardInputs, inputs: tuple, output: tuple, *tensors) -> None:
     """Saves `tensors`, then what the backward reads of the forward's outputs; keeps the
     temperature, the backend, whether the backward reads the value checks, and the number of
     inputs (the backward's tuple length)."""
     named = dict(zip(OUTPUT_NAMES, output))
     saved = ("row_max", "log_sum", "coef", "entropy", "entropy_coef", "scalars", "record")
     ctx.save_for_backward(*tensors, *(named[name] for name in saved))
-    ctx.temperature, ctx.backend, ctx.n_inputs = args["temperature"], args["backend"], len(inputs)
-    ctx.entropy_grad = args["entropy_coef"] > 0
+    ctx.temperature, ctx.backend, ctx.n_inputs = args.opt.temperature, args["backend"], len(inputs)
+    ctx.entropy_grad = args.opt.entropy_coef > 0
     ctx.check_in_backward = args["value_check"] == "backward" and not args["check_now"]
 
 

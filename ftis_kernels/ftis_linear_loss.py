@@ -143,7 +143,7 @@ def _ftis_linear_loss_fwd_impl(*inputs):
     incoming gradient of 1 when grad_in_forward (those flagged need_*; an empty tensor for the
     others and in the backward order); grad_hidden as (B * T, H) rows."""
     args = _FWD.bind(inputs)
-    opt = _FWD.options(args)
+    opt = args.opt
     hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     chunk_size, backend = args["chunk_size"], args["backend"]
     B, T, _ = hidden.shape
@@ -175,7 +175,7 @@ def _ftis_linear_loss_fwd_impl(*inputs):
                 (B, T), row_args[2].shape[0], hidden.device, opt.entropy_coef > 0
             )
             scales = _pre_scales(opt, mask, rows)
-            length = custom_op.dr_grpo_length(args, opt, T)
+            length = custom_op.dr_grpo_length(args, T)
 
             def coefficients(stats, s0, s1):
                 logp, row_max, log_sum, entropy = (x.view(B, T) for x in stats)
@@ -243,7 +243,7 @@ def _ftis_linear_loss_fwd_impl(*inputs):
         bool_mask = custom_op.completion_mask(args)
         stats = shard.complete(stats, mask if bool_mask is None else bool_mask)
     outputs = custom_op.finish_forward(
-        args, opt, shard.vocab, stats, logits_name="hidden", samples=samples
+        args, shard.vocab, stats, logits_name="hidden", samples=samples
     )
     return (*outputs, *(hidden.new_empty(0) if g is None else g for g in grads))
 
@@ -261,7 +261,7 @@ def _(*inputs):
     args = _FWD.bind(inputs)
     hidden, weight = args["hidden"], args["weight"]
     outputs = custom_op.fake_forward_outputs(
-        hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"], opt=_FWD.options(args)
+        hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"], opt=args.opt
     )
     on = args["grad_in_forward"]
     B, T, H = hidden.shape
@@ -376,7 +376,7 @@ def _setup_context(ctx, inputs, output):
     ctx.sample_offsets = list(args["sample_offsets"]) or [b * T for b in range(B + 1)]
     ctx.hidden_shape = tuple(args["hidden"].shape)
     # Triton's forward order applies the batch-wide normaliser (known at the end) afterwards.
-    ctx.end_scale = args["backend"] == "triton" and loss_type(args["loss_type"]).batch_normalised
+    ctx.end_scale = args["backend"] == "triton" and loss_type(args.opt.loss_type).batch_normalised
 
 
 def _backward(ctx, grad_loss, *_):
@@ -567,7 +567,5 @@ def ftis_linear_loss(
     offsets = [] if cu_seqlens is None else custom_op.segment_offsets(cu_seqlens)
     switches = (offsets, chunk, backend, in_forward, *needs)
     lm_head = (hidden, weight, bias)
-    outputs = _ftis_linear_loss_fwd(
-        *lm_head, *rows, *custom_op.option_args(opt), *packing, *switches
-    )
+    outputs = _ftis_linear_loss_fwd(*_FWD.flatten(lm_head, rows, opt, packing, switches))
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

@@ -58,7 +58,7 @@ def _ftis_loss_fwd_impl(*inputs):
     mask = args["mask"] if backend == "triton" else custom_op.completion_mask(args)
     mask = args["mask"] if mask is None else mask
     logp, row_max, log_sum, entropy = FORWARD[backend](
-        logits, shard.tokens, mask, args["temperature"]
+        logits, shard.tokens, mask, args.opt.temperature
     )
     if shard.group is not None:
         bool_mask = custom_op.completion_mask(args)
@@ -67,7 +67,7 @@ def _ftis_loss_fwd_impl(*inputs):
             stats, args["mask"] if bool_mask is None else bool_mask
         )
     stats = (logp, row_max, log_sum, entropy)
-    return custom_op.finish_forward(args, _FWD.options(args), shard.vocab, stats)
+    return custom_op.finish_forward(args, shard.vocab, stats)
 
 
 _ftis_loss_fwd = torch.library.custom_op(
@@ -80,7 +80,7 @@ def _(*inputs):
     args = _FWD.bind(inputs)
     logits = args["logits"]
     return custom_op.fake_forward_outputs(
-        logits, logits.shape[0], logits.shape[1], args["cu_seqlens"], opt=_FWD.options(args)
+        logits, logits.shape[0], logits.shape[1], args["cu_seqlens"], opt=args.opt
     )
 
 
@@ -263,15 +263,6 @@ def ftis_loss(
     inplace = check_inplace_backward(logits, inplace_backward)
     shard = (vocab_start, group_name(process_group, vocab_start))
     checks = (value_check, check_now(value_check, logits))
-    outputs = _ftis_loss_fwd(
-        logits,
-        *rows,
-        *custom_op.option_args(opt),
-        cu_seqlens,
-        max_seqlen,
-        *shard,
-        *checks,
-        inplace,
-        backend,
-    )
+    packing = (cu_seqlens, max_seqlen, *shard, *checks)
+    outputs = _ftis_loss_fwd(*_FWD.flatten((logits,), rows, opt, packing, (inplace, backend)))
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)
