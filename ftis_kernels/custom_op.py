@@ -10,7 +10,8 @@ without validating it again. Nothing in between reads the options or derives the
 
 What is here, in the order a call meets it:
 - the prologue of the public ops: a packed input given as (N, D), the row tensors' checks
-  (`validate.check_row_tensors`), and the detached row tensors the forward op takes;
+  (`validate.check_row_tensors`), and the detached row tensors the forward op takes (one
+  `validate.Rows`, flattened in the op's call and bound back inside as the options are);
 - `ForwardSignature`: a forward op's typed parameters, written out, from which its schema is built,
   its inputs are flattened for the call and bound again inside (the op's own tensors, the row
   tensors, the options, the packing and shard parameters, then the op's own switches);
@@ -40,7 +41,13 @@ from ftis_kernels.per_sample import (
 )
 from ftis_kernels.sharded import check_shards, combine_row_stats
 from ftis_kernels.validate import CHECKS as CHECK_ROWS
-from ftis_kernels.validate import check_row_tensors, dispatch, fault_record, raise_on_faults
+from ftis_kernels.validate import (
+    Rows,
+    check_row_tensors,
+    dispatch,
+    fault_record,
+    raise_on_faults,
+)
 
 # A forward op's outputs, in order: the loss, the per-token and per-sample metrics, the scalar
 # metrics as one (len(SCALAR_METRICS) + 2,) vector whose last two entries are the backward's
@@ -60,7 +67,7 @@ OUTPUT_NAMES = (
 )
 N_OUTPUTS = len(OUTPUT_NAMES)
 
-# The row tensors, as both forward ops take them after their own tensors.
+# The row tensors (`validate.Rows`, by name), as both forward ops take them after their own tensors.
 ROW_PARAMETERS = (
     ("Tensor", "tokens"),
     ("Tensor", "gen_logprobs"),
@@ -95,16 +102,15 @@ def row_inputs(
     x_name: str,
     width: str,
     x: torch.Tensor,
-    rows: tuple,
+    rows: Rows,
     beta: float,
     cu_seqlens: Optional[torch.Tensor],
-) -> tuple[tuple, int]:
-    """The row tensors (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs) checked
-    against x (B, T, `width`) named `x_name`, as the forward op takes them: packed ones as (1, N),
-    the float ones detached (gradients flow to x only); and the longest segment of a packed batch
-    (0 when padded). cu_seqlens is checked here (one synchronisation)."""
+) -> tuple[Rows, int]:
+    """The row tensors checked against x (B, T, `width`) named `x_name`, as the forward op takes
+    them: packed ones as (1, N), the float ones detached (gradients flow to x only); and the
+    longest segment of a packed batch (0 when padded). cu_seqlens is checked here (one
+    synchronisation)."""
     B, T = x.shape[:2]
-    tokens, gen, adv, mask, old, ref = rows
     samples, max_seqlen = B, 0
     if cu_seqlens is not None:
         if B != 1:
@@ -113,10 +119,16 @@ def row_inputs(
                 f"{x_name}: expected (N, {width}) or (1, N, {width}) with cu_seqlens, got {shape}"
             )
         samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, x.device)
-        tokens, gen, mask, old, ref = packed_rows(T, tokens, gen, mask, old, ref)
-    check_row_tensors(B, T, x.device, tokens, gen, adv, mask, old, ref, beta, samples=samples)
-    old, ref = (None if r is None else r.detach() for r in (old, ref))
-    return (tokens, gen.detach(), adv.detach(), mask, old, ref), max_seqlen
+        rows = packed_rows(T, rows)
+    check_row_tensors(B, T, x.device, rows, beta, samples=samples)
+    old, ref = (None if r is None else r.detach() for r in (rows.old_logprobs, rows.ref_logprobs))
+    detached = rows._replace(
+        gen_logprobs=rows.gen_logprobs.detach(),
+        advantages=rows.advantages.detach(),
+        old_logprobs=old,
+        ref_logprobs=ref,
+    )
+    return detached, max_seqlen
 
 
 # --- the options across the custom-op boundary ------------------------------------------------
@@ -189,26 +201,30 @@ class ForwardSignature:
         return f"({arguments}) -> ({outputs})"
 
     def flatten(
-        self, leading: tuple, rows: tuple, opt: FTISOptions, packing: tuple, trailing: tuple
+        self, leading: tuple, rows: Rows, opt: FTISOptions, packing: tuple, trailing: tuple
     ) -> tuple:
-        """The op's inputs in the schema's order, the options unpacked (`option_args`): what the
-        public op passes the custom op, the one place its options are flattened."""
+        """The op's inputs in the schema's order, the rows and the options unpacked
+        (`option_args`): what the public op passes the custom op, the one place its row tensors
+        and its options are flattened."""
         return (*leading, *rows, *option_args(opt), *packing, *trailing)
 
     def bind(self, inputs: tuple) -> ForwardInputs:
         """The op's inputs as the fake implementation, the real one and setup_context receive them
-        (positionally), put back together: the options once, the rest by name."""
+        (positionally), put back together: the rows and the options once, the rest by name."""
         named = dict(zip((name for _, name in self.parameters), inputs))
-        rest = {name: x for name, x in named.items() if name not in OPTION_FIELDS}
-        return ForwardInputs(options_from_args(named), rest)
+        rows = Rows(**{name: named[name] for _, name in ROW_PARAMETERS})
+        bound = (*Rows._fields, *OPTION_FIELDS)
+        rest = {name: x for name, x in named.items() if name not in bound}
+        return ForwardInputs(rows, options_from_args(named), rest)
 
 
 @dataclass(frozen=True)
 class ForwardInputs:
-    """A forward op's inputs, bound (`ForwardSignature.bind`): `opt` the options as the public op
-    validated them, every other input by name (`args["cu_seqlens"]`); the options are read from
-    `opt` only."""
+    """A forward op's inputs, bound (`ForwardSignature.bind`): `rows` the row tensors, `opt` the
+    options as the public op validated them, every other input by name (`args["cu_seqlens"]`);
+    the rows and the options are read from `rows` and `opt` only."""
 
+    rows: Rows
     opt: FTISOptions
     named: dict[str, Any]
 
@@ -222,7 +238,7 @@ class ForwardInputs:
 def shard_tokens(args: ForwardInputs) -> torch.Tensor:
     """The token ids in this shard's columns (global ids less vocab_start) when the vocabulary is
     sharded, else the ids themselves: another shard's token is never hit."""
-    tokens = args["tokens"]
+    tokens = args.rows.tokens
     return tokens if args["group_name"] is None else tokens - args["vocab_start"]
 
 
@@ -254,13 +270,9 @@ class Shard:
         return combine_row_stats(self.group, self.tokens, self.width, mask, *stats)
 
 
-def completion_mask(args: ForwardInputs) -> Optional[torch.Tensor]:
-    """The mask as bool (it may come as 0/1), or None."""
-    mask = args["mask"]
-    return None if mask is None or mask.dtype == torch.bool else mask != 0
-
-
-ROW_NAMES = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
+def completion_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mask as bool (it may come as 0/1: then mask != 0), or None."""
+    return mask if mask is None or mask.dtype == torch.bool else mask != 0
 
 
 def dr_grpo_length(args: ForwardInputs, T: int) -> int:
@@ -289,13 +301,12 @@ def finish_forward(
     PyTorch: `per_sample.py` and `validate.fault_record`), the checks read at once when the call
     asked for it, and the outputs in OUTPUT_NAMES order."""
     logp, row_max, log_sum, entropy = stats
-    opt = args.opt
-    rows = tuple(args[name] for name in ROW_NAMES)
+    opt, rows = args.opt, args.rows
     shape = tuple(logp.shape)
     if args["backend"] == "triton":
         out = samples
         if out is None:
-            n_samples = rows[2].shape[0]
+            n_samples = rows.advantages.shape[0]
             out = SampleOutputs.empty(shape, n_samples, logp.device, opt.entropy_coef > 0)
             per_sample_fwd(
                 out,
@@ -310,13 +321,12 @@ def finish_forward(
         per_sample = (out.kl, out.filtered, out.truncated)
         coef, entropy_coef = out.coef, out.ecoef
     else:
-        mask = completion_mask(args) if rows[3] is not None else None
-        mask = rows[3] if mask is None else mask
         record = fault_record(
-            vocab, *rows, (logp, row_max, log_sum), from_hidden=logits_name != "logits"
+            vocab, rows, (logp, row_max, log_sum), from_hidden=logits_name != "logits"
         )
+        bool_rows = rows._replace(mask=completion_mask(rows.mask))
         packing = (args["cu_seqlens"], args["max_seqlen"])
-        result = per_sample_part(logp, rows[1], rows[2], mask, *rows[4:], opt, entropy, *packing)
+        result = per_sample_part(logp, bool_rows, opt, entropy, *packing)
         loss, coef = result.loss, result.coef
         entropy_coef = result.entropy_coef if opt.entropy_coef > 0 else None
         one = torch.ones((), dtype=torch.float32, device=logp.device)
