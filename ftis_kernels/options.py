@@ -329,13 +329,14 @@ class FTISOptions:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> FTISOptions:
         """FTISOptions(**kwargs), with an unknown name refused as a ValueError naming it."""
-        for name in kwargs:
-            if name not in OPTION_FIELDS:
-                _fail(name, f"a keyword option, one of {tuple(OPTION_FIELDS)}", "an unknown option")
+        _check_names(kwargs)
         return cls(**kwargs)
 
     def replace(self, **overrides: Any) -> FTISOptions:
-        FTISOptions.from_kwargs(**overrides)  # unknown names refused by name
+        """These options with `overrides` on top, validated once, as a whole: a combination is
+        judged with the values it keeps (is_cap_min against this is_cap); an unknown name is
+        refused naming it."""
+        _check_names(overrides)
         return replace(self, **overrides)
 
     @classmethod
@@ -358,6 +359,13 @@ class FTISOptions:
 OPTION_FIELDS: dict[str, Field] = {f.name: f for f in fields(FTISOptions)}
 OPTION_NAMES = tuple(OPTION_FIELDS)
 DEFAULTS = FTISOptions()
+
+
+def _check_names(kwargs: Mapping[str, Any]) -> None:
+    """An unknown option name refused, as a ValueError naming it."""
+    for name in kwargs:
+        if name not in OPTION_FIELDS:
+            _fail(name, f"a keyword option, one of {tuple(OPTION_FIELDS)}", "an unknown option")
 
 
 def option_default(name: str) -> Any:
