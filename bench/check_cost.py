@@ -17,7 +17,7 @@ import torch
 import torch.utils.benchmark as benchmark
 
 from ftis_kernels import ftis_loss
-from ftis_kernels.validate import fault_record, raise_on_faults
+from ftis_kernels.validate import Rows, fault_record, raise_on_faults
 
 ftis_loss_module = importlib.import_module("ftis_kernels.ftis_loss")
 custom_op_module = importlib.import_module("ftis_kernels.custom_op")
@@ -54,7 +54,7 @@ def main() -> None:
 
     def check(V, inputs, stats):
         tokens, gen, adv, mask, old = inputs
-        raise_on_faults(fault_record(V, tokens, gen, adv, mask, old, None, stats))
+        raise_on_faults(fault_record(V, Rows(tokens, gen, adv, mask, old, None), stats))
 
     # Alternating rounds, so that a busy machine slows both variants alike.
     times = {"with the check": [], "without the check": []}

@@ -2,16 +2,19 @@
 
 Each loss registers its passes with torch.library, so that torch.compile(fullgraph=True) sees one
 opaque node per pass with a fake (shape-only) implementation and an autograd formula, instead of
-graph-breaking on Triton launches and data-dependent Python. A custom op's schema takes tensors and
-plain scalars only, so the options cross the boundary unpacked, in `OPTION_NAMES` order, and are
-put back together inside without being validated again (the public op validated them once).
+graph-breaking on Triton launches and data-dependent Python. The public op resolves one
+`FTISOptions` (validated once, on construction); a custom op's schema takes tensors and plain
+scalars only, so `ForwardSignature.flatten` unpacks it, in `OPTION_NAMES` order, in the call of
+the op, and `ForwardSignature.bind` puts it back together once inside (`ForwardInputs.opt`)
+without validating it again. Nothing in between reads the options or derives them anew.
 
 What is here, in the order a call meets it:
 - the prologue of the public ops: a packed input given as (N, D), the row tensors' checks
-  (`validate.check_row_tensors`), and the detached row tensors the forward op takes;
-- `ForwardSignature`: a forward op's typed parameters, written out, from which its schema is built
-  and its inputs are named (the op's own tensors, the row tensors, the options, the packing and
-  shard parameters, then the op's own switches);
+  (`validate.check_row_tensors`), and the detached row tensors the forward op takes (one
+  `validate.Rows`, flattened in the op's call and bound back inside as the options are);
+- `ForwardSignature`: a forward op's typed parameters, written out, from which its schema is built,
+  its inputs are flattened for the call and bound again inside (the op's own tensors, the row
+  tensors, the options, the packing and shard parameters, then the op's own switches);
 - inside the forward op: this shard's token ids, the row statistics completed over the shards, and
   the tail both losses share (the per-sample part and the value checks, `finish_forward`);
 - the outputs (`OUTPUT_NAMES`): `fake_forward_outputs`, `public_metrics`;
@@ -21,6 +24,7 @@ What is here, in the order a call meets it:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,7 +32,7 @@ import torch
 
 from ftis_kernels.kernels.per_sample import SampleOutputs, per_sample_fwd
 from ftis_kernels.kernels.sample_reduce import finish_fwd
-from ftis_kernels.options import FTISOptions, option_parameters, options_from_args
+from ftis_kernels.options import OPTION_FIELDS, OPTION_NAMES, FTISOptions
 from ftis_kernels.packing import check_cu_seqlens, packed_rows, per_sample_part
 from ftis_kernels.per_sample import (
     PER_SAMPLE_METRICS,
@@ -37,7 +41,13 @@ from ftis_kernels.per_sample import (
 )
 from ftis_kernels.sharded import check_shards, combine_row_stats
 from ftis_kernels.validate import CHECKS as CHECK_ROWS
-from ftis_kernels.validate import check_row_tensors, fault_record, raise_on_faults
+from ftis_kernels.validate import (
+    Rows,
+    check_row_tensors,
+    dispatch,
+    fault_record,
+    raise_on_faults,
+)
 
 # A forward op's outputs, in order: the loss, the per-token and per-sample metrics, the scalar
 # metrics as one (len(SCALAR_METRICS) + 2,) vector whose last two entries are the backward's
@@ -57,7 +67,7 @@ OUTPUT_NAMES = (
 )
 N_OUTPUTS = len(OUTPUT_NAMES)
 
-# The row tensors, as both forward ops take them after their own tensors.
+# The row tensors (`validate.Rows`, by name), as both forward ops take them after their own tensors.
 ROW_PARAMETERS = (
     ("Tensor", "tokens"),
     ("Tensor", "gen_logprobs"),
@@ -92,16 +102,15 @@ def row_inputs(
     x_name: str,
     width: str,
     x: torch.Tensor,
-    rows: tuple,
+    rows: Rows,
     beta: float,
     cu_seqlens: Optional[torch.Tensor],
-) -> tuple[tuple, int]:
-    """The row tensors (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs) checked
-    against x (B, T, `width`) named `x_name`, as the forward op takes them: packed ones as (1, N),
-    the float ones detached (gradients flow to x only); and the longest segment of a packed batch
-    (0 when padded). cu_seqlens is checked here (one synchronisation)."""
+) -> tuple[Rows, int]:
+    """The row tensors checked against x (B, T, `width`) named `x_name`, as the forward op takes
+    them: packed ones as (1, N), the float ones detached (gradients flow to x only); and the
+    longest segment of a packed batch (0 when padded). cu_seqlens is checked here (one
+    synchronisation)."""
     B, T = x.shape[:2]
-    tokens, gen, adv, mask, old, ref = rows
     samples, max_seqlen = B, 0
     if cu_seqlens is not None:
         if B != 1:
@@ -110,10 +119,54 @@ def row_inputs(
                 f"{x_name}: expected (N, {width}) or (1, N, {width}) with cu_seqlens, got {shape}"
             )
         samples, max_seqlen = check_cu_seqlens(cu_seqlens, T, x.device)
-        tokens, gen, mask, old, ref = packed_rows(T, tokens, gen, mask, old, ref)
-    check_row_tensors(B, T, x.device, tokens, gen, adv, mask, old, ref, beta, samples=samples)
-    old, ref = (None if r is None else r.detach() for r in (old, ref))
-    return (tokens, gen.detach(), adv.detach(), mask, old, ref), max_seqlen
+        rows = packed_rows(T, rows)
+    check_row_tensors(B, T, x.device, rows, beta, samples=samples)
+    old, ref = (None if r is None else r.detach() for r in (rows.old_logprobs, rows.ref_logprobs))
+    detached = rows._replace(
+        gen_logprobs=rows.gen_logprobs.detach(),
+        advantages=rows.advantages.detach(),
+        old_logprobs=old,
+        ref_logprobs=ref,
+    )
+    return detached, max_seqlen
+
+
+# --- the options across the custom-op boundary ------------------------------------------------
+# A torch.library custom op takes tensors and plain scalars only: the options travel unpacked, in
+# OPTION_NAMES order, with schema types derived from the field annotations.
+
+_SCHEMA_TYPES: dict[str, tuple[str, type]] = {
+    "str": ("str", str),
+    "Optional[str]": ("str?", str),
+    "float": ("float", float),
+    "Optional[float]": ("float?", float),
+    "Optional[int]": ("int?", int),
+    "bool": ("bool", bool),
+}
+
+
+def option_parameters() -> tuple[tuple[str, str], ...]:
+    """The options as custom-op parameters (schema type, name): ("str", "is_mode"), ..."""
+    return tuple(
+        (dispatch(_SCHEMA_TYPES, f.type, f"the type of {name}")[0], name)
+        for name, f in OPTION_FIELDS.items()
+    )
+
+
+def option_args(opt: FTISOptions) -> tuple:
+    """The options unpacked in OPTION_NAMES order, as plain Python scalars of their schema type."""
+    casts = [_SCHEMA_TYPES[f.type][1] for f in OPTION_FIELDS.values()]
+    values = (getattr(opt, name) for name in OPTION_NAMES)
+    return tuple(None if v is None else cast(v) for cast, v in zip(casts, values))
+
+
+def options_from_args(args: Mapping[str, Any]) -> FTISOptions:
+    """FTISOptions from a custom op's arguments, read by name: the values `option_args` unpacked
+    from options the public op validated, put back together without validating them again."""
+    opt = object.__new__(FTISOptions)
+    for name in OPTION_NAMES:
+        object.__setattr__(opt, name, args[name])
+    return opt
 
 
 # --- the forward ops' parameters -----------------------------------------------------------------
@@ -122,7 +175,7 @@ def row_inputs(
 @dataclass(frozen=True)
 class ForwardSignature:
     """A forward op's parameters as (schema type, name), in order: `leading` (the op's own
-    tensors), ROW_PARAMETERS, the options (`options.option_parameters`, typed from the annotations
+    tensors), ROW_PARAMETERS, the options (`option_parameters`, typed from the annotations
     of FTISOptions), PACKING_PARAMETERS, then `trailing` (the op's own switches). Its outputs:
     OUTPUT_NAMES, then `extra_outputs` more tensors."""
 
@@ -147,24 +200,45 @@ class ForwardSignature:
         outputs = ", ".join(["Tensor"] * (N_OUTPUTS + self.extra_outputs))
         return f"({arguments}) -> ({outputs})"
 
-    def bind(self, inputs: tuple) -> dict[str, Any]:
-        """The op's inputs by name (the fake implementation, the real one and setup_context
-        receive them positionally)."""
-        return dict(zip((name for _, name in self.parameters), inputs))
+    def flatten(
+        self, leading: tuple, rows: Rows, opt: FTISOptions, packing: tuple, trailing: tuple
+    ) -> tuple:
+        """The op's inputs in the schema's order, the rows and the options unpacked
+        (`option_args`): what the public op passes the custom op, the one place its row tensors
+        and its options are flattened."""
+        return (*leading, *rows, *option_args(opt), *packing, *trailing)
 
-    @staticmethod
-    def options(args: dict[str, Any]) -> FTISOptions:
-        """The options among the bound inputs, as the public op validated them."""
-        return options_from_args(args)
+    def bind(self, inputs: tuple) -> ForwardInputs:
+        """The op's inputs as the fake implementation, the real one and setup_context receive them
+        (positionally), put back together: the rows and the options once, the rest by name."""
+        named = dict(zip((name for _, name in self.parameters), inputs))
+        rows = Rows(**{name: named[name] for _, name in ROW_PARAMETERS})
+        bound = (*Rows._fields, *OPTION_FIELDS)
+        rest = {name: x for name, x in named.items() if name not in bound}
+        return ForwardInputs(rows, options_from_args(named), rest)
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """A forward op's inputs, bound (`ForwardSignature.bind`): `rows` the row tensors, `opt` the
+    options as the public op validated them, every other input by name (`args["cu_seqlens"]`);
+    the rows and the options are read from `rows` and `opt` only."""
+
+    rows: Rows
+    opt: FTISOptions
+    named: dict[str, Any]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.named[name]
 
 
 # --- inside the forward ops ----------------------------------------------------------------------
 
 
-def shard_tokens(args: dict[str, Any]) -> torch.Tensor:
+def shard_tokens(args: ForwardInputs) -> torch.Tensor:
     """The token ids in this shard's columns (global ids less vocab_start) when the vocabulary is
     sharded, else the ids themselves: another shard's token is never hit."""
-    tokens = args["tokens"]
+    tokens = args.rows.tokens
     return tokens if args["group_name"] is None else tokens - args["vocab_start"]
 
 
@@ -179,7 +253,7 @@ class Shard:
     tokens: torch.Tensor
 
     @classmethod
-    def of(cls, args: dict[str, Any], device: torch.device, width: int, H: int = 0) -> Shard:
+    def of(cls, args: ForwardInputs, device: torch.device, width: int, H: int = 0) -> Shard:
         """From the bound inputs; sharded, after one all-gather that checks the shards tile the
         vocabulary (and agree on H when given)."""
         name, tokens = args["group_name"], shard_tokens(args)
@@ -196,19 +270,15 @@ class Shard:
         return combine_row_stats(self.group, self.tokens, self.width, mask, *stats)
 
 
-def completion_mask(args: dict[str, Any]) -> Optional[torch.Tensor]:
-    """The mask as bool (it may come as 0/1), or None."""
-    mask = args["mask"]
-    return None if mask is None or mask.dtype == torch.bool else mask != 0
+def completion_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mask as bool (it may come as 0/1: then mask != 0), or None."""
+    return mask if mask is None or mask.dtype == torch.bool else mask != 0
 
 
-ROW_NAMES = ("tokens", "gen_logprobs", "advantages", "mask", "old_logprobs", "ref_logprobs")
-
-
-def dr_grpo_length(args: dict[str, Any], opt: FTISOptions, T: int) -> int:
+def dr_grpo_length(args: ForwardInputs, T: int) -> int:
     """dr_grpo's L: max_completion_length, else the padded length (packed: the longest segment)."""
-    if opt.max_completion_length is not None:
-        return opt.max_completion_length
+    if args.opt.max_completion_length is not None:
+        return args.opt.max_completion_length
     return args["max_seqlen"] if args["cu_seqlens"] is not None else T
 
 
@@ -219,8 +289,7 @@ def segment_offsets(cu_seqlens: torch.Tensor) -> list[int]:
 
 
 def finish_forward(
-    args: dict[str, Any],
-    opt: FTISOptions,
+    args: ForwardInputs,
     vocab: int,
     stats: tuple,
     logits_name: str = "logits",
@@ -232,12 +301,12 @@ def finish_forward(
     PyTorch: `per_sample.py` and `validate.fault_record`), the checks read at once when the call
     asked for it, and the outputs in OUTPUT_NAMES order."""
     logp, row_max, log_sum, entropy = stats
-    rows = tuple(args[name] for name in ROW_NAMES)
+    opt, rows = args.opt, args.rows
     shape = tuple(logp.shape)
     if args["backend"] == "triton":
         out = samples
         if out is None:
-            n_samples = rows[2].shape[0]
+            n_samples = rows.advantages.shape[0]
             out = SampleOutputs.empty(shape, n_samples, logp.device, opt.entropy_coef > 0)
             per_sample_fwd(
                 out,
@@ -245,20 +314,19 @@ def finish_forward(
                 rows,
                 opt,
                 V=vocab,
-                length=dr_grpo_length(args, opt, shape[1]),
+                length=dr_grpo_length(args, shape[1]),
                 cu_seqlens=args["cu_seqlens"],
             )
         loss, scalars, record = finish_fwd(out, opt, shape, vocab, logits_name != "logits")
         per_sample = (out.kl, out.filtered, out.truncated)
         coef, entropy_coef = out.coef, out.ecoef
     else:
-        mask = completion_mask(args) if rows[3] is not None else None
-        mask = rows[3] if mask is None else mask
         record = fault_record(
-            vocab, *rows, (logp, row_max, log_sum), from_hidden=logits_name != "logits"
+            vocab, rows, (logp, row_max, log_sum), from_hidden=logits_name != "logits"
         )
+        bool_rows = rows._replace(mask=completion_mask(rows.mask))
         packing = (args["cu_seqlens"], args["max_seqlen"])
-        result = per_sample_part(logp, rows[1], rows[2], mask, *rows[4:], opt, entropy, *packing)
+        result = per_sample_part(logp, bool_rows, opt, entropy, *packing)
         loss, coef = result.loss, result.coef
         entropy_coef = result.entropy_coef if opt.entropy_coef > 0 else None
         one = torch.ones((), dtype=torch.float32, device=logp.device)
@@ -316,15 +384,15 @@ def public_metrics(
 # --- the saved tensors ---------------------------------------------------------------------------
 
 
-def save_for_backward(ctx, args: dict[str, Any], inputs: tuple, output: tuple, *tensors) -> None:
+def save_for_backward(ctx, args: ForwardInputs, inputs: tuple, output: tuple, *tensors) -> None:
     """Saves `tensors`, then what the backward reads of the forward's outputs; keeps the
     temperature, the backend, whether the backward reads the value checks, and the number of
     inputs (the backward's tuple length)."""
     named = dict(zip(OUTPUT_NAMES, output))
     saved = ("row_max", "log_sum", "coef", "entropy", "entropy_coef", "scalars", "record")
     ctx.save_for_backward(*tensors, *(named[name] for name in saved))
-    ctx.temperature, ctx.backend, ctx.n_inputs = args["temperature"], args["backend"], len(inputs)
-    ctx.entropy_grad = args["entropy_coef"] > 0
+    ctx.temperature, ctx.backend, ctx.n_inputs = args.opt.temperature, args["backend"], len(inputs)
+    ctx.entropy_grad = args.opt.entropy_coef > 0
     ctx.check_in_backward = args["value_check"] == "backward" and not args["check_now"]
 
 

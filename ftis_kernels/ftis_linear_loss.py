@@ -53,13 +53,12 @@ from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
     loss_type,
-    option_args,
     resolve_options,
     with_option_keywords,
 )
 from ftis_kernels.packing import per_sample_part
 from ftis_kernels.sharded import all_reduce_sum, group_name
-from ftis_kernels.validate import LOGIT_DTYPES, check_now, check_tensor, raise_on_faults
+from ftis_kernels.validate import LOGIT_DTYPES, Rows, check_now, check_tensor, raise_on_faults
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -144,13 +143,13 @@ def _ftis_linear_loss_fwd_impl(*inputs):
     incoming gradient of 1 when grad_in_forward (those flagged need_*; an empty tensor for the
     others and in the backward order); grad_hidden as (B * T, H) rows."""
     args = _FWD.bind(inputs)
-    opt = _FWD.options(args)
+    opt = args.opt
     hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     chunk_size, backend = args["chunk_size"], args["backend"]
     B, T, _ = hidden.shape
-    mask = args["mask"]
+    mask = args.rows.mask
     shard = custom_op.Shard.of(args, hidden.device, weight.shape[0], hidden.shape[2])
-    rows = chunks.masked_rows(hidden, mask)
+    hidden_rows = chunks.masked_rows(hidden, mask)
     tokens = shard.tokens.reshape(B * T)
     flat_mask = None if mask is None else mask.reshape(B * T)
     # Chunks of whole samples when they fit (in both orders, so that both compute the same
@@ -169,21 +168,19 @@ def _ftis_linear_loss_fwd_impl(*inputs):
     if args["grad_in_forward"]:
         if sample_chunks is None:  # the public function checked the longest sample
             raise AssertionError("grad_in_forward with a sample longer than chunk_size")
-        rows_of = custom_op.ROW_NAMES
-        row_args = tuple(args[name] for name in rows_of)
         if backend == "triton":
             samples = SampleOutputs.empty(
-                (B, T), row_args[2].shape[0], hidden.device, opt.entropy_coef > 0
+                (B, T), args.rows.advantages.shape[0], hidden.device, opt.entropy_coef > 0
             )
-            scales = _pre_scales(opt, mask, rows)
-            length = custom_op.dr_grpo_length(args, opt, T)
+            scales = _pre_scales(opt, mask, hidden_rows)
+            length = custom_op.dr_grpo_length(args, T)
 
             def coefficients(stats, s0, s1):
                 logp, row_max, log_sum, entropy = (x.view(B, T) for x in stats)
                 per_sample_fwd(
                     samples,
                     (logp, entropy, row_max, log_sum),
-                    row_args,
+                    args.rows,
                     opt,
                     V=shard.vocab,
                     length=length,
@@ -205,12 +202,9 @@ def _ftis_linear_loss_fwd_impl(*inputs):
 
             def coefficients(stats, s0, s1):
                 logp, _, _, entropy = (x.view(B, T) for x in stats)
-                m = custom_op.completion_mask(args)
-                m = mask if m is None else m
+                bool_rows = args.rows._replace(mask=custom_op.completion_mask(mask))
                 packing = (args["cu_seqlens"], args["max_seqlen"])
-                result = per_sample_part(
-                    logp, row_args[1], row_args[2], m, *row_args[4:], opt, entropy, *packing
-                )
+                result = per_sample_part(logp, bool_rows, opt, entropy, *packing)
                 ecoef = result.entropy_coef.reshape(-1) / temperature
                 bonus = opt.entropy_coef > 0
                 return (
@@ -224,7 +218,7 @@ def _ftis_linear_loss_fwd_impl(*inputs):
                 )
 
         stats, grads = chunks.linear_loss_and_grads(
-            rows,
+            hidden_rows,
             weight,
             bias,
             tokens,
@@ -237,14 +231,13 @@ def _ftis_linear_loss_fwd_impl(*inputs):
         )
     else:
         stats = chunks.linear_logp_lse(
-            rows, weight, bias, tokens, flat_mask, temperature, row_chunks, backend
+            hidden_rows, weight, bias, tokens, flat_mask, temperature, row_chunks, backend
         )
     stats = tuple(x.view(B, T) for x in stats)
     if shard.group is not None:
-        bool_mask = custom_op.completion_mask(args)
-        stats = shard.complete(stats, mask if bool_mask is None else bool_mask)
+        stats = shard.complete(stats, custom_op.completion_mask(mask))
     outputs = custom_op.finish_forward(
-        args, opt, shard.vocab, stats, logits_name="hidden", samples=samples
+        args, shard.vocab, stats, logits_name="hidden", samples=samples
     )
     return (*outputs, *(hidden.new_empty(0) if g is None else g for g in grads))
 
@@ -262,7 +255,7 @@ def _(*inputs):
     args = _FWD.bind(inputs)
     hidden, weight = args["hidden"], args["weight"]
     outputs = custom_op.fake_forward_outputs(
-        hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"], opt=_FWD.options(args)
+        hidden, hidden.shape[0], hidden.shape[1], args["cu_seqlens"], opt=args.opt
     )
     on = args["grad_in_forward"]
     B, T, H = hidden.shape
@@ -371,13 +364,13 @@ def _setup_context(ctx, inputs, output):
     grads = output[n : n + 3] if ctx.grad_in_forward else ()
     B, T = tokens.shape
     tokens = tokens.reshape(B * T)
-    tensors = (args["hidden"], args["mask"], args["weight"], args["bias"], tokens, *grads)
+    tensors = (args["hidden"], args.rows.mask, args["weight"], args["bias"], tokens, *grads)
     custom_op.save_for_backward(ctx, args, inputs, output[:n], *tensors)
     ctx.chunk_size, ctx.group_name = args["chunk_size"], args["group_name"]
     ctx.sample_offsets = list(args["sample_offsets"]) or [b * T for b in range(B + 1)]
     ctx.hidden_shape = tuple(args["hidden"].shape)
     # Triton's forward order applies the batch-wide normaliser (known at the end) afterwards.
-    ctx.end_scale = args["backend"] == "triton" and loss_type(args["loss_type"]).batch_normalised
+    ctx.end_scale = args["backend"] == "triton" and loss_type(args.opt.loss_type).batch_normalised
 
 
 def _backward(ctx, grad_loss, *_):
@@ -547,7 +540,7 @@ def ftis_linear_loss(
     hidden, flat = custom_op.packed_input(hidden, cu_seqlens)
     B, T, H, V = _check_linear_inputs(hidden, weight, bias, chunk_size)
     backend = select_backend(hidden.device)
-    rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
+    rows = Rows(tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
     rows, max_seqlen = custom_op.row_inputs("hidden", "H", hidden, rows, opt.beta, cu_seqlens)
     name = group_name(process_group, vocab_start)
     longest = T if cu_seqlens is None else max_seqlen
@@ -555,7 +548,7 @@ def ftis_linear_loss(
     needs = _needs_grad(hidden, weight, bias)
     blocker = grad_in_forward_blocker(
         opt,
-        with_old=rows[4] is not None,
+        with_old=rows.old_logprobs is not None,
         sharded=name is not None,
         longest=longest,
         chunk_size=chunk,
@@ -568,5 +561,5 @@ def ftis_linear_loss(
     offsets = [] if cu_seqlens is None else custom_op.segment_offsets(cu_seqlens)
     switches = (offsets, chunk, backend, in_forward, *needs)
     lm_head = (hidden, weight, bias)
-    outputs = _ftis_linear_loss_fwd(*lm_head, *rows, *option_args(opt), *packing, *switches)
+    outputs = _ftis_linear_loss_fwd(*_FWD.flatten(lm_head, rows, opt, packing, switches))
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

@@ -27,13 +27,13 @@ from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
-    option_args,
     resolve_options,
     with_option_keywords,
 )
 from ftis_kernels.sharded import group_name
 from ftis_kernels.validate import (
     LOGIT_DTYPES,
+    Rows,
     check_inplace_backward,
     check_now,
     check_tensor,
@@ -56,19 +56,12 @@ def _ftis_loss_fwd_impl(*inputs):
     logits, backend = args["logits"], args["backend"]
     shard = custom_op.Shard.of(args, logits.device, logits.shape[-1])
     # The Triton row kernel reads a 0/1 mask as it is; the PyTorch path wants bool.
-    mask = args["mask"] if backend == "triton" else custom_op.completion_mask(args)
-    mask = args["mask"] if mask is None else mask
-    logp, row_max, log_sum, entropy = FORWARD[backend](
-        logits, shard.tokens, mask, args["temperature"]
-    )
+    mask = args.rows.mask
+    mask = mask if backend == "triton" else custom_op.completion_mask(mask)
+    stats = FORWARD[backend](logits, shard.tokens, mask, args.opt.temperature)
     if shard.group is not None:
-        bool_mask = custom_op.completion_mask(args)
-        stats = (logp, row_max, log_sum, entropy)
-        logp, row_max, log_sum, entropy = shard.complete(
-            stats, args["mask"] if bool_mask is None else bool_mask
-        )
-    stats = (logp, row_max, log_sum, entropy)
-    return custom_op.finish_forward(args, _FWD.options(args), shard.vocab, stats)
+        stats = shard.complete(stats, custom_op.completion_mask(args.rows.mask))
+    return custom_op.finish_forward(args, shard.vocab, stats)
 
 
 _ftis_loss_fwd = torch.library.custom_op(
@@ -81,7 +74,7 @@ def _(*inputs):
     args = _FWD.bind(inputs)
     logits = args["logits"]
     return custom_op.fake_forward_outputs(
-        logits, logits.shape[0], logits.shape[1], args["cu_seqlens"], opt=_FWD.options(args)
+        logits, logits.shape[0], logits.shape[1], args["cu_seqlens"], opt=args.opt
     )
 
 
@@ -259,12 +252,11 @@ def ftis_loss(
     B, T, V = logits.shape
     check_tensor("logits", logits, (B, T, V), LOGIT_DTYPES, logits.device)
     backend = select_backend(logits.device)
-    rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
+    rows = Rows(tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
     rows, max_seqlen = custom_op.row_inputs("logits", "V", logits, rows, opt.beta, cu_seqlens)
     inplace = check_inplace_backward(logits, inplace_backward)
     shard = (vocab_start, group_name(process_group, vocab_start))
     checks = (value_check, check_now(value_check, logits))
-    outputs = _ftis_loss_fwd(
-        logits, *rows, *option_args(opt), cu_seqlens, max_seqlen, *shard, *checks, inplace, backend
-    )
+    packing = (cu_seqlens, max_seqlen, *shard, *checks)
+    outputs = _ftis_loss_fwd(*_FWD.flatten((logits,), rows, opt, packing, (inplace, backend)))
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

@@ -3,12 +3,12 @@
 `FTISOptions` is the single definition of every keyword option of the ops (docs/method.md §2),
 validated once, on construction (ValueError naming the option). The public ops (`ftis_loss`,
 `ftis_linear_loss`) take it as `options=` (keywords over it make a new one, `resolve_options`);
-their custom ops take it unpacked into plain scalars (`option_args`; `custom_op.py`) and put it
-back together inside without validating it again. `FTISGRPOConfig` (TRL) and the GRPO driver's
+their custom ops take it unpacked into plain scalars and put it back together inside without
+validating it again (`custom_op.py`). `FTISGRPOConfig` (TRL) and the GRPO driver's
 config read their fields, defaults and help from `OPTION_FIELDS`: adding an option is one
 `_option(...)` line here, its typed line in `OptionKeywords` (what type checkers read; a test
 checks the two agree), and its meaning in `per_sample.py` and `ref/`. Every enumerated option
-dispatches through a table (`dispatch`) that raises on an unknown value.
+dispatches through a table (`validate.dispatch`) that raises on an unknown value.
 
 The menu covers the paper's F-TIS and its ablations, and what TRL 1.16's GRPOTrainer, Liger-Kernel
 0.8.5's chunked GRPO loss and verl's rollout correction offer (loss types, sequence-level PPO
@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from typing import Any, Literal, NoReturn, Optional, TypedDict, TypeVar
 
+from ftis_kernels.validate import dispatch, refuse
+
 IS_MODES = ("none", "vis", "tis", "mask")
 IS_LEVELS = ("token", "sequence", "sequence_product")
 IS_SOURCES = ("current", "old")
@@ -34,21 +36,8 @@ REJECT_MODES = ("advantage", "mask")
 RATIO_LEVELS = ("token", "sequence")
 
 
-def refuse(name: str, expected: str, got: object) -> NoReturn:
-    """The one form of the library's input errors: ValueError("name: expected ..., got ...") with
-    `got` as its str (`_fail` passes a repr)."""
-    raise ValueError(f"{name}: expected {expected}, got {got}")
-
-
 def _fail(name: str, expected: str, got: Any) -> NoReturn:
     refuse(name, expected, repr(got))
-
-
-def dispatch(table: Mapping[Any, Any], value: Any, option: str) -> Any:
-    """table[value], or a ValueError naming the option and the allowed values: no silent else."""
-    if value not in table:
-        _fail(option, f"one of {tuple(table)}", value)
-    return table[value]
 
 
 @dataclass(frozen=True)
@@ -340,13 +329,14 @@ class FTISOptions:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> FTISOptions:
         """FTISOptions(**kwargs), with an unknown name refused as a ValueError naming it."""
-        for name in kwargs:
-            if name not in OPTION_FIELDS:
-                _fail(name, f"a keyword option, one of {tuple(OPTION_FIELDS)}", "an unknown option")
+        _check_names(kwargs)
         return cls(**kwargs)
 
     def replace(self, **overrides: Any) -> FTISOptions:
-        FTISOptions.from_kwargs(**overrides)  # unknown names refused by name
+        """These options with `overrides` on top, validated once, as a whole: a combination is
+        judged with the values it keeps (is_cap_min against this is_cap); an unknown name is
+        refused naming it."""
+        _check_names(overrides)
         return replace(self, **overrides)
 
     @classmethod
@@ -369,6 +359,13 @@ class FTISOptions:
 OPTION_FIELDS: dict[str, Field] = {f.name: f for f in fields(FTISOptions)}
 OPTION_NAMES = tuple(OPTION_FIELDS)
 DEFAULTS = FTISOptions()
+
+
+def _check_names(kwargs: Mapping[str, Any]) -> None:
+    """An unknown option name refused, as a ValueError naming it."""
+    for name in kwargs:
+        if name not in OPTION_FIELDS:
+            _fail(name, f"a keyword option, one of {tuple(OPTION_FIELDS)}", "an unknown option")
 
 
 def option_default(name: str) -> Any:
@@ -497,44 +494,6 @@ PRESETS: dict[str, Preset] = {
     "seq_max_k2": _verl_rs("max", "k2", 2.0),
     "seq_max_k3": _verl_rs("max", "k3", 2.0),
 }
-
-
-# --- the options across a custom-op boundary ---------------------------------------------------
-# A torch.library custom op takes tensors and plain scalars only: the options travel unpacked, in
-# OPTION_NAMES order, with schema types derived from the field annotations.
-
-_SCHEMA_TYPES: dict[str, tuple[str, type]] = {
-    "str": ("str", str),
-    "Optional[str]": ("str?", str),
-    "float": ("float", float),
-    "Optional[float]": ("float?", float),
-    "Optional[int]": ("int?", int),
-    "bool": ("bool", bool),
-}
-
-
-def option_parameters() -> tuple[tuple[str, str], ...]:
-    """The options as custom-op parameters (schema type, name): ("str", "is_mode"), ..."""
-    return tuple(
-        (dispatch(_SCHEMA_TYPES, f.type, f"the type of {name}")[0], name)
-        for name, f in OPTION_FIELDS.items()
-    )
-
-
-def option_args(opt: FTISOptions) -> tuple:
-    """The options unpacked in OPTION_NAMES order, as plain Python scalars of their schema type."""
-    casts = [_SCHEMA_TYPES[f.type][1] for f in OPTION_FIELDS.values()]
-    values = (getattr(opt, name) for name in OPTION_NAMES)
-    return tuple(None if v is None else cast(v) for cast, v in zip(casts, values))
-
-
-def options_from_args(args: Mapping[str, Any]) -> FTISOptions:
-    """FTISOptions from a custom op's arguments, read by name: the values `option_args` unpacked
-    from options the public op validated, put back together without validating them again."""
-    opt = object.__new__(FTISOptions)
-    for name in OPTION_NAMES:
-        object.__setattr__(opt, name, args[name])
-    return opt
 
 
 def resolve_options(options: Optional[FTISOptions], overrides: Mapping[str, Any]) -> FTISOptions:

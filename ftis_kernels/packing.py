@@ -17,6 +17,7 @@ import torch
 
 from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import PerSample, per_sample_loss
+from ftis_kernels.validate import Rows
 
 
 def check_cu_seqlens(cu_seqlens: object, N: int, device: torch.device) -> tuple[int, int]:
@@ -49,13 +50,16 @@ def check_cu_seqlens(cu_seqlens: object, N: int, device: torch.device) -> tuple[
     return len(lengths), max(lengths)
 
 
-def packed_rows(N: int, *rows: object) -> tuple:
-    """Per-token row tensors given as (N,) or (1, N), as (1, N) views; anything else unchanged
-    (the shape check then names it)."""
-    return tuple(
-        x.reshape(1, N) if isinstance(x, torch.Tensor) and tuple(x.shape) in ((N,), (1, N)) else x
-        for x in rows
-    )
+def packed_rows(N: int, rows: Rows) -> Rows:
+    """The per-token row tensors (all but advantages) given as (N,) or (1, N), as (1, N) views;
+    anything else unchanged (the shape check then names it)."""
+
+    def view(x: object) -> object:
+        if isinstance(x, torch.Tensor) and tuple(x.shape) in ((N,), (1, N)):
+            return x.reshape(1, N)
+        return x
+
+    return Rows(*(x if name == "advantages" else view(x) for name, x in zip(Rows._fields, rows)))
 
 
 def segment_index(cu_seqlens: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,34 +72,34 @@ def segment_index(cu_seqlens: torch.Tensor, N: int) -> tuple[torch.Tensor, torch
 
 def per_sample_part(
     logp: torch.Tensor,
-    gen_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    old_logprobs: Optional[torch.Tensor],
-    ref_logprobs: Optional[torch.Tensor],
+    rows: Rows,
     opt: FTISOptions,
     entropy: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
     max_seqlen: int,
 ) -> PerSample:
     """`per_sample_loss` on (B, T) inputs, or on packed (1, N) inputs with cu_seqlens (S + 1,)
-    and advantages (S,); the per-token results keep the inputs' layout."""
+    and advantages (S,); the per-token results keep the inputs' layout. rows.mask is bool or
+    None; rows.tokens is not read."""
     if cu_seqlens is None:
-        return per_sample_loss(
-            logp, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs, opt, entropy
-        )
+        return _per_sample_loss(logp, rows, opt, entropy)
     N = logp.numel()
     index = segment_index(cu_seqlens.to(logp.device), N)
-    shape = (advantages.shape[0], max_seqlen)
+    shape = (rows.advantages.shape[0], max_seqlen)
 
     def pad(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if x is None else x.new_zeros(shape).index_put_(index, x.reshape(N))
 
-    live = torch.ones(N, dtype=torch.bool, device=logp.device) if mask is None else mask
+    live = torch.ones(N, dtype=torch.bool, device=logp.device) if rows.mask is None else rows.mask
     padded_mask = torch.zeros(shape, dtype=torch.bool, device=logp.device)
     padded_mask.index_put_(index, live.reshape(N))
-    rows = (pad(gen_logprobs), advantages, padded_mask, pad(old_logprobs), pad(ref_logprobs))
-    result = per_sample_loss(pad(logp), *rows, opt, pad(entropy))
+    padded = rows._replace(  # tokens are not read here: left as they are
+        gen_logprobs=pad(rows.gen_logprobs),
+        mask=padded_mask,
+        old_logprobs=pad(rows.old_logprobs),
+        ref_logprobs=pad(rows.ref_logprobs),
+    )
+    result = _per_sample_loss(pad(logp), padded, opt, pad(entropy))
 
     def unpad(x: torch.Tensor) -> torch.Tensor:
         return x[index].reshape(logp.shape)
@@ -103,3 +107,19 @@ def per_sample_part(
     metrics = dict(result.metrics, logp=unpad(result.metrics["logp"]))
     metrics["entropy"] = unpad(result.metrics["entropy"])
     return PerSample(result.loss, unpad(result.coef), unpad(result.entropy_coef), metrics)
+
+
+def _per_sample_loss(
+    logp: torch.Tensor, rows: Rows, opt: FTISOptions, entropy: Optional[torch.Tensor]
+) -> PerSample:
+    """`per_sample_loss` of (B, T) rows (mask bool or None; tokens are not read)."""
+    return per_sample_loss(
+        logp,
+        rows.gen_logprobs,
+        rows.advantages,
+        rows.mask,
+        rows.old_logprobs,
+        rows.ref_logprobs,
+        opt,
+        entropy,
+    )

@@ -12,14 +12,26 @@ address, so a bad value costs a wrong loss at worst until the record is read, ne
 from __future__ import annotations
 
 import math
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch
 
-from ftis_kernels.options import refuse
-
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
+
+
+def refuse(name: str, expected: str, got: object) -> NoReturn:
+    """The one form of the library's input errors: ValueError("name: expected ..., got ...") with
+    `got` as its str (callers pass a repr where the value itself is shown)."""
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def dispatch(table: Mapping[Any, Any], value: Any, option: str) -> Any:
+    """table[value], or a ValueError naming the option and the allowed values: no silent else."""
+    if value not in table:
+        refuse(option, f"one of {tuple(table)}", repr(value))
+    return table[value]
 
 
 def _describe(x: object) -> str:
@@ -52,33 +64,40 @@ def check_tensor(
     return x
 
 
+class Rows(NamedTuple):
+    """The row tensors of both ops, one object from the public call to the kernels (flattened only
+    in the call of a custom op, `custom_op.ROW_PARAMETERS`). tokens (B, T) int64 | int32;
+    gen_logprobs (B, T) float; advantages (S,) float, S = B or a packed batch's segments; mask
+    (B, T) bool or 0/1, or None (all); old_logprobs, ref_logprobs (B, T) float, or None. A packed
+    batch's per-token tensors are (1, N). Before `check_row_tensors`, whatever the caller gave."""
+
+    tokens: torch.Tensor
+    gen_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: Optional[torch.Tensor]
+    old_logprobs: Optional[torch.Tensor]
+    ref_logprobs: Optional[torch.Tensor]
+
+
 def check_row_tensors(
-    B: int,
-    T: int,
-    device: torch.device,
-    tokens: object,
-    gen_logprobs: object,
-    advantages: object,
-    mask: object,
-    old_logprobs: object,
-    ref_logprobs: object,
-    beta: float,
-    samples: Optional[int] = None,
+    B: int, T: int, device: torch.device, rows: Rows, beta: float, samples: Optional[int] = None
 ) -> None:
     """Shapes, dtypes and devices of everything but the logits (or hidden states): no sync.
     `samples`: the number of advantages when it is not B (packed batches)."""
-    check_tensor("tokens", tokens, (B, T), TOKEN_DTYPES, device)
-    check_tensor("gen_logprobs", gen_logprobs, (B, T), None, device, floating=True)
+    check_tensor("tokens", rows.tokens, (B, T), TOKEN_DTYPES, device)
+    check_tensor("gen_logprobs", rows.gen_logprobs, (B, T), None, device, floating=True)
     n = B if samples is None else samples
-    check_tensor("advantages", advantages, (n,), None, device, floating=True)
+    check_tensor("advantages", rows.advantages, (n,), None, device, floating=True)
+    mask = rows.mask
     if mask is not None:
         check_tensor("mask", mask, (B, T), None, device)
         if mask.is_complex():
             refuse("mask", "bool or 0/1 values", _describe(mask))
-    for name, x in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+    for name in ("old_logprobs", "ref_logprobs"):
+        x = getattr(rows, name)
         if x is not None:
             check_tensor(name, x, (B, T), None, device, floating=True)
-    if beta > 0 and ref_logprobs is None:
+    if beta > 0 and rows.ref_logprobs is None:
         refuse("ref_logprobs", "a (B, T) tensor when beta > 0", None)
 
 
@@ -157,12 +176,7 @@ def _logit_faults(logp: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tens
 
 def fault_record(
     V: int,
-    tokens: torch.Tensor,
-    gen_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    old_logprobs: Optional[torch.Tensor],
-    ref_logprobs: Optional[torch.Tensor],
+    rows: Rows,
     row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     from_hidden: bool = False,
 ) -> torch.Tensor:
@@ -176,28 +190,29 @@ def fault_record(
     row with a NaN or +inf logit, with every logit -inf, or with log pi_theta(token) = -inf is
     refused (pi_theta(token) = 0 leaves the ratios, the KL and the beta penalty undefined).
     """
+    tokens, mask = rows.tokens, rows.mask
     device = tokens.device
     keep = torch.ones((), dtype=torch.bool, device=device) if mask is None else mask != 0
     never = torch.zeros((), dtype=torch.bool, device=device)
-    gen = gen_logprobs.float()
+    gen = rows.gen_logprobs.float()
     probabilities = keep.any() & (((gen > 0) & (gen <= 1)) | ~keep).all()
     code = torch.where(keep, _logit_faults(*row_stats), 0)
-    rows = [
+    checks = [
         (tokens, (tokens < 0) | (tokens >= V), never),
         (tokens, never, never)
         if mask is None or mask.dtype == torch.bool
         else (mask, (mask != 0) & (mask != 1), never),
-        (gen_logprobs, ~(torch.isfinite(gen) & (gen <= 0)) & keep, probabilities),
-        (advantages, ~advantages.float().isfinite(), never),
+        (rows.gen_logprobs, ~(torch.isfinite(gen) & (gen <= 0)) & keep, probabilities),
+        (rows.advantages, ~rows.advantages.float().isfinite(), never),
     ]
-    for x in (old_logprobs, ref_logprobs):
-        rows.append(
+    for x in (rows.old_logprobs, rows.ref_logprobs):
+        checks.append(
             (tokens, never, never) if x is None else (x, ~x.float().isfinite() & keep, never)
         )
-    rows.append((code, code != 0, torch.full((), from_hidden, device=device)))
+    checks.append((code, code != 0, torch.full((), from_hidden, device=device)))
     B, T = tokens.shape
     record = []
-    for x, bad, hint in rows:
+    for x, bad, hint in checks:
         bad = bad.expand(x.shape)
         first = bad.flatten().to(torch.int8).argmax()
         dims = (x.shape[0], 0) if x.dim() == 1 else (B, T)

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from ftis_kernels import chunks as chunks_module
 from ftis_kernels import custom_op, ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse, logp_lse_cpu
-from ftis_kernels.options import FTISOptions, option_args
+from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
 from ref import ref_ftis_loss
 from tests import numerics
@@ -664,7 +664,7 @@ def test_custom_ops_pass_opcheck(device):
     case = make_case(2, 3, 17, H=4, seed=11, device=device)
     tokens, gen, adv, mask, old, ref = case.inputs
     hidden, weight, bias = (x.float() for x in (case.hidden, case.weight, case.bias))
-    options = option_args(FTISOptions(entropy_coef=0.01))
+    options = custom_op.option_args(FTISOptions(entropy_coef=0.01))
     # cu_seqlens, max_seqlen, vocab_start, group_name, value_check, check_now
     unpacked_unsharded = (None, 0, 0, None, "backward", False)
     needs = (True, True, True)

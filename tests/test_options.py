@@ -16,15 +16,14 @@ import torch
 
 from ftis_kernels import FTISOptions, ftis_linear_loss, ftis_loss, per_sample
 from ftis_kernels._extras import MissingExtraError
-from ftis_kernels.custom_op import ForwardSignature
+from ftis_kernels.custom_op import ForwardSignature, option_args, options_from_args
 from ftis_kernels.options import (
     OPTION_FIELDS,
     OPTION_NAMES,
     PRESETS,
     option_allowed,
-    option_args,
     option_default_text,
-    options_from_args,
+    resolve_options,
     with_option_keywords,
 )
 
@@ -94,6 +93,17 @@ def test_every_preset_is_valid_and_crosses_the_op_boundary_unchanged(name):
     names = OPTION_NAMES
     assert options_from_args(dict(zip(names, option_args(options)))) == options
     assert PRESETS[name].source
+
+
+def test_keywords_over_options_are_judged_with_the_values_they_keep():
+    # A combination is checked on the result, not on the keywords alone against the defaults.
+    base = FTISOptions(is_cap=5.0, kl_threshold=100.0)
+    both = resolve_options(base, {"is_cap_min": 3.0, "kl_threshold_low": 60.0})
+    assert (both.is_cap_min, both.kl_threshold_low, both.is_cap) == (3.0, 60.0, 5.0)
+    with pytest.raises(ValueError, match=r"^is_cap_min: expected a number <= is_cap = 5\.0, got 6"):
+        base.replace(is_cap_min=6.0)
+    with pytest.raises(ValueError, match=r"^is_capp: expected a keyword option"):
+        base.replace(is_capp=1.0)
 
 
 def test_presets_take_overrides_and_the_default_is_f_tis():

@@ -54,7 +54,8 @@ from ftis_kernels._extras import require
 from ftis_kernels.ftis_linear_loss import ftis_linear_loss
 from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import lm_head_inputs
-from ftis_kernels.options import FTISOptions, dispatch
+from ftis_kernels.options import FTISOptions
+from ftis_kernels.validate import dispatch
 
 require("genrl", "ftis_kernels.integrations.genrl")
 

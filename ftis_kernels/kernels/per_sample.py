@@ -35,6 +35,7 @@ import triton.language as tl
 from ftis_kernels.kernels.loss_terms import is_weight, surrogate_and_grad
 from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
 from ftis_kernels.options import loss_type
+from ftis_kernels.validate import Rows
 
 # The value checks, in the record's row order (validate.CHECKS names them), and the record's
 # columns: count, first bad position (flat), its value, a hint flag, the checked tensor's two
@@ -544,7 +545,7 @@ def _strides(x: Optional[torch.Tensor]) -> tuple[int, int]:
 def per_sample_fwd(
     out: SampleOutputs,
     stats: tuple[torch.Tensor, ...],
-    rows: tuple[Optional[torch.Tensor], ...],
+    rows: Rows,
     opt,
     *,
     V: int,
@@ -556,15 +557,13 @@ def per_sample_fwd(
     """One launch over samples first : first + count (all by default) into `out`.
 
     stats = (logp, entropy, row_max, log_sum), (B, T) fp32 contiguous from the row kernel;
-    rows = (tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs) as the op takes
-    them ((B, T), or (1, N) with cu_seqlens (S + 1,); advantages (S,)); V the vocabulary; length
-    dr_grpo's L. ref_logprobs is read only when opt.beta > 0.
+    rows as the op takes them ((B, T), or (1, N) with cu_seqlens (S + 1,); advantages (S,)); V
+    the vocabulary; length dr_grpo's L. ref_logprobs is read only when opt.beta > 0.
     """
     logp, entropy, row_max, log_sum = stats
-    tokens, gen, adv, mask, old, ref = rows
-    if opt.beta == 0:
-        ref = None
-    n_samples = adv.shape[0]
+    mask, old = rows.mask, rows.old_logprobs
+    ref = None if opt.beta == 0 else rows.ref_logprobs
+    n_samples = rows.advantages.shape[0]
     count = n_samples - first if count is None else count
     if count == 0:
         return
@@ -574,12 +573,12 @@ def per_sample_fwd(
         entropy,
         row_max,
         log_sum,
-        tokens,
-        gen,
+        rows.tokens,
+        rows.gen_logprobs,
         mask,
         old,
         ref,
-        adv,
+        rows.advantages,
         cu_seqlens,
         out.coef,
         out.ecoef,
@@ -608,12 +607,12 @@ def per_sample_fwd(
         first,
         V,
         length,
-        *tokens.stride(),
-        *gen.stride(),
+        *rows.tokens.stride(),
+        *rows.gen_logprobs.stride(),
         *_strides(mask),
         *_strides(old),
         *_strides(ref),
-        adv.stride(0),
+        rows.advantages.stride(0),
         KL_ESTIMATOR=KL_ESTIMATOR_CODE[opt.kl_estimator],
         KL_REDUCTION=KL_REDUCTION_CODE[opt.kl_reduction],
         FILTER=FILTER_CODE[opt.filter],

@@ -12,13 +12,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from ftis_kernels.options import (
-    DEFAULTS,
-    OPTION_FIELDS,
-    OPTION_NAMES,
-    FTISOptions,
-    dispatch,
-)
+from ftis_kernels.options import DEFAULTS, OPTION_FIELDS, OPTION_NAMES, FTISOptions
+from ftis_kernels.validate import dispatch
 
 FTIS_OPS = ("ftis_linear_loss", "ftis_loss")
 # Options TRL has under another name: ours -> TRL's. Every other option TRL has (loss_type, beta,
