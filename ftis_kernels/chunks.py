@@ -104,6 +104,8 @@ def _rows_forward(logits, tokens, mask, temperature, backend, stats, r0, r1) -> 
     row_max, log_sum, entropy), each (rows,) fp32; tokens and mask (rows,) (mask or None)."""
     views = tuple(x[r0:r1].view(1, r1 - r0) for x in stats)
     m = None if mask is None else mask[r0:r1][None]
+    if m is not None and backend != "triton" and m.dtype != torch.bool:
+        m = m != 0  # the PyTorch row passes take a bool mask (the Triton kernel reads 0/1)
     args = (logits[None], tokens[r0:r1][None], m, temperature)
     if backend == "triton":
         FORWARD[backend](*args, out=views)

@@ -75,7 +75,7 @@ class LossType:
 
 # fmt: off
 _LOSS_TYPE_LIST = (
-    #        name       surrogate  reduction      help (README, --help)
+    #        name       surrogate  reduction      help (docs, --help)
     LossType("grpo",    "clipped", "sample_mean", "per-sample token mean, then mean",
              verl=("seq-mean-token-mean",)),
     LossType("bnpo",    "clipped", "batch_mean",  "token mean"),
@@ -120,7 +120,7 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 
 
-# The same kinds as the docs' option tables write them (README.md, docs/method.md; a test keeps the
+# The same kinds as the docs' option tables write them (docs/options.md, docs/method.md; a test keeps the
 # tables to `option_allowed`).
 ALLOWED_TEXT: dict[str, str] = {
     "positive": "> 0, `math.inf` allowed",
@@ -341,7 +341,7 @@ class FTISOptions:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> FTISOptions:
-        """The options of a named method (`PRESETS`; README lists each with its source), then
+        """The options of a named method (`PRESETS`; docs/method.md lists each with its source), then
         `overrides`. Presets start from the defaults (F-TIS)."""
         key = name.lower()
         preset = dispatch(PRESETS, key, "preset")

@@ -709,3 +709,15 @@ def test_cuda_matches_cpu_torch_path():
     numerics.assert_close("loss", got[0], want[0], numerics.Tol(1e-4, 1e-6))
     for name in want[2]:
         numerics.assert_close(name, got[2][name], want[2][name], numerics.Tol(1e-3, 1e-5))
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_a_0_1_integer_mask_gives_the_bool_masks_result(grad_in_forward, device):
+    case = make_case(2, 5, 30, H=6, seed=31, device=device)
+    for impl in implementations(device):
+        want = run_linear(case, torch.float32, impl, grad_in_forward=grad_in_forward)
+        ints = dataclasses.replace(case, mask=case.mask.int())
+        got = run_linear(ints, torch.float32, impl, grad_in_forward=grad_in_forward)
+        assert torch.equal(got[0], want[0]), impl
+        for name in want[2]:
+            assert torch.equal(got[2][name], want[2][name]), (impl, name)

@@ -98,7 +98,12 @@ def test_packed_batch_gives_the_padded_loss_metrics_and_gradients(
         assert_within_one_ulp(name, packed_metrics[name], want)
     assert_within_one_ulp("grad input", packed_grads[0], pack(grads[0], lengths))
     for name, got, want in zip(("grad weight", "grad bias"), packed_grads[1:], grads[1:]):
-        assert_within_one_ulp(name, got, want)
+        # Sums over the rows: the padded call's chunks of 3 rows hold its padding rows too (zero
+        # gradients, computed like the others), so they group the completion rows differently
+        # from the packed call's, and fp32 adds the same products in another order: a rounding
+        # per addition, bounded by n * eps * sum |terms| (n <= B * T = 21 here).
+        bound = 21 * torch.finfo(torch.float32).eps * want.abs().max().clamp(min=1e-30)
+        assert (got - want).abs().max() <= bound, (name, (got - want).abs().max(), bound)
 
 
 def test_packed_shapes_and_empty_segments():
