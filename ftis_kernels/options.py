@@ -120,8 +120,8 @@ CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 
 
-# The same kinds as the docs' option tables write them (docs/options.md, docs/method.md; a test keeps the
-# tables to `option_allowed`).
+# The same kinds as the docs' option tables write them (docs/options.md, docs/method.md; a test
+# keeps the tables to `option_allowed`).
 ALLOWED_TEXT: dict[str, str] = {
     "positive": "> 0, `math.inf` allowed",
     "positive_finite": "finite, > 0",
@@ -341,8 +341,8 @@ class FTISOptions:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> FTISOptions:
-        """The options of a named method (`PRESETS`; docs/method.md lists each with its source), then
-        `overrides`. Presets start from the defaults (F-TIS)."""
+        """The options of a named method (`PRESETS`; docs/method.md lists each with its source),
+        then `overrides`. Presets start from the defaults (F-TIS)."""
         key = name.lower()
         preset = dispatch(PRESETS, key, "preset")
         return cls.from_kwargs(**{**preset.options, **overrides})
