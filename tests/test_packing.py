@@ -92,16 +92,26 @@ def test_packed_batch_gives_the_padded_loss_metrics_and_gradients(
     packed_loss, packed_metrics = run(packed_in, *rows, cu_seqlens=cu_seqlens)
     packed_grads = torch.autograd.grad(packed_loss, (packed_in, *params), allow_unused=True)
 
-    assert_within_one_ulp("loss", packed_loss, loss)
+    close = assert_within_one_ulp
+    if linear:
+        # The lm-head's chunks of 3 rows differ between the layouts (the padded call computes its
+        # padding rows too), and a GEMM's accumulation order follows its shape: the logits differ
+        # by a few ulp, and what comes from them by as many.
+        def close(name, got, want):
+            if got.dtype == torch.bool:
+                assert torch.equal(got, want), name
+                return
+            torch.testing.assert_close(got, want, rtol=16 * 2**-23, atol=1e-7, msg=name)
+
+    close("loss", packed_loss, loss)
     for name, value in metrics.items():
         want = pack(value, lengths) if name in ("logp", "entropy") else value
-        assert_within_one_ulp(name, packed_metrics[name], want)
-    assert_within_one_ulp("grad input", packed_grads[0], pack(grads[0], lengths))
+        close(name, packed_metrics[name], want)
+    close("grad input", packed_grads[0], pack(grads[0], lengths))
     for name, got, want in zip(("grad weight", "grad bias"), packed_grads[1:], grads[1:]):
-        # Sums over the rows: the padded call's chunks of 3 rows hold its padding rows too (zero
-        # gradients, computed like the others), so they group the completion rows differently
-        # from the packed call's, and fp32 adds the same products in another order: a rounding
-        # per addition, bounded by n * eps * sum |terms| (n <= B * T = 21 here).
+        # Sums over the rows, grouped into other chunks in the two layouts: fp32 adds the same
+        # products in another order, a rounding per addition, bounded by n * eps * max |sum|
+        # (n <= B * T = 21 rows here), on top of the logits' few ulp.
         bound = 21 * torch.finfo(torch.float32).eps * want.abs().max().clamp(min=1e-30)
         assert (got - want).abs().max() <= bound, (name, (got - want).abs().max(), bound)
 
