@@ -20,12 +20,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from triton.runtime.interpreter import InterpretedFunction
 
-from bench.sm90 import describe_launch
 from ftis_kernels import ftis_linear_loss, ftis_logprobs, ftis_loss
 from ftis_kernels.kernels import logp_lse
 
@@ -113,16 +112,35 @@ def _run_ftis_logprobs(g):
         ftis_logprobs(hidden, tokens, torch.randn(V, H, generator=g), chunk_size=chunk_size)
 
 
+def _recorder(monkeypatch) -> list[dict]:
+    """A list that receives every launch of an interpreted Triton kernel from now on, as
+    `describe_launch` writes it."""
+    launches = _recorder(monkeypatch)
+    return launches
+
+
+def _sm90(launches: list[dict], tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, Any]:
+    """`python -m bench.sm90` on the launches, without the interpreter: (the process, its JSON
+    report)."""
+    path, report_path = tmp_path / "launches.json", tmp_path / "report.json"
+    path.write_text(json.dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.sm90", str(path), *flags, "--report", str(report_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return done, report
+
+
 def _record_launches(monkeypatch) -> list[dict]:
     """Every launch of an interpreted Triton kernel while the ops run, as `describe_launch`."""
-    launches: list[dict] = []
-    run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        launches.append(describe_launch(self.fn, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    launches = _recorder(monkeypatch)
     g = torch.Generator().manual_seed(0)
     _run_ftis_loss(g)
     _run_ftis_linear_loss(g)
@@ -133,20 +151,8 @@ def _record_launches(monkeypatch) -> list[dict]:
 def test_every_kernel_launch_compiles_for_sm90_at_triton_specialisations(monkeypatch, tmp_path):
     launches = _record_launches(monkeypatch)
     distinct = list({json.dumps(x, sort_keys=True): x for x in launches}.values())
-    path, report_path = tmp_path / "launches.json", tmp_path / "report.json"
-    path.write_text(json.dumps(distinct))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.sm90", str(path), "--report", str(report_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert report_path.exists(), done.stdout + done.stderr
-    report = json.loads(report_path.read_text())
+    done, report = _sm90(distinct, tmp_path)
+    assert report is not None, done.stdout + done.stderr
     failed = report["failed"]
     total = len(failed) + len(report["compiled"])
     shown = "\n\n".join(f"{row.get('launch')}\n{row['error']}" for row in failed[:3])
@@ -169,14 +175,7 @@ def test_new_lengths_and_option_values_need_no_new_binary(monkeypatch, tmp_path)
     for every new completion length; here lengths and option values are runtime arguments. Over
     39 completion lengths and 5 values of each runtime option, a kernel needs at most the
     binaries its strides' alignment classes make (a stride divisible by 16 or not: 2)."""
-    launches: list[dict] = []
-    run = InterpretedFunction.run
-
-    def recording_run(self, *args, grid, warmup, **kwargs):
-        launches.append(describe_launch(self.fn, args, kwargs))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    launches = _recorder(monkeypatch)
     g = torch.Generator().manual_seed(1)
     V = 37
     for T in range(2, 41):
@@ -186,19 +185,7 @@ def test_new_lengths_and_option_values_need_no_new_binary(monkeypatch, tmp_path)
         opts = dict(kl_threshold=1.0 + i, epsilon=0.1 + 0.02 * i, is_cap=1.5 + i, beta=0.0)
         loss, _ = ftis_loss(logits, *rows, **opts)
         loss.backward()
-    path, report_path = tmp_path / "launches.json", tmp_path / "binaries.json"
-    path.write_text(json.dumps(launches))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.sm90", str(path), "--binaries", "--report", str(report_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done, binaries = _sm90(launches, tmp_path, "--binaries")
     assert done.returncode == 0, done.stdout + done.stderr
-    binaries = json.loads(report_path.read_text())
     assert len(binaries) == 4, binaries  # row forward, per-sample, reduction, row backward
     assert all(n <= 2 for n in binaries.values()), binaries
