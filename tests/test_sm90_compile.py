@@ -24,7 +24,9 @@ from typing import Any
 
 import pytest
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
+from bench.sm90 import describe_launch
 from ftis_kernels import ftis_linear_loss, ftis_logprobs, ftis_loss
 from ftis_kernels.kernels import logp_lse
 
@@ -115,7 +117,14 @@ def _run_ftis_logprobs(g):
 def _recorder(monkeypatch) -> list[dict]:
     """A list that receives every launch of an interpreted Triton kernel from now on, as
     `describe_launch` writes it."""
-    launches = _recorder(monkeypatch)
+    launches: list[dict] = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        launches.append(describe_launch(self.fn, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     return launches
 
 
