@@ -1,41 +1,45 @@
 #!/usr/bin/env bash
 # One command for a machine with a CUDA GPU: environment, optional wheels, the CUDA tests and the
 # kernels' test files (compiled kernels, no interpreter; in parallel with pytest-xdist where it is
-# installed), then the benchmark, inside a time budget (default 450 s: a run fits in 8 minutes of
-# device time), everything written to $OUT:
+# installed), the row kernels' meta-parameters timed, the ops' profile, then the benchmark, inside
+# a time budget (default 540 s: a run fits in 10 minutes of device time), everything to $OUT:
 #   check.log     every step's output          summary.txt  step exit codes + the results table
 #   results.json  the benchmark's records       extras.tar   plots, results.md, junit XML
+#   tune.json     bench/tune_rows.py's records  profile.txt  bench/profile_ops.py's output
 #
 #   here, where PyPI is reachable (once):  bash bench/gpu_check.sh --fetch-wheels   -> .whl/
 #   on the GPU machine (no network):       bash bench/gpu_check.sh        (carry .whl)
 #   rehearsal on a CPU-only machine:       OUT=/tmp/gpu_check bash bench/gpu_check.sh --cpu
 #
-# Knobs (environment): GPU_CHECK_BUDGET_S (total seconds, default 450; 600 with --cpu), SKIP_TESTS=1
-# (benchmark only: a rerun), BENCH_ARGS (extra arguments for python -m bench.run).
+# Knobs (environment): GPU_CHECK_BUDGET_S (total seconds, default 540; 600 with --cpu), SKIP_TESTS=1
+# (no test steps: a rerun), BENCH_ARGS (extra arguments for python -m bench.run; a later --impls
+# replaces the default subset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 LIGER_PIN="liger-kernel==0.8.5"
+PEER_PINS=("trl==1.16.0" "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19")
 PY=${PYTHON:-python3}
 MODE=cuda
 case "${1:-}" in
   --cpu) MODE=cpu ;;
   --fetch-wheels)
-    # The GPU machine reaches no registry: bring the bench-only extra as a wheel (pure Python).
-    mkdir -p .whl
+    # The GPU machine reaches no registry: bring the peers the benchmark compares with as wheels
+    # (Liger-Kernel; TRL and what TRL imports that a CUDA image usually lacks; all pure Python).
+    mkdir -p .whl .git/info
     grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-    exec "$PY" -m pip download --no-deps --only-binary=:all: -d .whl "$LIGER_PIN" ;;
+    exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" -d .whl "$LIGER_PIN" "${PEER_PINS[@]}" ;;
   "") ;;
   *) echo "usage: bash bench/gpu_check.sh [--cpu | --fetch-wheels]" >&2; exit 2 ;;
 esac
 
-OUT=${OUT:-/tmp/ftis_gpu_check}
+OUT=${OUT:-/tmp/ftis_gpu_check}; export OUT
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 LOG="$OUT/check.log"
 SUMMARY="$OUT/summary.txt"
 : > "$LOG"; : > "$SUMMARY"
-DEFAULT_BUDGET=450
+DEFAULT_BUDGET=540
 [[ "$MODE" == cpu ]] && DEFAULT_BUDGET=600  # 2 cores and the interpreter: the kernel tests take ~4 min
 BUDGET=${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}
 START=$(date +%s)
@@ -88,11 +92,20 @@ fi
 if [[ "$MODE" == cpu ]]; then
   # The rehearsal: every step's logic, on a small grid (the CPU path, interpreter off in the bench;
   # the tests run the kernels under the interpreter, as tests/conftest.py sets it without CUDA).
-  CUDA_LIMIT=90; KERNEL_LIMIT=300
+  CUDA_LIMIT=90; KERNEL_LIMIT=300; TUNE_LIMIT=60; PROFILE_LIMIT=90
   BENCH_DEFAULT=(--device cpu --max-cases 1 --impls ref_eager,ftis_loss,liger_triton
                  --warmup 1 --min-reps 2 --min-time-s 0)
+  TUNE_ARGS=(--device cpu --shapes 16x5000:bf16 --budget-s 30)
+  PROFILE_ARGS=(--device cpu --tokens 64 --vocab 1000 --hidden 64 --linear-tokens 64 --reps 2
+                --linear-reps 1)
 else
-  CUDA_LIMIT=90; KERNEL_LIMIT=150; BENCH_DEFAULT=(--device cuda)
+  CUDA_LIMIT=80; KERNEL_LIMIT=140; TUNE_LIMIT=80; PROFILE_LIMIT=50
+  # The library and its peers on the same work; the references (eager and compiled PyTorch,
+  # tens of seconds a case at these sizes) were measured in the baseline beside this file's
+  # results, and BENCH_ARGS="--impls ..." brings them back.
+  BENCH_DEFAULT=(--device cuda --impls ftis_loss,ftis_loss_inplace,ftis_loss_filter,trl_eager,liger_triton,liger_triton_inplace,ftis_linear_loss,trl_fused)
+  TUNE_ARGS=(--device cuda --budget-s 60)
+  PROFILE_ARGS=(--device cuda --reps 10 --linear-reps 4)
 fi
 
 # The test files of the kernels and of what runs them on the GPU (compile, sharding): all their
@@ -125,7 +138,13 @@ if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
     -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$WORK/junit_kernels.xml"
 fi
 
-# 5. The benchmark, in what is left (it writes results.json after every record, so a timeout
+# 5. The row kernels' meta-parameters timed beside a copy of the same logits (bench/tune_rows.py),
+#    then where the ops' time goes (bench/profile_ops.py: launches, host reads, top kernels).
+step tune "$TUNE_LIMIT" "$PY" -m bench.tune_rows "${TUNE_ARGS[@]}" --out "$OUT/tune.json"
+step profile "$PROFILE_LIMIT" bash -c '"$0" -m bench.profile_ops "${@}" > "$OUT/profile.txt" 2>&1;
+  rc=$?; cat "$OUT/profile.txt"; exit $rc' "$PY" "${PROFILE_ARGS[@]}"
+
+# 6. The benchmark, in what is left (it writes results.json after every record, so a timeout
 #    still leaves the measured part). Its linear cases time ftis_linear_loss beside TRL 1.16's
 #    fused lm-head (trl_fused) and TRL's materialised selective_log_softmax path (trl_eager), and
 #    pytest-cuda above checks their losses against the reference first (bench/test_bench.py).

@@ -170,9 +170,13 @@ def logp_lse_fwd(
     temperature: float,
     with_entropy: bool = True,
     out: Optional[tuple[torch.Tensor, ...]] = None,
+    *,
+    meta: Optional[dict] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Triton forward, one launch. logits (B, T, V), tokens (B, T), mask (B, T) bool or 0/1, or
-    None; out: the four results' buffers (B * T contiguous fp32 each), or None to allocate them.
+    None; out: the four results' buffers (B * T contiguous fp32 each), or None to allocate them;
+    meta: the kernel's meta-parameters in place of `fwd_meta`'s (BLOCK_V, VEC, LANES, num_warps,
+    and optionally num_stages: `bench/tune_rows.py` times alternatives).
 
     Returns logp, row_max, log_sum, entropy (B, T), all fp32, 0 at masked positions; entropy is
     None with with_entropy=False.
@@ -201,7 +205,7 @@ def logp_lse_fwd(
         *logits.stride(),
         *tokens.stride(),
         *mask_strides,
-        **fwd_meta(block_v),
+        **(meta if meta is not None else fwd_meta(block_v)),
     )
     return logp, row_max, log_sum, entropy
 
@@ -306,12 +310,15 @@ def logits_bwd(
     entropy_coef: Optional[torch.Tensor] = None,
     scales: Optional[torch.Tensor] = None,
     grad: Optional[torch.Tensor] = None,
+    *,
+    meta: Optional[dict] = None,
 ) -> torch.Tensor:
     """Triton backward, one launch. logits, out (B, T, V) (out may be logits); tokens (B, T);
     row_max, log_sum, coef (B, T) fp32 contiguous; entropy, entropy_coef (B, T) fp32 contiguous
     (d loss / d H) or both None. With scales (2,) and grad () fp32 tensors, the kernel multiplies
     coef by scales[0] * grad / temperature and entropy_coef by scales[1] * grad / temperature;
-    without them, coef and entropy_coef come with those factors applied. Returns out.
+    without them, coef and entropy_coef come with those factors applied. meta: BLOCK_V and
+    num_warps (optionally num_stages) in place of the defaults. Returns out.
     """
     B, T, V = logits.shape
     block_v = _block_v(V)
@@ -332,8 +339,7 @@ def logits_bwd(
         *logits.stride(),
         *out.stride(),
         *tokens.stride(),
-        BLOCK_V=block_v,
-        num_warps=_num_warps(block_v),
+        **(meta if meta is not None else dict(BLOCK_V=block_v, num_warps=_num_warps(block_v))),
     )
     return out
 

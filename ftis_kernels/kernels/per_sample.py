@@ -456,6 +456,8 @@ def _per_sample_kernel(
     # --- pass 3: a sequence-level R's gradient reaches every token of the sample --------------
     if RATIO_SEQ:
         spread = grad_r * R_seq / n_safe * factor
+        # Pass 2's coef stores, visible to every thread of the program before they are re-read.
+        tl.debug_barrier()
         for j0 in range(0, L, BLOCK_T):
             j = j0 + tl.arange(0, BLOCK_T).to(tl.int64)
             inb = j < L
