@@ -6,14 +6,15 @@
 #   check.log     every step's output          summary.txt  step exit codes + the results table
 #   results.json  the benchmark's records       extras.tar   plots, results.md, junit XML
 #   tune.json     bench/tune_rows.py's records  profile.txt  bench/profile_ops.py's output
+#   chunks.json   bench/linear_chunks.py's records (the lm-head op's chunk size)
 #
 #   here, where PyPI is reachable (once):  bash bench/gpu_check.sh --fetch-wheels   -> .whl/
 #   on the GPU machine (no network):       bash bench/gpu_check.sh        (carry .whl)
 #   rehearsal on a CPU-only machine:       OUT=/tmp/gpu_check bash bench/gpu_check.sh --cpu
 #
 # Knobs (environment): GPU_CHECK_BUDGET_S (total seconds, default 540; 600 with --cpu), SKIP_TESTS=1
-# (no test steps: a rerun), BENCH_ARGS (extra arguments for python -m bench.run; a later --impls
-# replaces the default subset).
+# (no test steps: a rerun), SKIP_TUNE=1 / SKIP_CHUNKS=1 (no tuning sweep), BENCH_ARGS (extra
+# arguments for python -m bench.run; a later --impls replaces the default subset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -95,7 +96,8 @@ if [[ "$MODE" == cpu ]]; then
   CUDA_LIMIT=90; KERNEL_LIMIT=300; TUNE_LIMIT=60; PROFILE_LIMIT=90
   BENCH_DEFAULT=(--device cpu --max-cases 1 --impls ref_eager,ftis_loss,liger_triton
                  --warmup 1 --min-reps 2 --min-time-s 0)
-  TUNE_ARGS=(--device cpu --shapes 16x5000:bf16 --budget-s 30)
+  TUNE_ARGS=(--device cpu --shapes 16x5000:bf16 --budget-s 30); CHUNKS_LIMIT=60
+  CHUNKS_ARGS=(--device cpu --tokens 256 --vocab 2000 --hidden 64 --sizes 128 --reps 1)
   PROFILE_ARGS=(--device cpu --tokens 64 --vocab 1000 --hidden 64 --linear-tokens 64 --reps 2
                 --linear-reps 1)
 else
@@ -104,7 +106,8 @@ else
   # tens of seconds a case at these sizes) were measured in the baseline beside this file's
   # results, and BENCH_ARGS="--impls ..." brings them back.
   BENCH_DEFAULT=(--device cuda --impls ftis_loss,ftis_loss_inplace,ftis_loss_filter,trl_eager,liger_triton,liger_triton_inplace,ftis_linear_loss,trl_fused)
-  TUNE_ARGS=(--device cuda --budget-s 60)
+  TUNE_ARGS=(--device cuda --budget-s 60); CHUNKS_LIMIT=60
+  CHUNKS_ARGS=(--device cuda --hidden 1536 4096 --sizes 2048 4096)
   PROFILE_ARGS=(--device cuda --reps 10 --linear-reps 4)
 fi
 
@@ -123,15 +126,18 @@ while read -r file; do
 done < <(grep -rlE 'mark\.cuda' tests bench --include='*.py' | sort)
 # pytest-xdist where it is installed: one worker per core (pytest-benchmark then only runs its
 # tests once, untimed: the benchmark step below times).
-PARALLEL=()
-"$PY" -c 'import xdist' >/dev/null 2>&1 && PARALLEL=(-n auto)
+# The CUDA tests go to the workers file by file (--dist loadfile): the benchmark's tests allocate
+# gigabytes each, and sixteen of them at once ran the GPU out of memory.
+PARALLEL=(); PARALLEL_CUDA=()
+"$PY" -c 'import xdist' >/dev/null 2>&1 && PARALLEL=(-n auto) && PARALLEL_CUDA=(-n auto --dist loadfile)
 echo "pytest in parallel: ${PARALLEL[*]:-no (pytest-xdist not installed)}" >> "$SUMMARY"
 
 if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
   # 3. The tests marked cuda outside the kernels' files (exit 5: none selected). On a GPU machine
   #    tests/conftest.py leaves TRITON_INTERPRET unset: the kernels are compiled.
   step pytest-cuda "$CUDA_LIMIT" "$PY" -m pytest "${CUDA_TESTS[@]}" -m cuda -q -rfE \
-    -p no:cacheprovider --benchmark-disable ${PARALLEL[@]+"${PARALLEL[@]}"} --junitxml="$WORK/junit_cuda.xml"
+    -p no:cacheprovider --benchmark-disable ${PARALLEL_CUDA[@]+"${PARALLEL_CUDA[@]}"} \
+    --junitxml="$WORK/junit_cuda.xml"
   # 4. The kernels' test files, every test (the hypothesis properties, awkward shapes, sharding,
   #    torch.compile, the CUDA-only comparisons).
   step pytest-kernels "$KERNEL_LIMIT" "$PY" -m pytest "${KERNEL_TESTS_RUN[@]}" -q -rfE \
@@ -140,7 +146,10 @@ fi
 
 # 5. The row kernels' meta-parameters timed beside a copy of the same logits (bench/tune_rows.py),
 #    then where the ops' time goes (bench/profile_ops.py: launches, host reads, top kernels).
-step tune "$TUNE_LIMIT" "$PY" -m bench.tune_rows "${TUNE_ARGS[@]}" --out "$OUT/tune.json"
+[[ "${SKIP_TUNE:-0}" == 1 ]] || step tune "$TUNE_LIMIT" "$PY" -m bench.tune_rows "${TUNE_ARGS[@]}" \
+  --out "$OUT/tune.json"
+[[ "${SKIP_CHUNKS:-0}" == 1 ]] || step chunks "$CHUNKS_LIMIT" "$PY" -m bench.linear_chunks \
+  "${CHUNKS_ARGS[@]}" --out "$OUT/chunks.json"
 step profile "$PROFILE_LIMIT" bash -c '"$0" -m bench.profile_ops "${@}" > "$OUT/profile.txt" 2>&1;
   rc=$?; cat "$OUT/profile.txt"; exit $rc' "$PY" "${PROFILE_ARGS[@]}"
 

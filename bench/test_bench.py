@@ -47,6 +47,13 @@ DEVICES = [
 LOSS_RTOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
 
+def _child_env(**extra: str) -> dict[str, str]:
+    """A subprocess's environment: this one, the repo first on PYTHONPATH, then the caller's
+    entries (wheels installed with pip --target on a machine without a registry)."""
+    path = os.pathsep.join(p for p in (str(measure.REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def _params():
     for dev in DEVICES:
         device = dev.values[0]
@@ -130,7 +137,7 @@ _PEAK_PROBE = textwrap.dedent(
 def test_peak_memory_method_sees_a_known_allocation(device):
     if device == "cpu" and not measure.cpu_rss_supported():
         pytest.skip("no resettable RSS high-water mark on this system")
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(measure.REPO))
+    env = _child_env(MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run(
         [sys.executable, "-c", _PEAK_PROBE, device],
         env=env,
@@ -162,7 +169,7 @@ _ALLOCATOR_PROBE = textwrap.dedent(
 def test_timed_calls_use_the_default_allocator_and_the_peak_call_sees_reused_memory(monkeypatch):
     if not measure.cpu_rss_supported():
         pytest.skip("no resettable RSS high-water mark on this system")
-    env = dict(os.environ, PYTHONPATH=str(measure.REPO))
+    env = _child_env()
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     cmd = [sys.executable, "-c", _ALLOCATOR_PROBE]
     out = subprocess.run(
@@ -222,7 +229,7 @@ def test_liger_triton_is_configured_to_the_same_work(device):
     Triton decorates any kernel)."""
     if liger_version() is None:
         pytest.skip("liger-kernel not installed")
-    env = dict(os.environ, PYTHONPATH=str(measure.REPO))
+    env = _child_env()
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     code = _LIGER_PROBE.replace("DEVICE", repr(device))
@@ -377,7 +384,7 @@ def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
     rescale, every 8 logits) and 16-byte accesses; the bf16 forward loop stays under the issue
     rate the copy roofline needs (no cross-thread reduction in the loop, ~11 instructions a
     logit, where the block reductions cost 20.4)."""
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(measure.REPO))
+    env = _child_env(TRITON_CACHE_DIR=str(tmp_path))
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run(
         [sys.executable, "-m", "bench.hopper_asm", "--dtypes", "bfloat16"],

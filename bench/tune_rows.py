@@ -38,9 +38,9 @@ FWD_CONFIGS = (
 )
 # (BLOCK_V, num_warps, num_stages or None)
 BWD_CONFIGS = (
-    (4096, 8, None),
-    (4096, 4, None),
     (4096, 16, None),
+    (4096, 4, None),
+    (4096, 8, None),
     (2048, 4, None),
     (2048, 8, None),
     (8192, 8, None),

@@ -267,8 +267,7 @@ def _(*inputs):
     return (*outputs, *grads)
 
 
-@torch.library.custom_op("ftis_kernels::ftis_linear_loss_bwd", mutates_args=())
-def _ftis_linear_loss_bwd(
+def _ftis_linear_loss_bwd_impl(
     hidden: torch.Tensor,
     mask: Optional[torch.Tensor],
     weight: torch.Tensor,
@@ -317,6 +316,11 @@ def _ftis_linear_loss_bwd(
     return tuple(rows.new_empty(0) if g is None else g for g in grads)
 
 
+_ftis_linear_loss_bwd = torch.library.custom_op(
+    "ftis_kernels::ftis_linear_loss_bwd", _ftis_linear_loss_bwd_impl, mutates_args=()
+)
+
+
 @_ftis_linear_loss_bwd.register_fake
 def _(hidden, mask, weight, bias, tokens, *stats_and_flags, group_name=None):
     need_hidden, need_weight, need_bias = stats_and_flags[-3:]
@@ -328,11 +332,7 @@ def _(hidden, mask, weight, bias, tokens, *stats_and_flags, group_name=None):
     )
 
 
-@torch.library.custom_op(
-    "ftis_kernels::ftis_linear_loss_scale_",
-    mutates_args=("grad_hidden", "grad_weight", "grad_bias"),
-)
-def _scale_grads_(
+def _scale_grads_impl(
     grad_hidden: torch.Tensor,
     grad_weight: torch.Tensor,
     grad_bias: torch.Tensor,
@@ -347,6 +347,13 @@ def _scale_grads_(
             grad.mul_(factor)
     if record is not None:
         raise_on_faults(record)
+
+
+_scale_grads_ = torch.library.custom_op(
+    "ftis_kernels::ftis_linear_loss_scale_",
+    _scale_grads_impl,
+    mutates_args=("grad_hidden", "grad_weight", "grad_bias"),
+)
 
 
 @_scale_grads_.register_fake
@@ -388,13 +395,14 @@ def _backward(ctx, grad_loss, *_):
         if ctx.end_scale:
             scalars = ctx.saved_tensors[-2]
             factor = factor * scalars[len(custom_op.SCALAR_METRICS)]
-        torch.ops.ftis_kernels.ftis_linear_loss_scale_(
+        custom_op.op_or_impl(ctx, _scale_grads_, _scale_grads_impl)(
             grad_hidden, grad_weight, grad_bias, factor, record
         )
     else:
         stats = custom_op.backward_stats(ctx, grad_loss)
         flat = tuple(None if x is None or x.dim() != 2 else x.reshape(-1) for x in stats[:5])
-        grad_hidden, grad_weight, grad_bias = torch.ops.ftis_kernels.ftis_linear_loss_bwd(
+        bwd = custom_op.op_or_impl(ctx, _ftis_linear_loss_bwd, _ftis_linear_loss_bwd_impl)
+        grad_hidden, grad_weight, grad_bias = bwd(
             hidden,
             mask,
             weight,
@@ -421,6 +429,9 @@ def _backward(ctx, grad_loss, *_):
 
 
 _ftis_linear_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
+_FTISLinearLoss = custom_op.eager_function(
+    "_FTISLinearLoss", _ftis_linear_loss_fwd_impl, _setup_context, _backward
+)
 
 
 def _check_linear_inputs(
@@ -561,5 +572,7 @@ def ftis_linear_loss(
     offsets = [] if cu_seqlens is None else custom_op.segment_offsets(cu_seqlens)
     switches = (offsets, chunk, backend, in_forward, *needs)
     lm_head = (hidden, weight, bias)
-    outputs = _ftis_linear_loss_fwd(*_FWD.flatten(lm_head, rows, opt, packing, switches))
+    inputs = _FWD.flatten(lm_head, rows, opt, packing, switches)
+    traced = custom_op.traced(*lm_head, *rows, cu_seqlens)
+    outputs = _ftis_linear_loss_fwd(*inputs) if traced else _FTISLinearLoss.apply(*inputs)
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

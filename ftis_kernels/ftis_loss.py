@@ -78,8 +78,7 @@ def _(*inputs):
     )
 
 
-@torch.library.custom_op("ftis_kernels::ftis_loss_bwd", mutates_args=())
-def _ftis_loss_bwd(
+def _ftis_loss_bwd_impl(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     row_max: torch.Tensor,
@@ -107,13 +106,17 @@ def _ftis_loss_bwd(
     return dlogits
 
 
+_ftis_loss_bwd = torch.library.custom_op(
+    "ftis_kernels::ftis_loss_bwd", _ftis_loss_bwd_impl, mutates_args=()
+)
+
+
 @_ftis_loss_bwd.register_fake
 def _(logits, *_):
     return torch.empty_like(logits)
 
 
-@torch.library.custom_op("ftis_kernels::ftis_loss_bwd_", mutates_args=("logits",))
-def _ftis_loss_bwd_inplace(
+def _ftis_loss_bwd_inplace_impl(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     row_max: torch.Tensor,
@@ -135,6 +138,11 @@ def _ftis_loss_bwd_inplace(
         raise_on_faults(record)
 
 
+_ftis_loss_bwd_inplace = torch.library.custom_op(
+    "ftis_kernels::ftis_loss_bwd_", _ftis_loss_bwd_inplace_impl, mutates_args=("logits",)
+)
+
+
 def _setup_context(ctx, inputs, output):
     args = _FWD.bind(inputs)
     # The outputs other than the loss get no gradient: None, not zero tensors made for them.
@@ -152,14 +160,19 @@ def _backward(ctx, grad_loss, *_):
     stats = custom_op.backward_stats(ctx, grad_loss)
     args = (*stats, custom_op.saved_record(ctx), ctx.temperature, ctx.backend)
     if ctx.inplace_backward:
-        torch.ops.ftis_kernels.ftis_loss_bwd_(logits, tokens, *args)
+        custom_op.op_or_impl(ctx, _ftis_loss_bwd_inplace, _ftis_loss_bwd_inplace_impl)(
+            logits, tokens, *args
+        )
         dlogits = logits
     else:
-        dlogits = torch.ops.ftis_kernels.ftis_loss_bwd(logits, tokens, *args)
+        dlogits = custom_op.op_or_impl(ctx, _ftis_loss_bwd, _ftis_loss_bwd_impl)(
+            logits, tokens, *args
+        )
     return (dlogits,) + (None,) * (ctx.n_inputs - 1)
 
 
 _ftis_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
+_FTISLoss = custom_op.eager_function("_FTISLoss", _ftis_loss_fwd_impl, _setup_context, _backward)
 
 
 @with_option_keywords
@@ -258,5 +271,7 @@ def ftis_loss(
     shard = (vocab_start, group_name(process_group, vocab_start))
     checks = (value_check, check_now(value_check, logits))
     packing = (cu_seqlens, max_seqlen, *shard, *checks)
-    outputs = _ftis_loss_fwd(*_FWD.flatten((logits,), rows, opt, packing, (inplace, backend)))
+    inputs = _FWD.flatten((logits,), rows, opt, packing, (inplace, backend))
+    traced = custom_op.traced(logits, *rows, cu_seqlens)
+    outputs = _ftis_loss_fwd(*inputs) if traced else _FTISLoss.apply(*inputs)
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

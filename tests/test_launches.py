@@ -233,32 +233,50 @@ def test_linear_loss_checks_its_inputs_with_one_read_in_the_backward():
     assert work.counts["reads"] == 1
 
 
-@pytest.mark.cuda
-def test_on_cuda_the_profiler_sees_the_same_budget():
-    """The same budget from the CUDA profiler: kernels launched and host synchronisations (a
-    device-to-host copy or a stream/device synchronize) of one default F-TIS forward + backward."""
+def _cuda_profile(fn):
+    """torch.profiler's events of fn() followed by a device synchronize."""
     from torch.profiler import ProfilerActivity, profile
 
-    case = make_case(4, 64, 32000, seed=6, device=torch.device("cuda"))
-    logits = case.logits.to(torch.bfloat16).requires_grad_()
-    one = torch.ones((), device="cuda")
-    for _ in range(2):  # compiled and warm
-        loss, _ = ftis_loss(logits, *case.inputs)
-        loss.backward(one)
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        loss, _ = ftis_loss(logits, *case.inputs)
-        loss.backward(one)
+        fn()
         torch.cuda.synchronize()
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
-    syncs = [
-        e
+    return prof.events()
+
+
+def _host_syncs(events) -> list[str]:
+    """The events that make the host wait for the device: stream or device synchronizes and
+    device-to-host copies."""
+    return sorted(
+        e.name
         for e in events
         if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")
         or ("cudaMemcpy" in e.name and "DtoH" in str(getattr(e, "input_shapes", "")))
-    ]
+    )
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_profiler_sees_the_same_budget():
+    """The same budget from the CUDA profiler: kernels launched and host synchronisations of one
+    default F-TIS forward + backward, beyond those of profiling an empty step (the test's own
+    synchronize, and whatever the profiler adds: on an H200 with torch 2.11, one
+    cudaDeviceSynchronize of its own)."""
+    case = make_case(4, 64, 32000, seed=6, device=torch.device("cuda"))
+    logits = case.logits.to(torch.bfloat16).requires_grad_()
+    one = torch.ones((), device="cuda")
+
+    def step():
+        loss, _ = ftis_loss(logits, *case.inputs)
+        loss.backward(one)
+
+    for _ in range(2):  # compiled and warm
+        step()
+    torch.cuda.synchronize()
+    baseline = _host_syncs(_cuda_profile(lambda: None))
+    events = _cuda_profile(step)
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
+    # 4 of the op, and the accumulation into logits.grad.
     assert len(kernels) <= 6, sorted(e.name for e in kernels)
-    # The test's own final synchronize, and at most the backward's read of the value checks.
-    assert len(syncs) <= 2, sorted(e.name for e in syncs)
+    syncs = _host_syncs(events)
+    # At most the backward's read of the value checks.
+    assert len(syncs) - len(baseline) <= 1, (syncs, baseline)
