@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from typing import Any, Literal, NoReturn, Optional, TypedDict, TypeVar
 
+import torch
+
 from ftis_kernels.validate import dispatch, refuse
 
 IS_MODES = ("none", "vis", "tis", "mask")
@@ -496,14 +498,38 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+# The options of recent calls, by (options, keywords): a training loop passes the same ones every
+# step, and building and validating an FTISOptions is a good share of a call's host time.
+_RESOLVED: dict[tuple, FTISOptions] = {}
+_RESOLVED_MAX = 256
+
+
 def resolve_options(options: Optional[FTISOptions], overrides: Mapping[str, Any]) -> FTISOptions:
     """What the public ops do with `options=` and their keyword options: the object (or the
     defaults) with the keywords on top; an unknown keyword is a ValueError naming it."""
-    if options is None:
-        return FTISOptions.from_kwargs(**overrides)
-    if not isinstance(options, FTISOptions):
+    if options is not None and not isinstance(options, FTISOptions):
         _fail("options", "None or an FTISOptions", options)
-    return options.replace(**overrides) if overrides else options
+    if options is not None and not overrides:
+        return options
+    key = None
+    if not torch.compiler.is_compiling():  # traced code reads no module-level cache
+        try:
+            # The types too: True == 1 == 1.0, but only some of them are valid for an option.
+            key = (options, tuple((k, type(v), v) for k, v in sorted(overrides.items())))
+            return _RESOLVED[key]
+        except (KeyError, TypeError):  # not seen yet, or a value that cannot be a key
+            pass
+    resolved = (
+        FTISOptions.from_kwargs(**overrides) if options is None else options.replace(**overrides)
+    )
+    if key is not None:
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        try:
+            _RESOLVED[key] = resolved
+        except TypeError:
+            pass
+    return resolved
 
 
 _Op = TypeVar("_Op", bound=Callable[..., Any])

@@ -172,3 +172,17 @@ def test_the_options_page_names_every_preset():
     text = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
     listed = text.split("with `name` one of", 1)[1].split("docs/method.md", 1)[0]
     assert set(re.findall(r"`([\w-]+)`", listed)) == set(PRESETS)
+
+
+def test_resolved_options_are_reused_and_still_validated_by_type():
+    """resolve_options keeps recent results (a training loop passes the same keywords each
+    step), keyed by each value's type as well: True == 1 == 1.0, and only the float is valid."""
+    from ftis_kernels.options import resolve_options
+
+    first = resolve_options(None, {"is_cap": 1.0, "kl_threshold": 20.0})
+    assert resolve_options(None, {"kl_threshold": 20.0, "is_cap": 1.0}) is first
+    with pytest.raises(ValueError, match="is_cap"):
+        resolve_options(None, {"is_cap": True, "kl_threshold": 20.0})
+    base = FTISOptions(is_cap=3.0)
+    assert resolve_options(base, {}) is base
+    assert resolve_options(base, {"kl_threshold": 5.0}).is_cap == 3.0

@@ -59,7 +59,7 @@ def bwd_meta(block_v: int) -> dict:
 
 
 def _block_v(V: int) -> int:
-    return min(triton.next_power_of_2(V), MAX_BLOCK_V)
+    return min(1 << (V - 1).bit_length(), MAX_BLOCK_V)  # the next power of 2, at most the cap
 
 
 def _num_warps(block_v: int) -> int:
