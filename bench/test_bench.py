@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -519,3 +520,32 @@ def test_cpp_forward_rows_give_the_plain_functions_statistics(dtype):
     for a, b in zip(got[1:], want[1:]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-30, equal_nan=True)
     assert cpu_rows.fwd_rows(x, scale, False)[2] is None
+
+
+def test_host_time_reports_the_ops_python_alone():
+    """bench.host_time stubs the kernels' launches (in its own process: it patches Triton's
+    interpreter) and reports positive fwd+bwd and forward host times."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.host_time",
+            "--B",
+            "2",
+            "--T",
+            "8",
+            "--V",
+            "50",
+            "--reps",
+            "5",
+        ],
+        cwd=measure.REPO,
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    times = [float(x) for x in re.findall(r"([0-9.]+) ms", line)]
+    assert len(times) == 2 and all(t > 0 for t in times), line
