@@ -110,11 +110,11 @@ def test_a_silent_peer_costs_at_most_the_timeout(swarm):
 
 
 class _SignedByAnotherKey(RecordValidatorBase):
-    """An attacker's signer: appends a signature in hivemind's format made with its own key,
-    whatever owner the subkey names."""
+    """An attacker's signer: appends a signature in hivemind's format made with its own key
+    (`key`, a fresh one by default), whatever owner the subkey names."""
 
-    def __init__(self):
-        self.key = RSAPrivateKey()
+    def __init__(self, key=None):
+        self.key = key or RSAPrivateKey()
 
     def sign_value(self, record):
         signature = self.key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
@@ -142,8 +142,58 @@ def test_a_record_under_another_peers_subkey_is_forged(swarm, signer):
         attacker.shutdown()
     incoming, rejected = b.collect(0, max_staleness=0, timeout_s=5.0)
     assert payloads(incoming) == [(a.peer_id, 0, b"honest")]
-    assert [(r.peer, r.kind) for r in rejected] == [(a.peer_id, "forged")]
-    assert "not signed by its key" in rejected[0].reason
+    # Signed by no key this swarm knows, or not at all: charged to nobody, never to a.
+    assert [(r.peer, r.kind) for r in rejected] == [("", "forged")]
+    assert "not signed by its key" in rejected[0].reason and a.peer_id in rejected[0].reason
+
+
+def test_a_record_forged_in_an_honest_peers_name_is_charged_to_the_forger(swarm, tmp_path):
+    from ftis_kernels.grpo.exchange import exchange
+    from ftis_kernels.grpo.swarm import _key_bytes, _load_private_key
+    from ftis_kernels.grpo.transport import source_of
+
+    honest = swarm("honest")
+    b = swarm("b", joins=honest)
+    forger = swarm("forger", joins=honest)  # a peer of the swarm, its key known to the others
+    forger.publish(0, b"")
+    key_path = tmp_path / "forger" / KEY_FILE
+    signer = _SignedByAnotherKey(_load_private_key(_key_bytes(key_path), key_path))
+    attacker = DHT(
+        initial_peers=honest.visible_maddrs,
+        start=True,
+        host_maddrs=LOOPBACK,
+        record_validators=[signer],
+    )
+    try:
+        honest.publish(0, b"honest")
+        # The forger writes under the honest peer's subkey, signing with its own key.
+        for key, value in (("test/round/0", b"forged"), ("test/peers", {"wire": 1})):
+            attacker.store(key, value, get_dht_time() + 60, subkey=honest._owner)
+    finally:
+        attacker.shutdown()
+    incoming, rejected = b.collect(0, max_staleness=0, timeout_s=5.0)
+    # The honest peer's own record still counts; every forgery is charged to the forger.
+    assert payloads(incoming) == sorted([(forger.peer_id, 0, b""), (honest.peer_id, 0, b"honest")])
+    assert rejected and {(r.peer, r.kind) for r in rejected} == {(forger.peer_id, "forged")}
+    assert all(f"names {honest.peer_id}" in r.reason for r in rejected)
+
+    # Above the seam: the drops name the forger as their sender, never the honest peer.
+    again = DHT(
+        initial_peers=honest.visible_maddrs,
+        start=True,
+        host_maddrs=LOOPBACK,
+        record_validators=[signer],
+    )
+    try:
+        honest.publish(1, b"")
+        again.store("test/round/1", b"forged again", get_dht_time() + 60, subkey=honest._owner)
+    finally:
+        again.shutdown()
+    got, drops, _ = exchange(
+        [], vocab_size=8, max_tokens=4, max_samples=4, transport=b, round_=1, timeout_s=5.0
+    )
+    assert got == [] and drops
+    assert {(d.kind, d.sender) for d in drops} == {("forged", source_of(forger.peer_id))}
 
 
 def test_the_validator_refuses_what_could_hide_the_owned_records():
@@ -169,7 +219,7 @@ def test_the_validator_refuses_what_could_hide_the_owned_records():
         "over the cap": record(bytes(5000)),
     }
     assert [name for name, r in refused.items() if validator.validate(r)] == []
-    assert [(r.peer == "unknown", r.kind) for r in validator.refused] == [
+    assert [(r.peer == "", r.kind) for r in validator.take_refused()] == [
         (True, "forged"),
         (False, "incompatible"),
         (False, "incompatible"),

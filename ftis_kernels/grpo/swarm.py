@@ -26,6 +26,7 @@ peer that let a round pass without publishing until it announces itself again.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -56,6 +57,8 @@ _SEEN_CAP = 4096
 # At most this many refusals are kept between two collects (a flood of forged records costs
 # neither memory nor log lines without bound).
 _REFUSED_CAP = 256
+# How many keys that signed valid records a validator keeps, to name the signer of a forgery.
+_KNOWN_KEYS = 256
 # A record may expire at most record_ttl_s plus this (clocks of hosts differ) after it is seen:
 # a far-future expiry would pin it in every node.
 _MAX_TTL_SLACK_S = 300.0
@@ -168,6 +171,7 @@ def _validator_class():
     """`OwnedRecords`, built on first use so that importing this module needs no hivemind."""
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPublicKey
     from hivemind.utils.serializer import MSGPackSerializer
 
     class OwnedRecords(RSASignatureValidator):
@@ -180,8 +184,10 @@ def _validator_class():
             super().__init__(private_key)
             self.max_record_bytes = max_record_bytes
             self.max_ttl_s = max_ttl_s
-            self.refused: list[Rejection] = []
+            # Refusals as (peer charged, kind, reason, what a forgery's signer is sought by).
+            self.refused: list[tuple[str, str, str, Optional[tuple[bytes, bytes, bytes]]]] = []
             self._seen: dict[bytes, None] = {}
+            self._keys: dict[bytes, Any] = {}  # owner -> its public key, of records it signed
 
         def validate(self, record) -> bool:
             # Every record of the swarm sits under exactly one owner's subkey: an unowned one
@@ -191,8 +197,14 @@ def _validator_class():
             if owner is None or self._PUBLIC_KEY_RE.search(record.key):
                 return self._refuse(record, None, "forged", "a record under no owner's key")
             if not super().validate(record):
+                # Charged to the key that signed it, never to the owner it names: found among
+                # the keys that signed valid records (`take_refused`), else to nobody.
                 reason = "a record under its subkey is not signed by its key"
-                return self._refuse(record, owner, "forged", reason)
+                return self._refuse(record, None, "forged", reason, forgery=owner)
+            if owner not in self._keys:
+                if len(self._keys) >= _KNOWN_KEYS:
+                    del self._keys[next(iter(self._keys))]
+                self._keys[owner] = RSAPublicKey.from_bytes(owner)
             value = self.strip_value(record)
             if len(value) > self.max_record_bytes:
                 reason = f"a signed record of {len(value)} B, over the cap"
@@ -209,15 +221,49 @@ def _validator_class():
                 return self._refuse(record, owner, "incompatible", "a value that does not decode")
             return True
 
-        def _refuse(self, record, owner: Optional[bytes], kind: str, reason: str) -> bool:
+        def _refuse(
+            self,
+            record,
+            owner: Optional[bytes],
+            kind: str,
+            reason: str,
+            forgery: Optional[bytes] = None,
+        ) -> bool:
+            """Refuse `record`, charged to `owner` (the key that signed it; None: nobody);
+            `forgery`: the owner a record not signed by its key names, its signer sought later."""
             digest = hashlib.sha256(record.key + (record.subkey or b"") + record.value).digest()
             if digest not in self._seen and len(self.refused) < _REFUSED_CAP:
                 self._seen[digest] = None
                 if len(self._seen) > _SEEN_CAP:
                     del self._seen[next(iter(self._seen))]
-                peer = (_peer_of(owner) if owner is not None else None) or "unknown"
-                self.refused.append(Rejection(peer, kind, reason))
+                peer = (_peer_of(owner) if owner is not None else None) or ""
+                sought = None
+                if forgery is not None:
+                    signatures = self._SIGNATURE_RE.findall(record.value)
+                    stripped = dataclasses.replace(record, value=self.strip_value(record))
+                    signature = signatures[0] if len(signatures) == 1 else b""
+                    sought = (self._serialize_record(stripped), signature, forgery)
+                self.refused.append((peer, kind, reason, sought))
             return False
+
+        def take_refused(self) -> list[Rejection]:
+            """The refusals since the last call, each forgery charged to the key among those
+            that signed valid records whose signature it carries (the one it names excepted),
+            or to nobody ("")."""
+            refused, self.refused = self.refused, []
+            out = []
+            for peer, kind, reason, sought in refused:
+                if sought is not None:
+                    data, signature, named = sought
+                    for owner, key in list(self._keys.items()) if signature else ():
+                        if owner != named and _verifies(key, data, signature):
+                            peer = _peer_of(owner) or ""
+                            break
+                    named_peer = _peer_of(named)
+                    reason += f" (it names {named_peer}" if named_peer else " (it names a key"
+                    reason += f"; signed by {peer})" if peer else "; signed by no known key)"
+                out.append(Rejection(peer, kind, reason))
+            return out
 
     return OwnedRecords
 
@@ -228,9 +274,15 @@ _VALIDATORS: dict[str, Any] = {}
 
 
 async def _drain_refused(_dht, _node, token: str) -> list[Rejection]:
-    validator = _VALIDATORS[token]
-    refused, validator.refused = validator.refused, []
-    return refused
+    return _VALIDATORS[token].take_refused()
+
+
+def _verifies(key, data: bytes, signature: bytes) -> bool:
+    """Whether hivemind's base64 RSA `signature` of `data` is `key`'s."""
+    try:
+        return bool(key.verify(data, signature))
+    except Exception:  # not base64, not a signature
+        return False
 
 
 def _check_maddrs(maddrs: Sequence[str], flag: str, need_peer: bool) -> list[str]:

@@ -32,7 +32,7 @@ from ftis_kernels.grpo import checkpoint
 # Why a transport refused a peer's record before the parser saw it (the exchange's DROP_KINDS
 # are the parser's and the receiver's checks after it).
 REJECT_KINDS = (
-    "forged",  # signed by another key than the one its subkey names
+    "forged",  # signed by another key than the one its subkey names: charged to that key's peer
     "untrusted",  # its peer is not in --trusted-peers
     "size",  # larger than the payload cap
     "incompatible",  # its peer runs another configuration, vocabulary or wire version
@@ -50,7 +50,9 @@ class Incoming:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A record the transport refused, with the `kind` (one of REJECT_KINDS) and why."""
+    """A record the transport refused, with the `kind` (one of REJECT_KINDS) and why, charged to
+    `peer`: the peer whose key signed it, never the one a forgery names; "" when no known key
+    did (an unsigned record, or one signed by a stranger)."""
 
     peer: str
     kind: str
