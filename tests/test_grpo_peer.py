@@ -216,7 +216,7 @@ def test_a_payload_hiveminds_messages_cannot_carry_is_refused_naming_the_key(tmp
 
     big = dict(prompts_per_node=64, group_size=64, max_new_tokens=64)  # 4096 x 536 B
     check_peer_config(_peer_cfg(tmp_path, "QmP", **{**big, "group_size": 8}))
-    with pytest.raises(ConfigError, match=r"^max_new_tokens: .* 4 MiB\), got 2195456$"):
+    with pytest.raises(ConfigError, match=r"^max_new_tokens: .* 2 MiB\), got 2195456$"):
         check_peer_config(_peer_cfg(tmp_path, "QmP", **big))
 
 
