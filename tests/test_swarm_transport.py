@@ -1,6 +1,8 @@
-"""The hivemind transport on loopback: peers exchange a round's payloads, with the staleness
-window, the dedupe, the wait bound, the refusals (forged, untrusted, size, incompatible), the
-identity kept across a restart, the start errors and the late joiner's round."""
+"""The hivemind transport on loopback: peers exchange a round's payloads over their streams,
+with the staleness window, the dedupe, the wait bound, the refusals (forged announcements charged
+to their signer, untrusted, size, incompatible), a hostile peer's replies and pulls, the DHT read
+again when a newcomer pulls, the identity kept across a restart, the start errors and the late
+joiner's round."""
 
 from __future__ import annotations
 
@@ -307,6 +309,27 @@ def test_identity_is_kept_across_a_restart(swarm, tmp_path):
     assert again.peer_id == first != a.peer_id
     again.publish(0, b"back")
     assert payloads(a.collect(0, max_staleness=0, timeout_s=5.0)[0]) == [(first, 0, b"back")]
+
+
+def test_the_dht_is_read_again_when_a_newcomer_pulls(swarm, monkeypatch):
+    from ftis_kernels.grpo import swarm as swarm_module
+
+    monkeypatch.setattr(swarm_module, "_MEMBERS_REFRESH_S", 600.0)  # no read on a timer here
+    a = swarm("a")
+    b = swarm("b", joins=a)
+    for peer in (a, b):
+        peer.publish(0, peer.peer_id.encode())
+    assert payloads(a.collect(0, max_staleness=0, timeout_s=5.0)[0]) == [
+        (b.peer_id, 0, b.peer_id.encode())
+    ]
+    late = swarm("late", joins=b)
+    late.publish(0, b"late")
+    # a read the swarm's members once; it does not read the DHT each round, so the newcomer is
+    # not one of them yet.
+    assert a.collect(0, max_staleness=0, timeout_s=1.0) == ([], [])
+    # Its first pull from a makes a read the DHT again at its next collect.
+    late.collect(0, max_staleness=0, timeout_s=5.0)
+    assert payloads(a.collect(0, max_staleness=0, timeout_s=5.0)[0]) == [(late.peer_id, 0, b"late")]
 
 
 def test_a_late_joiner_learns_the_round(swarm):
