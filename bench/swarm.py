@@ -1,19 +1,23 @@
-"""What the exchange moves on the wire: torch's gloo collectives vs hivemind's DHT, per round.
+"""What the exchange moves on the wire: torch's gloo collectives vs hivemind, per round.
 
 Each scenario runs `--peers` processes in Linux network namespaces (as root), so that the bytes
 are counted at the interface and only the exchange's own traffic is counted:
 
 - `gloo-loopback`: one namespace, the processes in one gloo world on its loopback, each round
   the driver's two `all_gather`s (payload lengths, then the payloads padded to the longest);
-- `hivemind-loopback`: one namespace, one `HivemindTransport` per process on its loopback;
-- `hivemind-delay`: one namespace per peer, each joined by a veth pair to a hub namespace where a
-  user-space switch (`hub`) forwards every frame after `--delay-ms` and drops `--loss` of them
-  (what `tc qdisc ... netem delay 50ms loss 1%` on each link would do; used because kernels
-  without `sch_netem` refuse that qdisc). Addresses are 10.77.0.x on the veths only.
+- `hivemind-loopback`: one namespace, one `HivemindTransport` per process on its loopback (the
+  DHT for who is in the swarm, the payloads pulled over libp2p streams);
+- `gloo-delay`, `hivemind-delay`: one namespace per peer, each joined by a veth pair to a hub
+  namespace where a user-space switch (`hub`) forwards every frame after `--delay-ms` and drops
+  `--loss` of them (what `tc qdisc ... netem delay 50ms loss 1%` on each link would do; used
+  because kernels without `sch_netem` refuse that qdisc). Addresses are 10.77.0.x on the veths
+  only.
 
 A round: every peer publishes a payload of `--samples` records of `--tokens` completion tokens
 (the exchange's wire format: 24 B header + 8 B per token, random bytes: the transports neither
-compress nor parse) and collects the others' payloads of that round. Bytes are the interfaces'
+compress nor parse) and collects the others' payloads of that round; with `--pace-s`, a peer
+starts its rounds that many seconds apart (a driver's round takes seconds: what a transport does
+in the background, between rounds, is counted too). Bytes are the interfaces'
 transmit counters (loopback: `lo`; across namespaces: every peer's veth), from before the first
 round to after the last, over the rounds; a peer's start and its DHT's join are not counted.
 
@@ -228,7 +232,7 @@ def run_hivemind_peer(args) -> None:
         initial_peers=args.initial_peers,
         host_maddrs=[args.host_maddr],
         trusted_peers=None,
-        max_payload_bytes=1 << 24,
+        max_payload_bytes=1 << 20,
         record_ttl_s=600.0,
         start_timeout_s=60.0,
     )
@@ -236,7 +240,9 @@ def run_hivemind_peer(args) -> None:
     sys.stdin.readline()
     payload = os.urandom(args.payload_bytes)
     round_s, received = [], []
+    first = time.monotonic()
     for r in range(args.rounds):
+        time.sleep(max(0.0, first + r * args.pace_s - time.monotonic()))
         started = time.monotonic()
         transport.publish(r, payload)
         incoming, _ = transport.collect(r, max_staleness=0, timeout_s=args.timeout)
@@ -259,7 +265,9 @@ def run_gloo_peer(args) -> None:
     sys.stdin.readline()
     payload = torch.frombuffer(bytearray(os.urandom(args.payload_bytes)), dtype=torch.uint8)
     round_s, received = [], []
-    for _ in range(args.rounds):
+    first = time.monotonic()
+    for r in range(args.rounds):
+        time.sleep(max(0.0, first + r * args.pace_s - time.monotonic()))
         started = time.monotonic()
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(args.world)]
         dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64))
@@ -278,8 +286,8 @@ def run_gloo_peer(args) -> None:
 # --- the scenarios -------------------------------------------------------------------------
 
 
-def _spawn(ns: str, argv: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+def _spawn(ns: str, argv: list[str], **extra_env: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra_env)
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.swarm", *argv],
         stdin=subprocess.PIPE,
@@ -297,8 +305,10 @@ def _line(proc: subprocess.Popen, timeout_s: float) -> dict:
     return json.loads(line)
 
 
-def run_scenario(kind: str, *, peers: int, rounds: int, payload: int, timeout: float, **net):
-    """Run one scenario; returns its measurements. `net`: delay_s, loss (hivemind-delay)."""
+def run_scenario(
+    kind: str, *, peers: int, rounds: int, payload: int, timeout: float, pace_s: float = 0.0, **net
+):
+    """Run one scenario; returns its measurements. `net`: delay_s, loss (across namespaces)."""
     tag = f"fs{os.getpid() % 10000}{kind[0]}{'d' if net else 'l'}"
     across = bool(net)
     ns = Namespaces(tag, peers if across else 0)
@@ -325,20 +335,24 @@ def run_scenario(kind: str, *, peers: int, rounds: int, payload: int, timeout: f
                 env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
             )
         common = ["--rounds", str(rounds), "--payload-bytes", str(payload)]
+        common += ["--pace-s", str(pace_s)]
         hellos = []
         with tempfile.TemporaryDirectory() as tmp:
             for i in range(peers):
                 where = ns.peer(i) if across else ns.peer(0)
+                env = {}
                 if kind == "gloo":
                     argv = ["gloo-peer", "--rank", str(i), "--world", str(peers)]
-                    argv += ["--init", "tcp://127.0.0.1:29517", *common]
+                    argv += ["--init", f"tcp://{f'{SUBNET}.1' if across else '127.0.0.1'}:29517"]
+                    argv += common
+                    env = {"GLOO_SOCKET_IFNAME": "eth0" if across else "lo"}
                 else:
                     host = f"{SUBNET}.{i + 1}" if across else "127.0.0.1"
                     argv = ["hivemind-peer", "--out", f"{tmp}/p{i}", "--timeout", str(timeout)]
                     argv += ["--host-maddr", f"/ip4/{host}/tcp/0", *common]
                     if hellos:
                         argv += ["--initial-peers", *hellos[0]["maddrs"]]
-                procs.append(_spawn(where, argv))
+                procs.append(_spawn(where, argv, **env))
                 if kind != "gloo":
                     hellos.append(_line(procs[-1], 120))
             if kind == "gloo":
@@ -401,6 +415,7 @@ def main(argv=None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--rounds", type=int, required=True)
         p.add_argument("--payload-bytes", type=int, required=True)
+        p.add_argument("--pace-s", type=float, default=0.0)
         if name == "hivemind-peer":
             p.add_argument("--out", required=True)
             p.add_argument("--host-maddr", required=True)
@@ -417,6 +432,7 @@ def main(argv=None) -> int:
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--loss", type=float, default=0.01)
     parser.add_argument("--timeout", type=float, default=30.0, help="collect's timeout_s")
+    parser.add_argument("--pace-s", type=float, default=0.0, help="seconds between round starts")
     parser.add_argument("--out", type=Path, default=Path("bench/results/swarm.json"))
     args = parser.parse_args(argv)
     if args.cmd == "hub":
@@ -435,12 +451,16 @@ def main(argv=None) -> int:
     shape = dict(peers=args.peers, rounds=args.rounds)
     payload = payload_bytes(args.samples, args.tokens)
     rows = []
+    delayed = {"delay_s": args.delay_ms / 1000, "loss": args.loss}
     for name, kind, net in (
         ("gloo-loopback", "gloo", {}),
         ("hivemind-loopback", "hivemind", {}),
-        ("hivemind-delay", "hivemind", {"delay_s": args.delay_ms / 1000, "loss": args.loss}),
+        ("gloo-delay", "gloo", delayed),
+        ("hivemind-delay", "hivemind", delayed),
     ):
-        result = run_scenario(kind, payload=payload, timeout=args.timeout, **shape, **net)
+        result = run_scenario(
+            kind, payload=payload, timeout=args.timeout, pace_s=args.pace_s, **shape, **net
+        )
         rows.append(summarize(name, result, samples=args.samples, tokens=args.tokens, **shape))
         print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

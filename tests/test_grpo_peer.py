@@ -109,6 +109,8 @@ def test_three_peers_train_on_each_others_samples_with_their_staleness(tmp_path,
         heard |= senders
         # Each sample is used once, at most max_staleness (1) rounds after it was generated.
         assert {r["staleness"] for r in log} <= {0, 1}
+        # Each row names its peer by its stable id, not by the node index every peer has.
+        assert {(r["node"], r["peer"]) for r in rows} == {(0, pid)}
         for row in rows:
             mine = [r for r in log if r["round"] == row["round"] and r["dropped"] is None]
             assert row["samples_received"] == len(mine)
@@ -117,6 +119,13 @@ def test_three_peers_train_on_each_others_samples_with_their_staleness(tmp_path,
             assert (tmp_path / pid / name).is_file()
         assert json.loads((tmp_path / pid / "peer.json").read_text())["peer_id"] == pid
     assert heard == {source_of(p) for p in ids}
+    # The merged summary numbers the peers 0, 1, 2 and names each by the id its own rows carry.
+    from ftis_kernels.grpo.report import merge
+
+    _, table = merge([tmp_path / pid for pid in ids], tmp_path / "merged")
+    cells = [line.split() for line in table.splitlines()[2:]]
+    assert table.splitlines()[0].split()[-1] == "peer"
+    assert [(c[0], c[-1]) for c in cells] == [(str(k), pid) for k, pid in enumerate(ids)]
 
 
 def test_a_malformed_peers_records_are_dropped_over_a_swarm_transport(tmp_path, torch_kernels):
@@ -207,7 +216,7 @@ def test_a_payload_hiveminds_messages_cannot_carry_is_refused_naming_the_key(tmp
 
     big = dict(prompts_per_node=64, group_size=64, max_new_tokens=64)  # 4096 x 536 B
     check_peer_config(_peer_cfg(tmp_path, "QmP", **{**big, "group_size": 8}))
-    with pytest.raises(ConfigError, match=r"^max_new_tokens: .* 4 MiB\), got 2195456$"):
+    with pytest.raises(ConfigError, match=r"^max_new_tokens: .* 2 MiB\), got 2195456$"):
         check_peer_config(_peer_cfg(tmp_path, "QmP", **big))
 
 
@@ -243,9 +252,12 @@ def test_report_merges_several_peers_folders_into_one_summary_and_plot(tmp_path)
         folder = tmp_path / "swarm" / f"node_{k}"
         folder.mkdir(parents=True)
         rows = [
-            metric_rows(r, [[0.1 * (r + k)] * len(METRIC_KEYS)], [name], "f-tis", "vertical")[0]
+            metric_rows(
+                r, [[0.1 * (r + k)] * len(METRIC_KEYS)], [name], "f-tis", "vertical", [f"Qm{name}"]
+            )[0]
             for r in range(k, 3)  # beta joined at round 1
         ]
+        assert {(r["node"], r["peer"]) for r in rows} == {(0, f"Qm{name}")}
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     peers = [str(tmp_path / "swarm" / f"node_{k}") for k in range(2)]
     got = _cli("report", *peers)
@@ -257,6 +269,9 @@ def test_report_merges_several_peers_folders_into_one_summary_and_plot(tmp_path)
         "beta",
         "2",
     ]
+    # Renumbered in the merged view, each node keeps the peer id of its own rows.
+    assert lines[0].split()[-1] == "peer"
+    assert [lines[2].split()[-1], lines[3].split()[-1]] == ["Qmalpha", "Qmbeta"]
     assert (tmp_path / "swarm" / "curves.png").stat().st_size > 0
     got = _cli("report", peers[0], str(tmp_path / "nowhere"))
     assert got.returncode == 2 and got.stderr.startswith("ftis-grpo report: RUN: expected")

@@ -35,3 +35,82 @@ def test_two_peers_across_namespaces_with_delay_and_loss():
     # Both payloads crossed the veths: at least their bytes went out on them.
     assert result["moved_bytes"] >= rounds * 2 * payload_bytes(32, 20), result
     assert "netem" in result["shaper"] or "user-space switch" in result["shaper"]
+
+
+def test_the_driver_across_namespaces_with_a_killed_peer_and_a_late_joiner(tmp_path):
+    """Three `ftis-grpo peer` processes (F-TIS), each in its own namespace behind the delaying
+    switch: peers 0 and 1 start their rounds together, peer 2 once peer 0 has done two; peer 1
+    is killed with SIGKILL after its second round. The survivors finish every round, each
+    training on the other's samples (and peer 0 on peer 1's before the kill)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from bench.swarm import SUBNET, Namespaces
+    from ftis_kernels.grpo.process import READY_FILE, START_ENV
+    from ftis_kernels.grpo.transport import source_of
+    from tests.test_swarm_peers import ROOT, _env, _finish, _peer_config, _rows, _wait
+
+    rounds, gates = 12, [tmp_path / "start", tmp_path / "start", tmp_path / "start-late"]
+    ns = Namespaces(f"fd{os.getpid() % 10000}", 3)
+    ports = [f"{ns.tag}h{i}" for i in range(3)]
+    hub = subprocess.Popen(
+        [*("ip", "netns", "exec", ns.hub, sys.executable, "-m", "bench.swarm", "hub"), "--ports"]
+        + ports
+        + ["--delay-ms", "50", "--loss", "0.01"],
+        env=_env(),
+        cwd=ROOT,
+    )
+    procs: list[subprocess.Popen] = []
+
+    def start(k: int, join: list[str]) -> subprocess.Popen:
+        cmd = ["ip", "netns", "exec", ns.peer(k), sys.executable, "-m", "ftis_kernels.grpo"]
+        cmd += ["peer", "--out", str(tmp_path / f"p{k}")]
+        cmd += ["--config", str(_peer_config(tmp_path, k, rounds))]
+        cmd += ["--host-maddr", f"/ip4/{SUBNET}.{k + 1}/tcp/0"]
+        cmd += ["--initial-peers", *join] if join else []
+        log = open(tmp_path / f"p{k}.log", "a")
+        env = dict(_env(), **{START_ENV: str(gates[k])})
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=log)
+
+    try:
+        procs.append(start(0, []))
+        _wait(lambda: (tmp_path / "p0" / "peer.json").exists(), "peer 0's multiaddr", procs)
+        join = json.loads((tmp_path / "p0" / "peer.json").read_text())["maddrs"]
+        assert all(f"/ip4/{SUBNET}.1/" in m for m in join), join  # on its veth, not loopback
+        procs += [start(1, join), start(2, join)]
+        ready = [tmp_path / f"p{k}" / READY_FILE for k in (0, 1)]
+        _wait(lambda: all(f.exists() for f in ready), "peers 0 and 1 warmed up", procs)
+        gates[0].touch()
+        _wait(lambda: len(_rows(tmp_path / "p0")) >= 2, "peer 0's second round", procs)
+        gates[2].touch()
+        _wait(lambda: len(_rows(tmp_path / "p1")) >= 2, "peer 1's second round", procs)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        _finish(procs)
+    finally:
+        for p in [*procs, hub]:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+        ns.close()
+    logs = {k: (tmp_path / f"p{k}.log").read_text()[-3000:] for k in range(3)}
+    assert [p.returncode for p in procs] == [0, -signal.SIGKILL, 0], logs
+    ids = [json.loads((tmp_path / f"p{k}" / "peer.json").read_text())["peer_id"] for k in range(3)]
+    r0, r2 = _rows(tmp_path / "p0"), _rows(tmp_path / "p2")
+    assert [r["round"] for r in r0] == list(range(rounds))
+    assert r2[0]["round"] >= 1 and [r["round"] for r in r2] == list(range(r2[0]["round"], rounds))
+    assert {r["mode"] for r in r0 + r2} == {"f-tis"}
+    assert {r["peer"] for r in r0} == {ids[0]} and {r["peer"] for r in r2} == {ids[2]}
+
+    def senders(k: int) -> set[int]:
+        log = [json.loads(line) for line in (tmp_path / f"p{k}" / "received.jsonl").open()]
+        return {r["sender"] for r in log if r["dropped"] is None}
+
+    # Each survivor trained on the other's samples; peer 0 on the killed peer's too.
+    assert senders(0) == {source_of(ids[1]), source_of(ids[2])}, logs[0]
+    assert source_of(ids[0]) in senders(2), logs[2]
+    assert all(r["dropped"] == 0 for r in r0 + r2)
+    print("peer 0's round seconds:", [round(r["seconds"], 2) for r in r0])
+    print("peer 2's round seconds:", [round(r["seconds"], 2) for r in r2])

@@ -1,12 +1,13 @@
-"""The hivemind transport on loopback: peers exchange a round's payloads, with the staleness
-window, the dedupe, the wait bound, the refusals (forged, untrusted, size, incompatible), the
-identity kept across a restart, the start errors and the late joiner's round."""
+"""The hivemind transport on loopback: peers exchange a round's payloads over their streams,
+with the staleness window, the dedupe, the wait bound, the refusals (forged announcements charged
+to their signer, untrusted, size, incompatible), a hostile peer's replies and pulls, the DHT read
+again when a newcomer pulls, the identity kept across a restart, the start errors and the late
+joiner's round."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 
 import pytest
@@ -18,7 +19,12 @@ from hivemind.dht.validation import RecordValidatorBase  # noqa: E402
 from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 
-from ftis_kernels.grpo.swarm import KEY_FILE, HivemindTransport, SwarmStartError  # noqa: E402
+from ftis_kernels.grpo.swarm import (  # noqa: E402
+    _REPLY_MARGIN_S,
+    KEY_FILE,
+    HivemindTransport,
+    SwarmStartError,
+)
 from ftis_kernels.grpo.transport import REJECT_KINDS  # noqa: E402
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -100,7 +106,8 @@ def test_a_silent_peer_costs_at_most_the_timeout(swarm):
     started = time.monotonic()
     assert a.collect(0, max_staleness=0, timeout_s=1.5) == ([], [])
     waited = time.monotonic() - started
-    assert 1.5 <= waited < 6.0
+    # Its long poll asks the peer for an answer _REPLY_MARGIN_S before the deadline.
+    assert 1.5 - _REPLY_MARGIN_S <= waited < 6.0
     # It let a round pass: later rounds do not wait for it until it announces itself again.
     started = time.monotonic()
     assert a.collect(1, max_staleness=0, timeout_s=6.0) == ([], [])
@@ -110,11 +117,11 @@ def test_a_silent_peer_costs_at_most_the_timeout(swarm):
 
 
 class _SignedByAnotherKey(RecordValidatorBase):
-    """An attacker's signer: appends a signature in hivemind's format made with its own key,
-    whatever owner the subkey names."""
+    """An attacker's signer: appends a signature in hivemind's format made with its own key
+    (`key`, a fresh one by default), whatever owner the subkey names."""
 
-    def __init__(self):
-        self.key = RSAPrivateKey()
+    def __init__(self, key=None):
+        self.key = key or RSAPrivateKey()
 
     def sign_value(self, record):
         signature = self.key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
@@ -142,16 +149,66 @@ def test_a_record_under_another_peers_subkey_is_forged(swarm, signer):
         attacker.shutdown()
     incoming, rejected = b.collect(0, max_staleness=0, timeout_s=5.0)
     assert payloads(incoming) == [(a.peer_id, 0, b"honest")]
-    assert [(r.peer, r.kind) for r in rejected] == [(a.peer_id, "forged")]
-    assert "not signed by its key" in rejected[0].reason
+    # Signed by no key this swarm knows, or not at all: charged to nobody, never to a.
+    assert [(r.peer, r.kind) for r in rejected] == [("", "forged")]
+    assert "not signed by its key" in rejected[0].reason and a.peer_id in rejected[0].reason
+
+
+def test_a_record_forged_in_an_honest_peers_name_is_charged_to_the_forger(swarm, tmp_path):
+    from ftis_kernels.grpo.exchange import exchange
+    from ftis_kernels.grpo.identity import key_bytes, load_private_key
+    from ftis_kernels.grpo.transport import source_of
+
+    honest = swarm("honest")
+    b = swarm("b", joins=honest)
+    forger = swarm("forger", joins=honest)  # a peer of the swarm, its key known to the others
+    forger.publish(0, b"")
+    key_path = tmp_path / "forger" / KEY_FILE
+    signer = _SignedByAnotherKey(load_private_key(key_bytes(key_path), key_path))
+    attacker = DHT(
+        initial_peers=honest.visible_maddrs,
+        start=True,
+        host_maddrs=LOOPBACK,
+        record_validators=[signer],
+    )
+    try:
+        honest.publish(0, b"honest")
+        # The forger writes under the honest peer's subkey, signing with its own key.
+        for key, value in (("test/round/0", b"forged"), ("test/peers", {"wire": 1})):
+            attacker.store(key, value, get_dht_time() + 60, subkey=honest._owner)
+    finally:
+        attacker.shutdown()
+    incoming, rejected = b.collect(0, max_staleness=0, timeout_s=5.0)
+    # The honest peer's own record still counts; every forgery is charged to the forger.
+    assert payloads(incoming) == sorted([(forger.peer_id, 0, b""), (honest.peer_id, 0, b"honest")])
+    assert rejected and {(r.peer, r.kind) for r in rejected} == {(forger.peer_id, "forged")}
+    assert all(f"names {honest.peer_id}" in r.reason for r in rejected)
+
+    # Above the seam: the drops name the forger as their sender, never the honest peer.
+    again = DHT(
+        initial_peers=honest.visible_maddrs,
+        start=True,
+        host_maddrs=LOOPBACK,
+        record_validators=[signer],
+    )
+    try:
+        honest.publish(1, b"")
+        again.store("test/round/1", b"forged again", get_dht_time() + 60, subkey=honest._owner)
+    finally:
+        again.shutdown()
+    got, drops, _ = exchange(
+        [], vocab_size=8, max_tokens=4, max_samples=4, transport=b, round_=1, timeout_s=5.0
+    )
+    assert got == [] and drops
+    assert {(d.kind, d.sender) for d in drops} == {("forged", source_of(forger.peer_id))}
 
 
 def test_the_validator_refuses_what_could_hide_the_owned_records():
     from hivemind.dht.validation import DHTRecord
 
-    from ftis_kernels.grpo.swarm import _validator_class
+    from ftis_kernels.grpo.identity import validator_class
 
-    validator = _validator_class()(RSAPrivateKey(), 4096, 360.0)
+    validator = validator_class()(RSAPrivateKey(), 4096, 360.0)
     now = get_dht_time()
     owned = MSGPackSerializer.dumps(validator.local_public_key)
 
@@ -169,7 +226,7 @@ def test_the_validator_refuses_what_could_hide_the_owned_records():
         "over the cap": record(bytes(5000)),
     }
     assert [name for name, r in refused.items() if validator.validate(r)] == []
-    assert [(r.peer == "unknown", r.kind) for r in validator.refused] == [
+    assert [(r.peer == "", r.kind) for r in validator.take_refused()] == [
         (True, "forged"),
         (False, "incompatible"),
         (False, "incompatible"),
@@ -228,18 +285,18 @@ def test_untrusted_and_incompatible_peers_are_refused(swarm):
 def test_size_cap(swarm):
     a = swarm("a", max_payload_bytes=100_000)
     b = swarm("b", joins=a, max_payload_bytes=1000)
-    # Far over b's cap: b's DHT node refuses to hold or return the record at all.
     a.publish(0, bytes(5000))
-    # Just over: the record passes the DHT, the collect refuses the payload.
     a.publish(1, bytes(1001))
     incoming, rejected = b.collect(1, max_staleness=1, timeout_s=1.0)
     assert incoming == []
-    # The record's bytes are the payload's, msgpack's header and the signature.
-    assert [(r.peer, r.kind) for r in rejected] == [(a.peer_id, "size")] * 2
-    assert re.fullmatch(r"a signed record of 5\d\d\d B, over the cap", rejected[1].reason)
-    assert rejected[0].reason == "round 1: 1001 B, over the cap of 1000 B"
+    assert [(r.peer, r.kind, r.reason) for r in rejected] == [
+        (a.peer_id, "size", f"round {r}: {n} B, over the cap of 1000 B")
+        for r, n in ((0, 5000), (1, 1001))
+    ]
     with pytest.raises(ValueError, match="max_payload_bytes"):
         b.publish(0, bytes(1001))
+    with pytest.raises(ValueError, match="max_payload_bytes: at most"):
+        swarm("c", max_payload_bytes=4 << 20)
 
 
 def test_identity_is_kept_across_a_restart(swarm, tmp_path):
@@ -252,6 +309,27 @@ def test_identity_is_kept_across_a_restart(swarm, tmp_path):
     assert again.peer_id == first != a.peer_id
     again.publish(0, b"back")
     assert payloads(a.collect(0, max_staleness=0, timeout_s=5.0)[0]) == [(first, 0, b"back")]
+
+
+def test_the_dht_is_read_again_when_a_newcomer_pulls(swarm, monkeypatch):
+    from ftis_kernels.grpo import swarm as swarm_module
+
+    monkeypatch.setattr(swarm_module, "_MEMBERS_REFRESH_S", 600.0)  # no read on a timer here
+    a = swarm("a")
+    b = swarm("b", joins=a)
+    for peer in (a, b):
+        peer.publish(0, peer.peer_id.encode())
+    assert payloads(a.collect(0, max_staleness=0, timeout_s=5.0)[0]) == [
+        (b.peer_id, 0, b.peer_id.encode())
+    ]
+    late = swarm("late", joins=b)
+    late.publish(0, b"late")
+    # a read the swarm's members once; it does not read the DHT each round, so the newcomer is
+    # not one of them yet.
+    assert a.collect(0, max_staleness=0, timeout_s=1.0) == ([], [])
+    # Its first pull from a makes a read the DHT again at its next collect.
+    late.collect(0, max_staleness=0, timeout_s=5.0)
+    assert payloads(a.collect(0, max_staleness=0, timeout_s=5.0)[0]) == [(late.peer_id, 0, b"late")]
 
 
 def test_a_late_joiner_learns_the_round(swarm):
@@ -316,3 +394,80 @@ def test_without_hivemind_the_error_names_the_extra(monkeypatch, tmp_path):
             record_ttl_s=1.0,
             start_timeout_s=1.0,
         )
+
+
+def _evil_key():
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+@pytest.mark.parametrize("lie", ["another key", "unsigned", "a round not asked for", "oversize"])
+def test_a_hostile_peers_stream_replies_are_refused_and_charged_to_it(swarm, lie):
+    from ftis_kernels.grpo.streams import sign, signed_bytes
+
+    a = swarm("a")
+    hostile = swarm("hostile", joins=a)
+    b = swarm("b", joins=a)
+    evil = _evil_key()
+
+    def serve(asked):
+        if lie == "a round not asked for":
+            return [(max(asked) + 7, b"evil", b"")]
+        payload = bytes(5000) if lie == "oversize" else b"evil"
+        key = evil if lie == "another key" else hostile._streams._private_key
+        signature = b"" if lie == "unsigned" else sign(key, signed_bytes("test", 0, payload))
+        return [(r, payload, signature) for r in asked]
+
+    hostile._streams.serve = serve  # what its handler answers every pull with
+    for peer in (a, hostile):
+        peer.publish(0, peer.peer_id.encode())
+    incoming, rejected = b.collect(0, max_staleness=0, timeout_s=5.0)
+    # The honest peer's payload counts; the hostile one's is refused, charged to it alone.
+    assert payloads(incoming) == [(a.peer_id, 0, a.peer_id.encode())]
+    kind, reason = {
+        "another key": ("forged", "round 0: a payload not signed by its key"),
+        "unsigned": ("forged", "round 0: a payload not signed by its key"),
+        "a round not asked for": ("incompatible", "round 7: a round it was not asked for ([0])"),
+        "oversize": ("size", "round 0: 5000 B, over the cap of 4096 B"),
+    }[lie]
+    assert [(r.peer, r.kind, r.reason) for r in rejected] == [(hostile.peer_id, kind, reason)]
+
+
+def test_the_pull_handler_bounds_what_a_hostile_caller_asks(swarm):
+    from hivemind.p2p import PeerID
+
+    from ftis_kernels.grpo.streams import MAX_ROUNDS_ASKED, PULL
+
+    a = swarm("a")
+    caller = swarm("caller", joins=a)
+    for r in range(3):
+        a.publish(r, f"r{r}".encode())
+    streams = caller._streams
+
+    def pull(**request):
+        started = time.monotonic()
+        call = streams.p2p.call_protobuf_handler(
+            PeerID.from_base58(a.peer_id), PULL, streams.Pull(**request), streams.Offer
+        )
+        offer = streams._run(call, 20.0)
+        return (
+            [(x.round, x.payload) for x in offer.rounds],
+            offer.newest,
+            time.monotonic() - started,
+        )
+
+    # Rounds out of range are ignored, and only the first MAX_ROUNDS_ASKED are read; a wait of
+    # years is not held once a round asked for is there.
+    got, newest, took = pull(swarm_key="test", rounds=[-5, 2**40, *range(200)], wait_s=1e9)
+    assert got == [(r, f"r{r}".encode()) for r in range(3)] and newest == 2 and took < 5.0
+    beyond = [10**6] * MAX_ROUNDS_ASKED + [0]
+    got, _, took = pull(swarm_key="test", rounds=beyond, wait_s=0.5)
+    assert got == [] and 0.4 < took < 5.0
+    # A wait that is no number, or negative, is none; another swarm's caller gets nothing.
+    for wait in (float("nan"), -1.0):
+        got, _, took = pull(swarm_key="test", rounds=[100], wait_s=wait)
+        assert got == [] and took < 2.0
+    assert pull(swarm_key="other", rounds=[0], wait_s=0.0)[:2] == ([], -1)
+    # The peer still serves its own swarm.
+    assert pull(swarm_key="test", rounds=[1], wait_s=0.0)[0] == [(1, b"r1")]

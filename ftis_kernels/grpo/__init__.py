@@ -3,8 +3,10 @@
 Its layers, from the top: the command line (`cli`; `__main__` runs it for `python -m
 ftis_kernels.grpo`), the launcher (`launch`: starts a local swarm's processes as commands and
 supervises them), one process of a swarm (`worker`: a node under torchrun; `peer`: a peer of a
-swarm over hivemind's DHT, `swarm`, on any host), then the round (`node`: set up, then generate,
-exchange, train each round; `claims`: what a node holds its peers' samples to). A module imports
+swarm over hivemind, `swarm`, on any host: its DHT for who is in the swarm, with each peer's
+`identity` and signed records, and direct `streams` for the samples), then the round (`node`:
+set up, then generate, exchange, train each round; `claims`: what a node holds its peers'
+samples to). A module imports
 none of a layer above its own, and no import goes round in a circle (tests/test_layers.py).
 
 Below the round, what it uses: `train` (the update with `ftis_kernels.ftis_loss`), `rollout`

@@ -392,11 +392,11 @@ def report_main(argv: Sequence[str]) -> int:
 
 
 def build_peer_parser() -> argparse.ArgumentParser:
-    """`ftis-grpo peer`: one peer of a swarm over hivemind's DHT, in this process."""
+    """`ftis-grpo peer`: one peer of a swarm over hivemind, in this process."""
     p = _Parser(
         prog="ftis-grpo peer",
         description="Run one peer of a swarm without lockstep, on this host: its samples go "
-        "to the others over hivemind's DHT (pip install 'ftis-kernels[swarm]'). The first "
+        "to the others over hivemind (pip install 'ftis-kernels[swarm]'). The first "
         "peer logs the multiaddrs the others pass to --initial-peers. Every peer writes its "
         "own metrics.jsonl, curves.png and summary.txt into its --out; ftis-grpo report "
         "DIR... merges several.",

@@ -78,12 +78,13 @@ DROP_KINDS = (
 
 class Drop(str):
     """A dropped record's reason as logged, with the `kind` of check (one of DROP_KINDS) that
-    dropped it and the `sender` node."""
+    dropped it and the `sender` node (None: a record the transport refused that no known peer
+    signed)."""
 
     kind: str
-    sender: int
+    sender: Optional[int]
 
-    def __new__(cls, reason: str, kind: str, sender: int) -> Drop:
+    def __new__(cls, reason: str, kind: str, sender: Optional[int]) -> Drop:
         drop = super().__new__(cls, reason)
         drop.kind, drop.sender = kind, sender
         return drop
@@ -240,7 +241,9 @@ def exchange(
     payload = pack(samples)
     transport.publish(round_, payload)
     incoming, rejected = transport.collect(round_, max_staleness=max_staleness, timeout_s=timeout_s)
-    drops = [Drop(r.reason, r.kind, source_of(r.peer)) for r in rejected]
+    # A refusal is charged to the peer that signed the record; to nobody (sender None) when no
+    # known key did, so that nobody is blamed for a record forged in its name.
+    drops = [Drop(r.reason, r.kind, source_of(r.peer) if r.peer else None) for r in rejected]
     received = []
     for got in incoming:
         sender = source_of(got.peer)

@@ -505,7 +505,10 @@ class Node:
     def gather_rows(self, round_: int, metrics: dict[str, float]) -> list[dict]:
         everyone = self.transport.gather([float(metrics[k]) for k in METRIC_KEYS])
         names = [self.cfg.node(i).name for i in range(len(everyone))]
-        return metric_rows(round_, everyone, names, self.cfg.loss, self.cfg.collab)
+        peers = [str(i) for i in range(len(everyone))]
+        if self.transport.kind != "torch":
+            peers = [self.transport.peer_id]  # a swarm peer's rows: its own
+        return metric_rows(round_, everyone, names, self.cfg.loss, self.cfg.collab, peers)
 
     def log_samples(self) -> None:
         """Node 0 appends every node's `received.jsonl` lines of the round (`sample_log`)."""

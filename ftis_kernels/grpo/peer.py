@@ -5,7 +5,8 @@
 
 `node.yaml` is a run configuration (`--config`, as `ftis-grpo --print-config` writes one) whose
 `nodes` list holds one spec: this peer's. The peer's samples reach the others through a swarm
-transport (`swarm.HivemindTransport`: hivemind's DHT), and each round is: publish this peer's
+transport (`swarm.HivemindTransport`: hivemind's DHT for who is in the swarm, libp2p streams
+for the samples), and each round is: publish this peer's
 samples under (round, peer), collect the peers' samples of rounds within `max_staleness` not used
 yet (waiting at most `collect_timeout_s` for the live peers' samples of this round), train,
 checkpoint. No barrier: a peer that dies costs the others at most `collect_timeout_s` once. A
@@ -52,11 +53,11 @@ log = logging.getLogger("ftis_kernels.grpo")
 # peers draw different problems without knowing how many they are. A prime, so that the windows
 # of a JSONL task (indices taken modulo its length) cover every prompt of any length.
 PEER_SLOTS = 65521
-# The largest payload a peer may publish a round: a DHT read returns every peer's record of a
-# round in one message of hivemind's daemon, which carries at most 4 MiB.
+# The largest payload a peer may publish a round: a peer's reply over its stream carries its
+# rounds asked for in one message of hivemind's daemon, of at most 2 MiB.
 MAX_PEER_PAYLOAD_BYTES = 1 << 20
-# How long a published round stays in the DHT: long enough for a peer `max_staleness` rounds
-# behind to collect it.
+# How long a peer's announcement stays in the DHT, and the longest it serves a published round
+# (it keeps its last 16): long enough for a peer `max_staleness` rounds behind to collect it.
 RECORD_TTL_S = 900.0
 
 
@@ -113,8 +114,8 @@ def check_peer_config(cfg: RunConfig) -> None:
             (
                 "max_new_tokens",
                 f"a round's payload in bytes (prompts_per_node x group_size records of "
-                f"max_new_tokens tokens) of at most {MAX_PEER_PAYLOAD_BYTES} (hivemind's daemon "
-                "carries a round's records of several peers in one message of at most 4 MiB)",
+                f"max_new_tokens tokens) of at most {MAX_PEER_PAYLOAD_BYTES} (a peer's reply "
+                "carries its rounds in one message of hivemind's daemon, of at most 2 MiB)",
                 cap,
             )
         )

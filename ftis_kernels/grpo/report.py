@@ -299,8 +299,11 @@ def _mean(series: list[dict[str, Any]], key: str) -> Optional[float]:
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """Per node: first -> last reward (means over `mean_window` rounds, named in the header) and
     accuracies (first and last evaluation), mean KL and filtered share, skipped optimizer steps,
-    traffic, time per round."""
+    traffic, time per round; then the node's "peer" (its stable id) where some node's differs from
+    its number (the peers of a swarm, a merged view)."""
     nodes = _by_node(rows)
+    peers = {node: str(series[-1].get("peer", node)) for node, series in nodes.items()}
+    with_peer = any(peer != str(node) for node, peer in peers.items())
     k = mean_window(min(len(series) for series in nodes.values()))
     reward_head = f"reward ({k}-round means)" if k > 1 else "reward (first -> last round)"
     head = (
@@ -316,7 +319,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         "MB_sent",
         "B/token",
         "s/round",
-    )
+    ) + (("peer",) if with_peer else ())
     lines = []
     for node, series in nodes.items():
         cells = [str(node), series[0].get("name", ""), str(len(series))]
@@ -333,7 +336,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             f"{sent / 1e6:.3f}",
             _fmt(sent / tokens) if tokens else "-",
             f"{sum(r['seconds'] for r in series) / n:.2f}",
-        ]
+        ] + ([peers[node]] if with_peer else [])
         lines.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
@@ -355,6 +358,7 @@ def summary_legend(k: int) -> list[str]:
         "  skipped   optimizer steps skipped (non-finite loss or gradient)",
         "  MB_sent   megabytes of samples the node sent its peers; B/token: bytes per token",
         "  s/round   wall-clock seconds per round",
+        "  peer      a swarm peer's stable id (its libp2p peer id), as in its metrics.jsonl",
     ]
 
 
@@ -403,13 +407,23 @@ def merge(runs: Sequence[Path], to: Path, baseline: Optional[Path] = None) -> tu
 
 
 def metric_rows(
-    round_: int, vectors: Sequence[Sequence[float]], names: Sequence[str], mode: str, collab: str
+    round_: int,
+    vectors: Sequence[Sequence[float]],
+    names: Sequence[str],
+    mode: str,
+    collab: str,
+    peers: Optional[Sequence[str]] = None,
 ) -> list[dict[str, Any]]:
     """The metrics.jsonl rows of one round from each node's `METRIC_KEYS` vector (NaN and
-    infinities -> None: strict JSON)."""
+    infinities -> None: strict JSON). `peers`: each node's stable id, its row's "peer" (the
+    transport's `peer_id`: the rank under torch, the libp2p peer id of a swarm peer; default the
+    node's index), kept as it is when `merge` renumbers the nodes."""
     rows = []
-    for node, (vec, name) in enumerate(zip(vectors, names)):
-        row: dict[str, Any] = dict(round=round_, node=node, name=name, mode=mode, collab=collab)
+    peers = [str(node) for node in range(len(vectors))] if peers is None else peers
+    for node, (vec, name, peer) in enumerate(zip(vectors, names, peers)):
+        row: dict[str, Any] = dict(
+            round=round_, node=node, name=name, peer=peer, mode=mode, collab=collab
+        )
         for key, x in zip(METRIC_KEYS, vec):
             row[key] = None if not math.isfinite(x) else (int(x) if key in _INT_KEYS else x)
         rows.append(row)

@@ -24,7 +24,7 @@ from ftis_kernels.options import PRESETS as LOSS_PRESETS
 
 COLLABS = ("vertical", "horizontal")
 # What moves the exchange's bytes (`transport.Transport`): torchrun's lockstep world on this host,
-# or hivemind's DHT, one peer per process on any host (`ftis-grpo peer`).
+# or hivemind (its DHT, libp2p streams), one peer per process on any host (`ftis-grpo peer`).
 TRANSPORTS = ("torch", "hivemind")
 # A run's loss: a preset of FTISOptions (docs/options.md), or on-policy (isolated nodes, GRPO).
 LOSSES = ("on-policy",) + tuple(LOSS_PRESETS)
@@ -282,7 +282,7 @@ class RunConfig:
         "torch",
         description="what moves the samples: torch: one torchrun world on this host, every "
         "round in lockstep (bit-reproducible); hivemind: one peer per process on any host over "
-        "hivemind's DHT, no barrier (ftis-grpo peer; needs the swarm extra)",
+        "hivemind, no barrier (ftis-grpo peer; needs the swarm extra)",
     )
     max_staleness: Index = Field(
         1,

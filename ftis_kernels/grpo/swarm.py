@@ -1,33 +1,35 @@
-"""The hivemind transport: one peer per process, on any host, over hivemind's DHT.
+"""The hivemind transport: one peer per process, on any host, over hivemind's DHT and streams.
 
 A peer's identity is one RSA key kept in its output folder (`peer.key`, libp2p's protobuf
-format, mode 0600): it is the libp2p identity (so the peer id survives a restart) and the key
-that signs the peer's records. Two kinds of record live in the DHT, both under a subkey that
-carries the owner's public key (hivemind's `RSASignatureValidator` marker), so only the owner
-can write them and every reader checks the signature:
+format, mode 0600): the libp2p identity (so the peer id survives a restart) and the key that
+signs the peer's announcement and payloads. The DHT holds who is in the swarm: under
+`<swarm_key>/peers`, each peer's announcement (its fingerprints: configuration, vocabulary, wire
+version, what `agree` recorded; the transport's wire version; its newest round when written),
+under a subkey that carries the owner's public key (hivemind's `RSASignatureValidator` marker),
+so that only the owner can write it and every reader checks its signature. It expires
+`record_ttl_s` after it was written; `publish` writes it again after a third of that.
 
-- `<swarm_key>/round/<r>`: one peer's exchange payload of round r (`exchange.pack`'s bytes);
-- `<swarm_key>/peers`: the peer's announcement: its fingerprints (configuration, vocabulary,
-  wire version, what `agree` recorded), the newest round it published and the transport's own
-  wire version. Readers learn from it which peers are live (the record has not expired) and
-  compatible.
+The payloads go from peer to peer over libp2p streams (`streams`): `publish` keeps a round's
+payload, signed, to serve; `collect` pulls from each live, compatible, trusted peer the rounds
+within `max_staleness` it has not collected, one long poll per peer that answers as soon as the
+peer has them, waiting at most `timeout_s` for the current round. A reply's rounds are checked:
+asked for, within the cap ("size"), signed by the key of the peer's announcement ("forged");
+announced peers not in `trusted_peers` ("untrusted") or whose fingerprints differ from ours
+("incompatible", naming the keys) are refused once each; a record the DHT's validator refused
+("forged": charged to the key that signed it) too, all as `Rejection`s. Nothing a peer stores
+or sends can make a receiver raise.
 
-Both expire `record_ttl_s` after they were written; `publish` refreshes the announcement. A
-record refused on the way is not lost silently: the validator counts the ones whose signature
-does not match their subkey ("forged") and `collect` returns them, with the peers that are not
-in `trusted_peers` ("untrusted"), payloads over the cap ("size") and peers whose fingerprints
-differ from ours ("incompatible", naming the key), as `Rejection`s. Nothing a peer stores can
-make a receiver raise.
-
-There is no barrier: `collect` takes what the peers published for the recent rounds, waits at
-most `timeout_s` for the live peers' payloads of the current round, and stops waiting for a
-peer that let a round pass without publishing until it announces itself again.
+There is no barrier. A peer that let a round pass (it sent nothing for it in time) is probed
+without waiting from then on, until it sends a current round again; one that cannot be reached
+is asked again after `_MEMBERS_REFRESH_S`. The DHT is read again at a collect after that long too,
+or when a peer it does not know has pulled from this one (a new peer), or when a peer's reply
+says that its fingerprints changed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -36,201 +38,48 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ftis_kernels._extras import require
+from ftis_kernels.grpo.identity import (
+    VALIDATORS,
+    SwarmStartError,
+    drain_refused,
+    key_bytes,
+    load_private_key,
+    owner_of,
+    peer_of,
+    validator_class,
+)
+from ftis_kernels.grpo.streams import (
+    MAX_HOLD_S,
+    MAX_OFFER_BYTES,
+    Streams,
+    digest,
+    signed_bytes,
+    verifies,
+)
 from ftis_kernels.grpo.transport import Incoming, Rejection, SwarmError
 
 log = logging.getLogger(__name__)
 
-# The layout of this transport's records (keys, announcement fields); peers that differ are
+# The layout of this transport's announcements and streams; peers that differ are
 # "incompatible" with the reason "wire".
-SWARM_WIRE_VERSION = 1
+SWARM_WIRE_VERSION = 2
 KEY_FILE = "peer.key"
-# How often `collect` asks the DHT again while it waits: from the first to the last, growing.
-_POLL_FIRST_S = 0.05
-_POLL_MAX_S = 0.5
-# A signed record's bytes beyond its payload: the msgpack header and the base64 RSA signature.
-_RECORD_SLACK = 1024
+# The largest payload a peer may publish a round: one reply of hivemind's daemon carries it.
+MAX_PAYLOAD_BYTES = MAX_OFFER_BYTES - 4096
+# The largest announcement a validator stores: fingerprints and a few numbers.
+_ANNOUNCEMENT_BYTES = 16 << 10
+# How long the announced peers read from the DHT are used before it is read again (a new peer
+# that pulls from this one, or a changed fingerprint, has it read at once).
+_MEMBERS_REFRESH_S = 10.0
+# A long poll asks for a reply this long before the collect's deadline; a probe of a peer not
+# waited for is given at least this long to answer.
+_REPLY_MARGIN_S = 0.1
+_PROBE_GRACE_S = 1.0
 # How long a store or a call into the DHT's process may take before it counts as failed.
 _CALL_TIMEOUT_S = 30.0
-# How many refused records a validator remembers so that each is reported once.
-_SEEN_CAP = 4096
-# At most this many refusals are kept between two collects (a flood of forged records costs
-# neither memory nor log lines without bound).
-_REFUSED_CAP = 256
 # A record may expire at most record_ttl_s plus this (clocks of hosts differ) after it is seen:
 # a far-future expiry would pin it in every node.
 _MAX_TTL_SLACK_S = 300.0
-
-
-class SwarmStartError(ValueError):
-    """The peer could not join: a malformed multiaddr or initial peers that did not answer.
-    `flag` names the command-line flag to fix (`--initial-peers`, `--host-maddr`)."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
-
-
-def _key_bytes(path: Path) -> bytes:
-    """This peer's private key in libp2p's protobuf form, created (mode 0600) on first use."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-    from hivemind.proto import crypto_pb2
-
-    if not path.exists():
-        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        der = key.private_bytes(
-            serialization.Encoding.DER,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption(),
-        )
-        proto = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(proto.SerializeToString())
-    return path.read_bytes()
-
-
-def _load_private_key(data: bytes, path: Path):
-    """hivemind's RSAPrivateKey for the key file's bytes (SwarmStartError naming --out if the
-    file is not an RSA key)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-    from hivemind.proto import crypto_pb2
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    try:
-        proto = crypto_pb2.PrivateKey.FromString(data)
-        key = serialization.load_der_private_key(proto.data, password=None)
-    except Exception as e:
-        raise SwarmStartError("--out", f"{path} is not a peer key ({e})") from None
-    if proto.key_type != crypto_pb2.KeyType.RSA or not isinstance(key, rsa.RSAPrivateKey):
-        raise SwarmStartError("--out", f"{path} is not an RSA peer key")
-    private = RSAPrivateKey.__new__(RSAPrivateKey)
-    private.__setstate__({"_private_key": proto.data})  # its pickling path: DER in, key out
-    return private
-
-
-_PEER_IDS: dict[bytes, str] = {}
-
-
-def _peer_of(owner: bytes) -> Optional[str]:
-    """The libp2p peer id (base58) of an owner marker's OpenSSH public key; None if the bytes
-    are not an RSA public key. A record's peer is derived from the key that signs it."""
-    if owner not in _PEER_IDS:
-        if len(_PEER_IDS) > _SEEN_CAP:  # forged records may name any number of keys
-            _PEER_IDS.clear()
-        import multihash
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import rsa
-        from hivemind.p2p import PeerID
-        from hivemind.proto import crypto_pb2
-
-        try:
-            key = serialization.load_ssh_public_key(owner)
-        except Exception:
-            return None
-        if not isinstance(key, rsa.RSAPublicKey):
-            return None
-        der = key.public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-        proto = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-        digest = multihash.encode(hashlib.sha256(proto).digest(), "sha2-256")
-        _PEER_IDS[owner] = PeerID(digest).to_base58()
-    return _PEER_IDS[owner]
-
-
-def _owner_of(subkey: bytes) -> Optional[bytes]:
-    """The owner's public key in a subkey's marker, or None."""
-    from hivemind.dht.crypto import RSASignatureValidator
-
-    found = RSASignatureValidator._PUBLIC_KEY_RE.findall(subkey)
-    return found[0] if len(found) == 1 else None
-
-
-def _subkey_owner(subkey: Optional[bytes]) -> Optional[bytes]:
-    """The owner's public key when a record's (serialized) subkey is exactly one owner marker,
-    else None."""
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    try:
-        decoded = MSGPackSerializer.loads(subkey) if subkey else None
-    except Exception:
-        return None
-    if not isinstance(decoded, bytes):
-        return None
-    found = RSASignatureValidator._PUBLIC_KEY_RE.fullmatch(decoded)
-    return found.group(1) if found else None
-
-
-def _validator_class():
-    """`OwnedRecords`, built on first use so that importing this module needs no hivemind."""
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.utils import get_dht_time
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    class OwnedRecords(RSASignatureValidator):
-        """hivemind's signature validator that remembers what it refused: a record whose
-        subkey names an owner's key but whose signature is not that key's ("forged"), or
-        one larger than the payload cap ("size"). It runs inside the DHT's process; the
-        transport drains its refusals from there (`_drain_refused`)."""
-
-        def __init__(self, private_key, max_record_bytes: int, max_ttl_s: float):
-            super().__init__(private_key)
-            self.max_record_bytes = max_record_bytes
-            self.max_ttl_s = max_ttl_s
-            self.refused: list[Rejection] = []
-            self._seen: dict[bytes, None] = {}
-
-        def validate(self, record) -> bool:
-            # Every record of the swarm sits under exactly one owner's subkey: an unowned one
-            # (a regular value, or a subkey without the marker) could replace or hide the
-            # owned ones in every node's storage, so none is stored or read.
-            owner = _subkey_owner(record.subkey)
-            if owner is None or self._PUBLIC_KEY_RE.search(record.key):
-                return self._refuse(record, None, "forged", "a record under no owner's key")
-            if not super().validate(record):
-                reason = "a record under its subkey is not signed by its key"
-                return self._refuse(record, owner, "forged", reason)
-            value = self.strip_value(record)
-            if len(value) > self.max_record_bytes:
-                reason = f"a signed record of {len(value)} B, over the cap"
-                return self._refuse(record, owner, "size", reason)
-            ahead = record.expiration_time - get_dht_time()
-            if ahead > self.max_ttl_s:
-                reason = f"a record that expires in {ahead:.0f} s, more than {self.max_ttl_s:g} s"
-                return self._refuse(record, owner, "incompatible", reason)
-            try:  # hivemind decodes a key's records together: one that does not decode hides all
-                decoded = MSGPackSerializer.loads(value)
-            except Exception:
-                decoded = None
-            if not isinstance(decoded, (bytes, dict)):
-                return self._refuse(record, owner, "incompatible", "a value that does not decode")
-            return True
-
-        def _refuse(self, record, owner: Optional[bytes], kind: str, reason: str) -> bool:
-            digest = hashlib.sha256(record.key + (record.subkey or b"") + record.value).digest()
-            if digest not in self._seen and len(self.refused) < _REFUSED_CAP:
-                self._seen[digest] = None
-                if len(self._seen) > _SEEN_CAP:
-                    del self._seen[next(iter(self._seen))]
-                peer = (_peer_of(owner) if owner is not None else None) or "unknown"
-                self.refused.append(Rejection(peer, kind, reason))
-            return False
-
-    return OwnedRecords
-
-
-# The validators of this process's transports, by token: after the DHT's process forks, its
-# copy of this table points at the validator its DHT node uses.
-_VALIDATORS: dict[str, Any] = {}
-
-
-async def _drain_refused(_dht, _node, token: str) -> list[Rejection]:
-    validator = _VALIDATORS[token]
-    refused, validator.refused = validator.refused, []
-    return refused
 
 
 def _check_maddrs(maddrs: Sequence[str], flag: str, need_peer: bool) -> list[str]:
@@ -246,13 +95,22 @@ def _check_maddrs(maddrs: Sequence[str], flag: str, need_peer: bool) -> list[str
     return list(maddrs)
 
 
+class _Member:
+    """An announced peer as read from the DHT: why it is refused (None: it is not), its
+    announcement's expiry, its public key and fingerprints' digest."""
+
+    def __init__(self, why: Optional[str], round_: int, expiry: float, key: Any, digest: bytes):
+        self.why, self.round, self.expiry, self.key, self.digest = why, round_, expiry, key, digest
+
+
 class HivemindTransport:
-    """A `Transport` over hivemind's DHT (see the module's docstring). Keyword arguments:
-    `out` (the peer's folder, which keeps its key), `swarm_key` (the name its records live
-    under), `fingerprints` (what a compatible peer reports identically, by key), `initial_peers`
-    (multiaddrs of running peers; empty for the first), `host_maddrs` (where to listen),
-    `trusted_peers` (peer ids allowed to contribute, or None for any), `max_payload_bytes`,
-    `record_ttl_s` (how long records live) and `start_timeout_s` (how long to wait to join)."""
+    """A `Transport` over hivemind: the DHT for who is in the swarm, direct streams for the
+    payloads (see the module's docstring). Keyword arguments: `out` (the peer's folder, which
+    keeps its key), `swarm_key` (the name its records live under), `fingerprints` (what a
+    compatible peer reports identically, by key), `initial_peers` (multiaddrs of running peers;
+    empty for the first), `host_maddrs` (where to listen), `trusted_peers` (peer ids allowed to
+    contribute, or None for any), `max_payload_bytes`, `record_ttl_s` (how long announcements
+    live, and payloads are served) and `start_timeout_s` (how long to wait to join)."""
 
     kind = "hivemind"
 
@@ -279,6 +137,11 @@ class HivemindTransport:
         ):
             if not value > 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
+        if max_payload_bytes > MAX_PAYLOAD_BYTES:
+            raise ValueError(
+                f"max_payload_bytes: at most {MAX_PAYLOAD_BYTES} (what one reply of hivemind's "
+                f"daemon carries), got {max_payload_bytes}"
+            )
         initial_peers = _check_maddrs(initial_peers, "--initial-peers", need_peer=True)
         host_maddrs = _check_maddrs(host_maddrs, "--host-maddr", need_peer=False)
         from hivemind import DHT
@@ -286,12 +149,12 @@ class HivemindTransport:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         key_path = out / KEY_FILE
-        private_key = _load_private_key(_key_bytes(key_path), key_path)
-        validator = _validator_class()(
-            private_key, max_payload_bytes + _RECORD_SLACK, record_ttl_s + _MAX_TTL_SLACK_S
+        private_key = load_private_key(key_bytes(key_path), key_path)
+        validator = validator_class()(
+            private_key, _ANNOUNCEMENT_BYTES, record_ttl_s + _MAX_TTL_SLACK_S
         )
         self._token = f"{os.getpid()}-{id(self)}"
-        _VALIDATORS[self._token] = validator
+        VALIDATORS[self._token] = validator
         self._owner: bytes = validator.local_public_key
         self.swarm_key = swarm_key
         self.fingerprints = dict(fingerprints)
@@ -300,8 +163,14 @@ class HivemindTransport:
         self.record_ttl_s = record_ttl_s
         self._published: Optional[int] = None
         self._collected: set[tuple[str, int]] = set()  # (peer, round) returned or refused
-        self._absent: dict[str, float] = {}  # peer -> its announcement's expiry when it missed
+        self._members: dict[str, _Member] = {}
+        self._members_at = -math.inf  # when the DHT was last read
+        self._announced_at = -math.inf
+        self._absent: dict[str, float] = {}  # peer -> since when it is not waited for
+        self._gone: dict[str, float] = {}  # peer -> when a pull could not reach it
+        self._reported: set[tuple[str, str]] = set()  # (peer, why) of refused peers
         self._closed = False
+        self._streams = None
         self._dht = DHT(
             initial_peers=initial_peers or None,
             start=False,
@@ -329,6 +198,11 @@ class HivemindTransport:
             ) from None
         self.peer_id: str = self._dht.peer_id.to_base58()
         self.visible_maddrs: list[str] = [str(m) for m in self._dht.get_visible_maddrs()]
+        try:
+            self._streams = self._start_streams(private_key)
+        except BaseException:
+            self._stop()
+            raise
         self._announce()
         log.info(
             "swarm peer %s up in %.1f s at %s",
@@ -337,9 +211,15 @@ class HivemindTransport:
             " ".join(self.visible_maddrs),
         )
 
-    # The records' keys.
-    def _round_key(self, round_: int) -> str:
-        return f"{self.swarm_key}/round/{round_}"
+    def _start_streams(self, private_key) -> Streams:
+        """This peer's end of the direct streams (a hook: the tests' hostile peers replace it)."""
+        return Streams(
+            self._dht,
+            swarm_key=self.swarm_key,
+            private_key=private_key._private_key,
+            digest_of=lambda: digest(self.fingerprints, SWARM_WIRE_VERSION),
+            record_ttl_s=self.record_ttl_s,
+        )
 
     @property
     def _peers_key(self) -> str:
@@ -353,6 +233,7 @@ class HivemindTransport:
             "round": -1 if self._published is None else self._published,
             "fingerprints": self.fingerprints,
         }
+        self._announced_at = time.monotonic()
         expiry = get_dht_time() + self.record_ttl_s
         if not self._store(self._peers_key, value, expiry):
             log.warning("swarm: the announcement of %s was not stored", self.peer_id)
@@ -372,18 +253,15 @@ class HivemindTransport:
         return [obj]
 
     def publish(self, round_: int, payload: bytes) -> None:
-        from hivemind.utils import get_dht_time
-
         if len(payload) > self.max_payload_bytes:
             raise ValueError(
                 f"max_payload_bytes: this peer's payload of round {round_} has "
                 f"{len(payload)} B, over the cap of {self.max_payload_bytes} B its peers enforce"
             )
         self._published = round_ if self._published is None else max(self._published, round_)
-        self._announce()
-        expiry = get_dht_time() + self.record_ttl_s
-        if not self._store(self._round_key(round_), bytes(payload), expiry):
-            log.warning("swarm: round %d of %s was not stored", round_, self.peer_id)
+        self._streams.offer(round_, bytes(payload))
+        if time.monotonic() - self._announced_at > self.record_ttl_s / 3:
+            self._announce()
 
     def _store(self, key: str, value: Any, expiry: float) -> bool:
         """Store under this peer's subkey, waiting at most `_CALL_TIMEOUT_S`: False when the
@@ -403,37 +281,32 @@ class HivemindTransport:
             log.warning("swarm: %s failed: %s", what, f"{type(exc).__name__}: {exc}")
             return default
 
-    def _get(self, keys: list[str], deadline: float) -> list[dict[str, Any]]:
-        """The records under `keys` as {peer: value} (this peer's left out), read in parallel;
-        a key whose read fails or times out reads as empty."""
-        futures = [self._dht.get(key, latest=True, return_future=True) for key in keys]
-        found: list[dict[str, Any]] = []
-        for key, future in zip(keys, futures):
-            records: dict[str, Any] = {}
-            try:
-                result = future.result(timeout=max(0.05, deadline - time.monotonic()))
-            except Exception as e:  # a peer's undecodable record, or the deadline
-                log.debug("swarm: reading %s failed: %s", key, e)
-                future.cancel()
-                result = None
-            if result is not None and isinstance(result.value, dict):
-                for subkey, item in result.value.items():
-                    if subkey == self._owner or not isinstance(subkey, bytes):
-                        continue
-                    owners = _owner_of(subkey)
-                    peer = _peer_of(owners) if owners else None
-                    if peer is not None:
-                        records[peer] = item.value, item.expiration_time
-            found.append(records)
-        return found
+    def _read_members(self, deadline: float) -> None:
+        """Read the announced peers from the DHT (this peer's left out) into `_members`."""
+        from cryptography.hazmat.primitives import serialization
 
-    def _peers(self, deadline: float) -> dict[str, tuple[Optional[str], int, float]]:
-        """The announced peers: peer -> (why it is refused or None, newest round, expiry)."""
-        (announced,) = self._get([self._peers_key], deadline)
-        peers = {}
-        for peer, (value, expiry) in announced.items():
-            peers[peer] = (*self._judge(peer, value), expiry)
-        return peers
+        future = self._dht.get(self._peers_key, latest=True, return_future=True)
+        try:
+            result = future.result(timeout=max(0.05, deadline - time.monotonic()))
+        except Exception as e:  # the deadline, or a failed read: keep what we knew
+            log.debug("swarm: reading %s failed: %s", self._peers_key, e)
+            future.cancel()
+            return
+        members = {}
+        if result is not None and isinstance(result.value, dict):
+            for subkey, item in result.value.items():
+                owner = owner_of(subkey) if isinstance(subkey, bytes) else None
+                peer = peer_of(owner) if owner is not None else None
+                if peer is None or subkey == self._owner:
+                    continue
+                why, round_ = self._judge(peer, item.value)
+                key = serialization.load_ssh_public_key(owner)
+                theirs = item.value.get("fingerprints") if isinstance(item.value, dict) else None
+                print_ = digest(theirs, SWARM_WIRE_VERSION) if why is None else b""
+                members[peer] = _Member(why, round_, item.expiration_time, key, print_)
+        self._members, self._members_at = members, time.monotonic()
+        with self._streams._lock:
+            self._streams.known = set(members)
 
     def _judge(self, peer: str, value: Any) -> tuple[Optional[str], int]:
         """Why a peer's announcement makes its records refused ("kind: reason"), or None."""
@@ -461,12 +334,27 @@ class HivemindTransport:
             )
         return None, round_
 
+    def _live(self) -> dict[str, _Member]:
+        from hivemind.utils import get_dht_time
+
+        now = get_dht_time()
+        return {p: m for p, m in self._members.items() if m.why is None and m.expiry > now}
+
     def latest_round(self) -> Optional[int]:
         """Where a peer that joins late starts: the newest round the live, compatible, trusted
-        peers (this one included) published, as their lower median (one peer that claims a far
-        round cannot move it), None before any did."""
-        peers = self._peers(time.monotonic() + 10.0)
-        rounds = [r for why, r, _ in peers.values() if why is None and r >= 0]
+        peers (this one included) published, each asked directly, as their lower median (one
+        peer that claims a far round cannot move it), None before any did."""
+        self._read_members(time.monotonic() + 10.0)
+        live = self._live()
+        asks = {peer: ([], 0.0) for peer in live}
+        replies = self._streams.pull_all(
+            asks, waited=set(asks), deadline=time.monotonic() + 10.0, grace_s=0.0
+        )
+        rounds = [
+            r.newest if r.error is None and r.digest == live[p].digest else live[p].round
+            for p, r in replies.items()
+        ]
+        rounds = [r for r in rounds if r >= 0]
         if self._published is not None:
             rounds.append(self._published)
         return sorted(rounds)[(len(rounds) - 1) // 2] if rounds else None
@@ -474,64 +362,123 @@ class HivemindTransport:
     def collect(
         self, round_: int, *, max_staleness: int, timeout_s: float
     ) -> tuple[list[Incoming], list[Rejection]]:
-        from hivemind.utils import get_dht_time
-
         deadline = time.monotonic() + timeout_s
-        rounds = list(range(max(0, round_ - max_staleness), round_ + 1))
+        window = list(range(max(0, round_ - max_staleness), round_ + 1))
         incoming: list[Incoming] = []
         rejected: list[Rejection] = []
-        wait = _POLL_FIRST_S
+        knocked = self._streams.knocked()
+        if knocked or time.monotonic() - self._members_at > _MEMBERS_REFRESH_S:
+            self._read_members(max(deadline, time.monotonic() + 1.0))
+        self._report_refused(round_, rejected)
+        waited: set[str] = set()
+        done: set[str] = set()  # peers not asked again in this collect
+        refreshed = False
         while True:
-            # A read is bounded by the deadline, yet given at least a second, so that a
-            # zero timeout still reads what is there.
-            read_by = max(deadline, time.monotonic() + 1.0)
-            peers = self._peers(read_by)
-            records = self._get([self._round_key(r) for r in rounds], read_by)
-            now = get_dht_time()
-            for r, by_peer in zip(rounds, records):
-                for peer, (value, _) in sorted(by_peer.items()):
-                    if (peer, r) in self._collected or peer not in peers:
-                        continue  # a payload without an announcement waits for it
-                    self._collected.add((peer, r))
-                    why = peers[peer][0]
-                    if why is None and not isinstance(value, bytes):
-                        why = "incompatible: wire (a payload that is not bytes)"
-                    if why is None and len(value) > self.max_payload_bytes:
-                        why = f"size: {len(value)} B, over the cap of {self.max_payload_bytes} B"
-                    if why is None:
-                        incoming.append(Incoming(peer, r, value))
-                    else:
-                        kind, reason = why.split(": ", 1)
-                        rejected.append(Rejection(peer, kind, f"round {r}: {reason}"))
-            waiting = [
-                peer
-                for peer, (why, _, expiry) in peers.items()
-                if why is None
-                and expiry > now
-                and (peer, round_) not in self._collected
-                and self._absent.get(peer) != expiry
-            ]
-            if not waiting or time.monotonic() >= deadline:
+            now = time.monotonic()
+            asks: dict[str, tuple[list[int], float]] = {}
+            for peer in self._live():
+                want = [r for r in window if (peer, r) not in self._collected]
+                gone = self._gone.get(peer)
+                if not want or peer in done or (gone and now - gone < _MEMBERS_REFRESH_S):
+                    continue
+                # A long poll for this round from the peers it waits for; a probe (no wait)
+                # of the others: those that let a round pass, and what is left of older rounds.
+                waits = (peer, round_) not in self._collected and peer not in self._absent
+                asks[peer] = (want, max(0.0, deadline - now - _REPLY_MARGIN_S) if waits else 0.0)
+                if waits:
+                    waited.add(peer)
+            if not asks:
                 break
-            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
-            wait = min(wait * 1.5, _POLL_MAX_S)
-        for peer in waiting:
-            # It let the round pass: wait for it again once it announces itself anew.
-            self._absent[peer] = peers[peer][2]
-            log.info(
-                "swarm: peer %s sent nothing for round %d within %g s", peer, round_, timeout_s
+            replies = self._streams.pull_all(
+                asks, waited=waited & set(asks), deadline=deadline, grace_s=_PROBE_GRACE_S
             )
+            held = {}
+            for peer, reply in replies.items():
+                want, wait_s = asks[peer]
+                if reply.error is not None:
+                    done.add(peer)
+                    if reply.error != "timeout":
+                        self._gone[peer] = time.monotonic()
+                        log.info("swarm: peer %s unreachable: %s", peer, reply.error)
+                    continue
+                self._gone.pop(peer, None)
+                if reply.digest != self._members[peer].digest:
+                    held[peer] = reply  # it changed its fingerprints since we read them
+                    continue
+                if not self._take(peer, reply, want, round_, incoming, rejected):
+                    # A reply against the protocol, or an early one without a round asked
+                    # for (a long poll is held until one is there): not asked again now.
+                    if reply.took < min(wait_s, MAX_HOLD_S) - _REPLY_MARGIN_S or reply.rounds:
+                        done.add(peer)
+            if held and not refreshed:
+                refreshed = True
+                self._read_members(max(deadline, time.monotonic() + 1.0))
+                self._report_refused(round_, rejected)
+                live = self._live()
+                for peer, reply in held.items():
+                    if peer in live and reply.digest == live[peer].digest:
+                        self._take(peer, reply, asks[peer][0], round_, incoming, rejected)
+                    else:
+                        done.add(peer)
+            again = [
+                p for p in waited - done if (p, round_) not in self._collected and p in self._live()
+            ]
+            if not again or time.monotonic() >= deadline - _REPLY_MARGIN_S:
+                break
+        for peer in waited:
+            if (peer, round_) not in self._collected:
+                # It let the round pass: probed, not waited for, until it sends a round again.
+                self._absent.setdefault(peer, time.monotonic())
+                log.info(
+                    "swarm: peer %s sent nothing for round %d within %g s", peer, round_, timeout_s
+                )
         drain = self._dht.run_coroutine(
-            partial(_drain_refused, token=self._token), return_future=True
+            partial(drain_refused, token=self._token), return_future=True
         )
         rejected += self._result(drain, "reading the refused records", default=[])
         incoming.sort(key=lambda item: (item.round, item.peer))
         return incoming, rejected
 
+    def _take(self, peer, reply, asked: list[int], round_: int, incoming, rejected) -> bool:
+        """Check a peer's reply round by round: asked for, within the cap, signed by its key.
+        Whether it brought a round asked for and nothing against the protocol."""
+        member = self._members[peer]
+        fresh = False
+        for r, payload, signature in reply.rounds:
+            if r not in asked or (peer, r) in self._collected:
+                why = f"round {r}: a round it was not asked for ({asked})"
+                if (peer, r) in self._collected:
+                    why = f"round {r}: a round it sent already"
+                rejected.append(Rejection(peer, "incompatible", why))
+                return False  # one refusal per reply: the rest of it is not read
+            self._collected.add((peer, r))
+            fresh = True
+            if len(payload) > self.max_payload_bytes:
+                why = f"round {r}: {len(payload)} B, over the cap of {self.max_payload_bytes} B"
+                rejected.append(Rejection(peer, "size", why))
+            elif not verifies(member.key, signed_bytes(self.swarm_key, r, payload), signature):
+                why = f"round {r}: a payload not signed by its key"
+                rejected.append(Rejection(peer, "forged", why))
+            else:
+                incoming.append(Incoming(peer, r, payload))
+                if r == round_:
+                    self._absent.pop(peer, None)
+        return fresh
+
+    def _report_refused(self, round_: int, rejected: list[Rejection]) -> None:
+        """Each announced peer refused (untrusted, incompatible), once per peer and reason."""
+        for peer, member in sorted(self._members.items()):
+            if member.why is not None and (peer, member.why) not in self._reported:
+                self._reported.add((peer, member.why))
+                kind, reason = member.why.split(": ", 1)
+                rejected.append(Rejection(peer, kind, f"round {round_}: {reason}"))
+
     def _stop(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
         if self._dht.is_alive():
             self._dht.shutdown()
-        _VALIDATORS.pop(self._token, None)
+        VALIDATORS.pop(self._token, None)
 
     def close(self) -> None:
         if not self._closed:

@@ -7,9 +7,10 @@ a collective itself and never asks which transport runs. Two implement this prot
 - `torch` (`TorchTransport`): today's lockstep swarm, one torchrun world on one host; every
   method is a collective over the process group, so every node runs every round together and
   the run is bit-reproducible.
-- `hivemind` (`swarm.HivemindTransport`): one peer per process on any host, over hivemind's DHT;
-  a peer publishes each round's payload under a signed subkey and collects what its peers
-  published for recent rounds, waiting at most `timeout_s`, with no barrier anywhere.
+- `hivemind` (`swarm.HivemindTransport`): one peer per process on any host, over hivemind: its
+  DHT says who is in the swarm, each peer serves its rounds' payloads, signed, over libp2p
+  streams, and collects its peers' payloads of recent rounds from them, waiting at most
+  `timeout_s`, with no barrier anywhere.
 
 Peers are named by `peer_id` (a string: the rank under torch, the libp2p peer id under hivemind).
 The exchange's int32 source field carries `source`, a number every receiver can derive from the
@@ -32,7 +33,7 @@ from ftis_kernels.grpo import checkpoint
 # Why a transport refused a peer's record before the parser saw it (the exchange's DROP_KINDS
 # are the parser's and the receiver's checks after it).
 REJECT_KINDS = (
-    "forged",  # signed by another key than the one its subkey names
+    "forged",  # signed by another key than the one its subkey names: charged to that key's peer
     "untrusted",  # its peer is not in --trusted-peers
     "size",  # larger than the payload cap
     "incompatible",  # its peer runs another configuration, vocabulary or wire version
@@ -50,7 +51,9 @@ class Incoming:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A record the transport refused, with the `kind` (one of REJECT_KINDS) and why."""
+    """A record the transport refused, with the `kind` (one of REJECT_KINDS) and why, charged to
+    `peer`: the peer whose key signed it, never the one a forgery names; "" when no known key
+    did (an unsigned record, or one signed by a stranger)."""
 
     peer: str
     kind: str
