@@ -28,7 +28,7 @@ from torch import nn
 import ftis_kernels
 from ftis_kernels.kernels import logp_lse, select_backend
 from tests.cases import backend as force_backend
-from tests.cases import implementations
+from tests.cases import implementations, make_case
 
 OPTIONS = dict(
     is_mode="tis",
@@ -219,3 +219,20 @@ def test_backend_choice_traces_without_a_graph_break():
     assert done.returncode == 0, done.stderr[-3000:]
     # The kernels are compiled there: CPU tensors take the PyTorch path.
     assert done.stdout.split()[-1] == "12.0", done.stdout
+
+
+def test_fake_tensors_take_the_custom_op_and_its_fake_implementation():
+    """Eager calls on plain tensors run an autograd.Function; tensor subclasses (here
+    FakeTensor, as torch.export and shape analysis use) take the custom op, whose fake
+    implementation gives the outputs' shapes without running a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    case = make_case(2, 8, 50, seed=1)
+    with FakeTensorMode() as mode:
+        logits = mode.from_tensor(case.logits).requires_grad_()
+        rows = [None if x is None else mode.from_tensor(x) for x in case.inputs]
+        loss, metrics = ftis_kernels.ftis_loss(logits, *rows, value_check="deferred")
+        (grad,) = torch.autograd.grad(loss, logits)
+    assert isinstance(loss, FakeTensor) and loss.shape == ()
+    assert metrics["kl"].shape == (2,) and metrics["logp"].shape == (2, 8)
+    assert isinstance(grad, FakeTensor) and grad.shape == logits.shape
