@@ -19,26 +19,17 @@ os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: the kernels a
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import pstats  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from bench.profile_ops import median_ms  # noqa: E402
 
 
 def _stub_launches() -> None:
     """Every interpreted kernel launch does nothing (the outputs keep what they were allocated
     with)."""
     InterpretedFunction.run = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
-
-
-def _median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -67,7 +58,8 @@ def main(argv=None) -> None:
 
     for _ in range(10):
         step()
-    fwd_bwd, fwd = _median_ms(step, args.reps), _median_ms(forward, args.reps)
+    cpu = torch.device("cpu")
+    fwd_bwd, fwd = median_ms(step, cpu, args.reps, 0), median_ms(forward, cpu, args.reps, 0)
     print(
         f"ftis_loss host time, kernels stubbed, B={args.B} T={args.T} V={args.V}: "
         f"fwd+bwd {fwd_bwd:.3f} ms, forward (no grad) {fwd:.3f} ms (median of {args.reps})"

@@ -12,35 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from bench import measure
+from bench.profile_ops import median_ms
 from bench.workload import TIS_OPTIONS, Case, make_inputs
 from ftis_kernels import chunks, ftis_linear_loss
-
-
-def _median_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def sweep(tokens: int, V: int, H: int, sizes: list[int], device: torch.device, reps: int):
@@ -58,7 +37,7 @@ def sweep(tokens: int, V: int, H: int, sizes: list[int], device: torch.device, r
             loss, _ = ftis_linear_loss(h, w, *rows, chunk_size=size, **TIS_OPTIONS)
             torch.autograd.grad(loss, (h, w))
 
-        ms = _median_ms(step, device, reps)
+        ms = median_ms(step, device, reps, warmup=2)
         peak = None
         if device.type == "cuda":
             torch.cuda.synchronize()
