@@ -733,21 +733,8 @@ def _row(spec: ClaimSpec, res: Optional[stats.Result], d: dict[int, float]) -> d
     base = dict(id=spec.id, claim=spec.text, kind=spec.test.kind, metric=spec.test.metric, n=len(d))
     if res is None:
         return dict(base, verdict="pending", why="fewer than 2 seeds with every cell of the claim")
-    ci90 = stats.t_interval(list(d.values()), 0.90)
-    return dict(
-        base,
-        margin=spec.test.margin,
-        sign=spec.test.sign,
-        mean=res.ci.mean,
-        ci=[res.ci.lo, res.ci.hi],
-        ci90=[ci90.lo, ci90.hi],
-        bootstrap=[res.boot.lo, res.boot.hi],
-        p=res.p,
-        p_holm=res.p_holm,
-        verdict=res.verdict,
-        why=res.why,
-        per_seed={str(k): v for k, v in d.items()},
-    )
+    fields = study.tested_fields(spec, res, list(d.values()))
+    return dict(base, **fields, per_seed={str(k): v for k, v in d.items()})
 
 
 def analyse(rows: list[dict]) -> list[dict]:

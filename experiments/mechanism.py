@@ -55,6 +55,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from experiments.stats import basic_bootstrap, bootstrap_interval, percentile_interval
 from ftis_kernels import ftis_loss
 from ftis_kernels.grpo import provenance
 from ftis_kernels.grpo.config import RunConfig, build_config
@@ -367,13 +368,13 @@ def compare(
             ratio = var_m / var_r
             n, nt = modes[name].batches, target.batches
             row = dict(
-                cos=_corrected(cos, upper=1.0),
-                rel_err=tuple(math.sqrt(max(v, 0.0)) for v in _corrected(rel2)),
+                cos=basic_bootstrap(cos, upper=1.0),
+                rel_err=tuple(math.sqrt(max(v, 0.0)) for v in basic_bootstrap(rel2)),
                 cos_raw=float(cos[0]),
                 rel_err_raw=math.sqrt(rel2[0]),
                 rel_err_noise=math.sqrt((var_m[0] / n + var_t[0] / nt) / tt[0]),
                 var=float(var_m[0]),
-                var_ratio=(float(ratio[0]), *_percentile(ratio[1:])),
+                var_ratio=(float(ratio[0]), *percentile_interval(ratio[1:])),
                 grad_norm=math.sqrt(mm[0]),
             )
             row["cos"], row["cos_ci"] = row["cos"][0], list(row["cos"][1:])
@@ -384,30 +385,6 @@ def compare(
             grad_norm=math.sqrt(tt[0]), var=float(var_t[0]), reference_var=float(var_r[0])
         )
     return out
-
-
-def _percentile(draws: np.ndarray) -> tuple[float, float]:
-    lo, hi = np.percentile(draws, [2.5, 97.5])
-    return float(lo), float(hi)
-
-
-def _corrected(values: np.ndarray, upper: Optional[float] = None) -> tuple[float, float, float]:
-    """(estimate, low, high): 2 * plug-in - bootstrap mean and the basic bootstrap 95% interval
-    [2 * plug-in - q97.5, 2 * plug-in - q2.5], clipped to `upper`."""
-    plug, draws = values[0], values[1:]
-    lo, hi = np.percentile(draws, [2.5, 97.5])
-    est, low, high = 2 * plug - draws.mean(), 2 * plug - hi, 2 * plug - lo
-    if upper is not None:
-        est, low, high = min(est, upper), min(low, upper), min(high, upper)
-    return float(est), float(low), float(high)
-
-
-def mean_ci(values: Sequence[float], seed: int = BOOTSTRAP_SEED) -> tuple[float, float, float]:
-    """Mean and a percentile-bootstrap 95% interval of independent per-batch values."""
-    x = np.asarray(values, dtype=float)
-    rng = np.random.default_rng(seed)
-    draws = x[rng.integers(0, len(x), size=(1000, len(x)))].mean(axis=1)
-    return float(x.mean()), *_percentile(draws)
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -484,7 +461,8 @@ def environment() -> dict[str, Any]:
 
 def stream_row(stream: Stream, mode: str) -> dict[str, Any]:
     """The per-sample figures of a stream under `mode`."""
-    kl, kl_lo, kl_hi = mean_ci(stream.kl_batch)
+    kl_ci = bootstrap_interval(stream.kl_batch, resamples=1000, seed=BOOTSTRAP_SEED)
+    kl, kl_lo, kl_hi = kl_ci.mean, kl_ci.lo, kl_ci.hi
     changed, neg = stream.changed[mode], stream.changed_negative[mode]
     metrics = stream.metrics[mode]
     return dict(

@@ -114,6 +114,26 @@ def bootstrap_interval(
     return Interval(float(x.mean()), float(lo), float(hi), x.size, level, "bootstrap")
 
 
+def percentile_interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The percentile interval of bootstrap draws of a statistic."""
+    lo, hi = np.percentile(draws, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
+def basic_bootstrap(
+    values: np.ndarray, upper: Optional[float] = None, level: float = 0.95
+) -> tuple[float, float, float]:
+    """(estimate, low, high) from values = [plug-in, *bootstrap draws]: 2 * plug-in - the draws'
+    mean (the plug-in's bias removed) and the basic bootstrap interval [2 * plug-in - q_hi,
+    2 * plug-in - q_lo], each clipped to `upper` (e.g. 1 for a cosine)."""
+    plug, draws = values[0], values[1:]
+    lo, hi = percentile_interval(draws, level)
+    est, low, high = 2 * plug - draws.mean(), 2 * plug - hi, 2 * plug - lo
+    if upper is not None:
+        est, low, high = min(est, upper), min(low, upper), min(high, upper)
+    return float(est), float(low), float(high)
+
+
 def _t_stat(x: np.ndarray, shift: float = 0.0) -> float:
     se = float(x.std(ddof=1)) / math.sqrt(x.size)
     diff = float(x.mean()) - shift

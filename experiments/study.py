@@ -497,6 +497,24 @@ def _claim_fields(spec) -> dict:
     return dict(id=spec.id, claim=spec.text, kind=spec.test.kind, metric=spec.test.metric)
 
 
+def tested_fields(spec, res: stats.Result, d: list[float]) -> dict:
+    """The fields of a tested claim's row from its result: margin and sign, the mean, the 95% t,
+    90% t and bootstrap intervals, p before and after Holm, verdict and why."""
+    ci90 = stats.t_interval(d, 0.90)
+    return dict(
+        margin=spec.test.margin,
+        sign=spec.test.sign,
+        mean=res.ci.mean,
+        ci=[res.ci.lo, res.ci.hi],
+        ci90=[ci90.lo, ci90.hi],
+        bootstrap=[res.boot.lo, res.boot.hi],
+        p=res.p,
+        p_holm=res.p_holm,
+        verdict=res.verdict,
+        why=res.why,
+    )
+
+
 def analyse(rows: list[dict]) -> list[dict]:
     """Every claim's per-seed pooled differences, interval, p-values and verdict (rows of
     `results/claims.jsonl`). Claims with fewer than 2 complete seeds are "pending"; Holm runs
@@ -523,24 +541,8 @@ def analyse(rows: list[dict]) -> list[dict]:
     results = stats.evaluate([(s.test, d, w) for s, d, w in zip(ready, data, reasons)])
     out = []
     for spec, d, res in zip(ready, data, results):
-        ci90 = stats.t_interval(d, 0.90)
-        out.append(
-            dict(
-                **_claim_fields(spec),
-                margin=spec.test.margin,
-                sign=spec.test.sign,
-                n=res.ci.n,
-                mean=res.ci.mean,
-                ci=[res.ci.lo, res.ci.hi],
-                ci90=[ci90.lo, ci90.hi],
-                bootstrap=[res.boot.lo, res.boot.hi],
-                p=res.p,
-                p_holm=res.p_holm,
-                verdict=res.verdict,
-                why=res.why,
-                per_seed={str(k): v for k, v in pooled[spec.id].items()},
-            )
-        )
+        row = dict(**_claim_fields(spec), n=res.ci.n, **tested_fields(spec, res, d))
+        out.append(dict(row, per_seed={str(k): v for k, v in pooled[spec.id].items()}))
     for spec in CLAIMS:
         if spec not in ready:
             out.append(

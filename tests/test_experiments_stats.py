@@ -118,3 +118,18 @@ def test_a_failed_precondition_turns_only_an_inconclusive_verdict_untestable():
 def test_too_few_seeds_are_refused_naming_the_argument():
     with pytest.raises(ValueError, match="^d: expected at least 2"):
         stats.t_interval([0.1])
+
+
+def test_basic_bootstrap_removes_the_plug_in_bias_and_reflects_the_interval():
+    """values = [plug-in, *draws]: estimate 2 * plug-in - mean(draws), interval [2 * plug-in -
+    q97.5, 2 * plug-in - q2.5], clipped to `upper`; percentile_interval the draws' quantiles."""
+    draws = np.arange(1, 1001, dtype=float) / 1000  # uniform on (0, 1]: mean 0.5005
+    values = np.concatenate([[0.6], draws])
+    est, lo, hi = stats.basic_bootstrap(values)
+    q_lo, q_hi = stats.percentile_interval(draws)
+    assert q_lo == pytest.approx(np.percentile(draws, 2.5))
+    assert q_hi == pytest.approx(np.percentile(draws, 97.5))
+    assert est == pytest.approx(1.2 - 0.5005)
+    assert (lo, hi) == pytest.approx((1.2 - q_hi, 1.2 - q_lo))
+    est_c, lo_c, hi_c = stats.basic_bootstrap(values, upper=0.6)
+    assert max(est_c, lo_c, hi_c) <= 0.6 and est_c == pytest.approx(0.6)

@@ -524,3 +524,21 @@ def test_trl_example_script_runs():
         text=True,
     )
     assert "step   5  reward" in result.stdout, result.stdout
+
+
+def test_a_bad_sampler_logprob_raises_in_compute_loss_before_the_backward(model_dir, tmp_path):
+    """The trainer calls the op with value_check="deferred" and reads the verdict with the
+    step's metrics: a positive log-probability from the rollout raises the op's error naming
+    gen_logprobs from compute_loss, before any backward runs."""
+    peer = PeerRollout(_tokenizer(), seed=1)
+
+    def bad_rollout(prompts, trainer):
+        out = peer(prompts, trainer)
+        out["logprobs"][0] = [0.5, *out["logprobs"][0][1:]]  # log pi_gen > 0: not a probability
+        return out
+
+    with pytest.raises(ValueError, match="^gen_logprobs: expected finite values <= 0") as caught:
+        _train(FTISGRPOTrainer, FTISGRPOConfig, model_dir, tmp_path, rollout_func=bad_rollout)
+    frames = [entry.name for entry in caught.traceback]
+    assert "raise_on_bad_values" in frames, frames
+    assert "backward" not in frames and "_backward" not in frames, frames

@@ -20,6 +20,7 @@ from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import _active_module, _unwrap_peft, lm_head_inputs
 from ftis_kernels.integrations.trl.config import FTISGRPOConfig, _refuse, check_trl_options
 from ftis_kernels.options import FTISOptions, loss_type
+from ftis_kernels.validate import raise_on_bad_values
 
 logger = logging.getLogger("ftis_kernels.integrations.trl")
 
@@ -270,12 +271,17 @@ class FTISGRPOTrainer(GRPOTrainer):
             options = options.replace(entropy_coef=coef / (accumulation * float(scale)))
         elif options.entropy_coef > 0:
             options = options.replace(entropy_coef=0.0)
-        loss, metrics = head(completion_ids, gen, advantages, mask, old, ref, options=options)
+        # The value checks are read with the metrics below (a synchronisation this step makes
+        # anyway), not in the backward: the backward then reads nothing from the device.
+        loss, metrics = head(
+            completion_ids, gen, advantages, mask, old, ref, options=options, value_check="deferred"
+        )
         if not self._on_policy_noticed:
             self._notice_on_policy(gen, old, metrics["logp"], mask)
         if self.use_adaptive_entropy and mode == "train":
             self._update_entropy_coef(metrics["entropy"], mask)
         self._log_ftis_metrics(mode, metrics, mask, ref)
+        raise_on_bad_values(metrics)  # a bad input raises here, before the backward and the step
         return loss * scale
 
     def _notice_on_policy(self, gen, old, logp, mask) -> None:
