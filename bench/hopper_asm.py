@@ -82,17 +82,24 @@ def _sass(compiled) -> tuple[list[str], str]:
     return lines, usage
 
 
-def _hot_loop(lines: list[str]) -> list[str]:
-    """The body of the longest backward branch (the vocabulary loop)."""
+def _loops(lines: list[str]) -> list[list[str]]:
+    """The bodies of the backward branches (the vocabulary loops), longest first."""
     addr = [int(re.search(r"/\*([0-9a-f]{4})\*/", ln).group(1), 16) for ln in lines]
-    best: list[str] = []
+    loops = []
     for i, ln in enumerate(lines):
         m = re.search(r"BRA (0x[0-9a-f]+)", ln)
         if m and int(m.group(1), 16) < addr[i]:
             j = addr.index(int(m.group(1), 16))
-            if i + 1 - j > len(best):
-                best = lines[j : i + 1]
-    return best
+            loops.append(lines[j : i + 1])
+    return sorted(loops, key=len, reverse=True)
+
+
+def _hot_loop(lines: list[str], rank: int = 0, count: int = 1) -> list[str]:
+    """The body of the longest backward branch (the vocabulary loop); with count > 1, of the
+    rank-th in address order among the `count` longest (a kernel with two vocabulary loops)."""
+    loops = _loops(lines)[:count]
+    loops.sort(key=lambda body: lines.index(body[0]))
+    return loops[rank] if rank < len(loops) else []
 
 
 def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
@@ -120,10 +127,25 @@ def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
         BLOCK_V=block_v,
         num_warps=K._num_warps(block_v),
     )
+    outputs = dict(logp_ptr=f32, row_max_ptr=f32, log_sum_ptr=f32, entropy_ptr=f32)
+    mask = dict(mask_ptr=sm90.pointer(torch.bool), stride_mb=T, stride_mt=1)
     if kernel == "fwd":
-        outputs = dict(logp_ptr=f32, row_max_ptr=f32, log_sum_ptr=f32, entropy_ptr=f32)
-        mask = dict(mask_ptr=sm90.pointer(torch.bool), stride_mb=T, stride_mt=1)
         return K._logp_lse_fwd_kernel, {**common, **outputs, **mask, **K.fwd_meta(block_v)}
+    if kernel.startswith("grad_fwd"):
+        from ftis_kernels.kernels import logp_grad as G
+
+        # The default F-TIS work of the benchmark: TIS, the grpo reduction, no old log-probs.
+        rows = dict(gen_ptr=f32, old_ptr=None, ref_ptr=None, adv_ptr=f32, counts_ptr=f32)
+        rows.update(dlogits_ptr=x, coef_ptr=f32, stride_db=T * V, stride_dt=V, stride_dv=1)
+        rows.update(stride_gb=T, stride_gt=1, stride_ob=0, stride_ot=0, stride_rb=0, stride_rt=0)
+        rows.update(stride_adv=1, n_samples=16, length=T)
+        scalars = dict(is_cap=2.0, is_cap_min=0.0, lo=0.8, hi=1.2, clip_high=0.2, delta=1e30)
+        scalars.update(tau_pos=1.0, tau_neg=1.05, beta=0.0, grad_scale=1.0)
+        codes = dict(IS_MODE=2, IS_FROM_OLD=False, SURROGATE=0, REDUCTION=0, ZERO_NEGATIVE=False)
+        codes.update(BIAS_KL=False)
+        meta = K.fwd_meta(block_v)
+        args = {**common, **outputs, **mask, **rows, **scalars, **codes, **meta}
+        return G._logp_grad_fwd_kernel, args
     rows = dict(row_max_ptr=f32, log_sum_ptr=f32, coef_ptr=f32, entropy_ptr=None)
     rows.update(scales_ptr=f32, grad_ptr=f32)
     grad = dict(dlogits_ptr=x, entropy_coef_ptr=None, stride_db=T * V, stride_dt=V, stride_dv=1)
@@ -137,7 +159,11 @@ def loop_stats(kernel: str, dtype: str, V: int) -> LoopStats:
     block_v, num_warps = kwargs["BLOCK_V"], kwargs["num_warps"]
     compiled = sm90.compile_sm90(fn, (), kwargs)
     lines, usage = _sass(compiled)
-    body = _hot_loop(lines)
+    # The gradient-in-forward kernel has two vocabulary loops: pass 1 (statistics), pass 2 (the
+    # gradient), in that order.
+    body = _hot_loop(lines, 1, 2) if kernel == "grad_fwd_pass2" else _hot_loop(lines, 0, 2)
+    if not kernel.startswith("grad_fwd"):
+        body = _hot_loop(lines)
     reg = re.search(r"REG:(\d+)", usage)
     shared = re.search(r"SHARED:(\d+)", usage)
     return LoopStats(
@@ -174,11 +200,13 @@ def main(argv=None) -> None:
         "| 16 B stores / iter | issue needed at roofline |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for kernel in ("fwd", "bwd"):
+    for kernel in ("fwd", "bwd", "grad_fwd_pass1", "grad_fwd_pass2"):
         for dtype in args.dtypes.split(","):
             s = loop_stats(kernel, dtype, args.V)
             size = 2 if dtype == "bfloat16" else 4
-            bpe = size if kernel == "fwd" else 2 * size
+            # Bytes from memory per logit: pass 2 re-reads its row from L2, so it moves the
+            # gradient's write only, but its loop runs in the same time budget as pass 1's.
+            bpe = size if kernel in ("fwd", "grad_fwd_pass1") else 2 * size
             print(
                 f"| {kernel} | {dtype} | {s.registers} | {s.shared_bytes} | {s.per_element:.1f} "
                 f"| {s.mufu / s.elements_per_thread:.2f} | {s.barriers} | {s.ldg128} | {s.stg128} "

@@ -39,7 +39,14 @@ def main(argv=None) -> None:
     ap.add_argument("--V", type=int, default=1000)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--grad-in-forward",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="ftis_loss's grad_in_forward: None, True or False (default: auto, the op's default)",
+    )
     args = ap.parse_args(argv)
+    switch = {"auto": None, "on": True, "off": False}[args.grad_in_forward]
     _stub_launches()
     from ftis_kernels import ftis_loss
     from tests.cases import make_case
@@ -49,7 +56,7 @@ def main(argv=None) -> None:
     one = torch.ones(())
 
     def step():
-        loss, _ = ftis_loss(logits, *case.inputs, value_check="deferred")
+        loss, _ = ftis_loss(logits, *case.inputs, value_check="deferred", grad_in_forward=switch)
         torch.autograd.grad(loss, logits, one)
 
     def forward():
@@ -61,7 +68,8 @@ def main(argv=None) -> None:
     cpu = torch.device("cpu")
     fwd_bwd, fwd = median_ms(step, cpu, args.reps, 0), median_ms(forward, cpu, args.reps, 0)
     print(
-        f"ftis_loss host time, kernels stubbed, B={args.B} T={args.T} V={args.V}: "
+        f"ftis_loss host time, kernels stubbed, B={args.B} T={args.T} V={args.V}, "
+        f"grad_in_forward {args.grad_in_forward}: "
         f"fwd+bwd {fwd_bwd:.3f} ms, forward (no grad) {fwd:.3f} ms (median of {args.reps})"
     )
     if args.profile:

@@ -11,6 +11,9 @@ logits family (input: (B, T, V) logits):
   ftis_loss            `ftis_kernels.ftis_loss` (Triton on CUDA, the chunked PyTorch path on CPU)
   ftis_loss_inplace    the same with inplace_backward="force" (fwd+bwd only)
   ftis_loss_filter     the same with the paper's F-TIS filter on (FTIS_OPTIONS)
+  ftis_loss_3pass      `ftis_loss` with grad_in_forward=False: the gradient computed in the
+                       backward (a read of the logits in each pass), beside the default, which
+                       writes it in the forward where the options allow (Triton only)
   trl_eager            TRL's GRPO loss code (`selective_log_softmax`, then the token-level "grpo"
                        formula of `GRPOTrainer._compute_loss`), TIS as its importance_sampling_ratio
   liger_triton         Liger-Kernel `triton_grpo_loss` (CUDA), TIS through `vllm_is_ratio`
@@ -46,6 +49,7 @@ LOGITS_IMPLS = (
     "ftis_loss",
     "ftis_loss_inplace",
     "ftis_loss_filter",
+    "ftis_loss_3pass",
     "trl_eager",
     "liger_triton",
     "liger_triton_inplace",
@@ -241,9 +245,11 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
             return Prepared(
                 lambda: _finish(fn(x, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts
             )
-        if name in ("ftis_loss", "ftis_loss_filter", "ftis_loss_inplace"):
+        if name in ("ftis_loss", "ftis_loss_filter", "ftis_loss_inplace", "ftis_loss_3pass"):
             # "force": the in-place backward into a leaf is what is measured (restored each time).
             inplace = "force" if name == "ftis_loss_inplace" else False
+            switch = {"grad_in_forward": False} if name == "ftis_loss_3pass" else {}
+            switch["inplace_backward"] = inplace
             restore = None
             if inplace:
                 # Its own storage: the backward overwrites it, and the shared inputs must survive.
@@ -252,7 +258,7 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
                 restore = lambda: x.data.copy_(inputs["logits"])  # noqa: E731
             return Prepared(
                 lambda: _finish(
-                    ftis_loss(x, tok, gen, adv, mask, inplace_backward=inplace, **opts)[0],
+                    ftis_loss(x, tok, gen, adv, mask, **opts, **switch)[0],
                     leaves,
                     mode,
                 ),

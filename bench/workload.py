@@ -95,6 +95,7 @@ _NO_COMPILE = (
     "ftis_loss",
     "ftis_loss_inplace",
     "ftis_loss_filter",
+    "ftis_loss_3pass",
     "liger_triton",
     "liger_triton_inplace",
     "ftis_linear_loss",

@@ -9,6 +9,13 @@ statistics (max and log-sum-exp relative to it), with the incoming gradient and 
 normaliser read on the device, optionally into the logits buffer itself. No (B, T, V) temporary
 is ever created, and no host read happens in the forward.
 
+Gradient in the forward (the default where it applies, `grad_in_forward`): the forward's row pass
+also writes d loss / d logits while the row is on chip or in L2 (`kernels/logp_grad.py`), as if
+no sample were rejected, and the backward's one launch zeroes the rejected samples' rows and
+applies an incoming gradient other than 1: the logits are read once and the gradient written
+once, instead of two reads and a write. Four launches in the forward (one counts the mask's
+tokens), one in the backward.
+
 Dispatch, by where the logits live: CUDA -> compiled Triton kernels; CPU with the kernels
 decorated under TRITON_INTERPRET=1 -> the same Triton kernels, interpreted; CPU otherwise -> a
 chunked PyTorch path with the same results (`kernels/logp_lse_cpu.py`). The custom-op plumbing
@@ -17,6 +24,7 @@ shared with `ftis_linear_loss` is in `custom_op.py`.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -24,9 +32,12 @@ import torch
 from ftis_kernels import custom_op
 from ftis_kernels.grad_buffer import grad_buffer
 from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
+from ftis_kernels.kernels.logp_grad import grad_finish, logp_grad_fwd
+from ftis_kernels.kernels.per_sample import IS_MODE_CODE, REDUCTION_CODE, SURROGATE_CODE
 from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
+    loss_type,
     resolve_options,
     with_option_keywords,
 )
@@ -38,6 +49,7 @@ from ftis_kernels.validate import (
     check_now,
     check_tensor,
     raise_on_faults,
+    refuse,
 )
 
 if TYPE_CHECKING:
@@ -175,6 +187,87 @@ _ftis_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
 _FTISLoss = custom_op.eager_function("_FTISLoss", _ftis_loss_fwd_impl, _setup_context, _backward)
 
 
+# --- the gradient written in the forward (eager calls on the Triton backend) ---------------------
+
+
+def grad_in_forward_reason(opt: FTISOptions) -> Optional[str]:
+    """Why these options cannot have d loss / d logits written in the forward (a row's gradient
+    would depend on other rows' results, or take a form other than c_r (onehot - p)), or None
+    when they can (`kernels/logp_grad.py`)."""
+    if opt.is_level != "token":
+        return f"is_level={opt.is_level!r} (a sequence-level IS weight needs the whole sample)"
+    if opt.ratio_level != "token":
+        return f"ratio_level={opt.ratio_level!r} (a sequence-level ratio needs the whole sample)"
+    kind = loss_type(opt.loss_type)
+    if kind.surrogate == "vespo":
+        return "loss_type='vespo' (its sequence weight needs the whole sample)"
+    if opt.entropy_coef > 0:
+        return "entropy_coef > 0 (the entropy bonus's gradient)"
+    if opt.beta > 0 and opt.filter is not None:
+        return "beta > 0 with a filter (a rejected sample keeps its penalty's gradient)"
+    if opt.filter is not None and opt.reject_mode == "mask" and kind.reduction == "batch_mean":
+        return (
+            f"reject_mode='mask' with loss_type={opt.loss_type!r} (the rejected samples leave "
+            "the batch-wide token count)"
+        )
+    return None
+
+
+def _row_codes(opt: FTISOptions, has_old: bool) -> dict:
+    """The gradient-in-forward row kernel's compile-time switches (the per-sample codes)."""
+    kind = loss_type(opt.loss_type)
+    return dict(
+        IS_MODE=IS_MODE_CODE[opt.is_mode],
+        IS_FROM_OLD=opt.is_source == "old" and has_old,
+        SURROGATE=SURROGATE_CODE[kind.surrogate],
+        REDUCTION=REDUCTION_CODE[kind.reduction],
+        ZERO_NEGATIVE=opt.filter in ("negative", "negative_or_offpolicy"),
+    )
+
+
+class _FTISLossGradInForward(torch.autograd.Function):
+    """`ftis_loss` with d loss / d logits written by the forward's row pass (`logp_grad.py`): the
+    same outputs as the custom op's forward, then a backward of one launch that zeroes the
+    rejected samples' rows and applies an incoming gradient other than 1, in place. Nothing of
+    the logits is saved. Eager Triton calls only (`ftis_loss` decides); backward runs once."""
+
+    @staticmethod
+    def forward(ctx, grad_scale, *inputs):
+        args = _FWD.bind(inputs)
+        logits, opt, rows = args["logits"], args.opt, args.rows
+        ctx.set_materialize_grads(False)  # the metrics get no gradient: no zeros made for them
+        dlogits = grad_buffer(logits)
+        length = custom_op.dr_grpo_length(args, logits.shape[1])
+        codes = _row_codes(opt, rows.old_logprobs is not None)
+        *stats, coef = logp_grad_fwd(logits, dlogits, rows, opt, codes, length, grad_scale)
+        outputs = custom_op.finish_forward(args, logits.shape[-1], tuple(stats))
+        named = dict(zip(custom_op.OUTPUT_NAMES, outputs))
+        ctx.dlogits, ctx.coef = dlogits, coef
+        ctx.filtered = named["filtered"] if opt.filter is not None else None
+        ctx.record = named["record"]
+        ctx.check_in_backward = args["value_check"] == "backward" and not args["check_now"]
+        ctx.n_inputs, ctx.grad_scale = len(inputs), grad_scale
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        if grad_loss is None:  # a gradient through the metrics only: none reaches the logits
+            return (None,) * (ctx.n_inputs + 1)
+        dlogits = ctx.dlogits
+        if dlogits is None:
+            raise RuntimeError(
+                "ftis_loss: a second backward through a call whose gradient was written in its "
+                "forward; pass grad_in_forward=False to backpropagate through it more than once"
+            )
+        ctx.dlogits = None  # the gradient is handed on: autograd may accumulate into it
+        grad = grad_loss.detach().to(torch.float32)
+        grad_finish(dlogits, ctx.coef, ctx.filtered, grad, ctx.grad_scale)
+        if ctx.check_in_backward:
+            raise_on_faults(ctx.record)
+        return (None, dlogits) + (None,) * (ctx.n_inputs - 1)
+
+
 @with_option_keywords
 def ftis_loss(
     logits: torch.Tensor,
@@ -187,6 +280,8 @@ def ftis_loss(
     *,
     options: Optional[FTISOptions] = None,
     inplace_backward: bool | str = False,
+    grad_in_forward: Optional[bool] = None,
+    grad_scale: float = 1.0,
     value_check: str = "backward",
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_start: int = 0,
@@ -220,6 +315,23 @@ def ftis_loss(
             overwritten by their gradient. Refused (ValueError) for logits whose elements share
             memory (expanded or overlapping views) and, unless "force", for a leaf tensor that
             requires grad or a view of one (your own tensor would become its gradient).
+        grad_in_forward: write d loss / d logits in the forward's pass over the logits, and
+            only fix it up in the backward (one read of the logits and one write of the
+            gradient per call, instead of a read in each pass and a write): None (default)
+            where it applies, True to require it (ValueError naming the option that prevents
+            it), False for the three-pass design. It applies on the Triton backend to eager,
+            out-of-place, unpacked and unsharded calls that record a gradient, with options
+            under which a row's gradient depends on its own row only (`grad_in_forward_reason`:
+            token-level IS weight and PPO ratio, not VESPO, no entropy bonus, no penalty beside
+            a filter). The gradient buffer then lives from the forward to the backward; an
+            incoming gradient other than `grad_scale` costs one more read and write of it; the
+            graph can be backpropagated once.
+        grad_scale: the factor the caller multiplies the loss by before its backward (d outer
+            loss / d loss: 1 / accumulation steps, a micro-batch's share, an AMP loss scale).
+            The loss is returned unscaled; only where the gradient is written in the forward,
+            it is written times grad_scale, so that the backward has nothing to rescale. A
+            different incoming gradient is still exact, at the cost of one more pass. A finite,
+            nonzero float.
         cu_seqlens: (S + 1,) int32 | int64 offsets of a packed (padding-free) batch, or None.
             Then logits are (N, V) or (1, N, V), the per-token tensors (N,) or (1, N), advantages
             (S,), and sample s is tokens cu_seqlens[s] : cu_seqlens[s + 1]; the result is the
@@ -268,10 +380,46 @@ def ftis_loss(
     rows = Rows(tokens, gen_logprobs, advantages, mask, old_logprobs, ref_logprobs)
     rows, max_seqlen = custom_op.row_inputs("logits", "V", logits, rows, opt.beta, cu_seqlens)
     inplace = check_inplace_backward(logits, inplace_backward)
+    scale = _check_grad_scale(grad_scale)
     shard = (vocab_start, group_name(process_group, vocab_start))
     checks = (value_check, check_now(value_check, logits))
     packing = (cu_seqlens, max_seqlen, *shard, *checks)
     inputs = _FWD.flatten((logits,), rows, opt, packing, (inplace, backend))
     traced = custom_op.traced(logits, *rows, cu_seqlens)
-    outputs = _ftis_loss_fwd(*inputs) if traced else _FTISLoss.apply(*inputs)
+    if traced:
+        outputs = _ftis_loss_fwd(*inputs)
+    elif _use_grad_in_forward(grad_in_forward, opt, logits, backend, inplace, cu_seqlens, shard):
+        outputs = _FTISLossGradInForward.apply(scale, *inputs)
+    else:
+        outputs = _FTISLoss.apply(*inputs)
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)
+
+
+def _use_grad_in_forward(requested, opt, logits, backend, inplace, cu_seqlens, shard) -> bool:
+    """Whether an eager call takes `_FTISLossGradInForward` (`ftis_loss`'s grad_in_forward)."""
+    if requested is not None and not isinstance(requested, bool):
+        refuse("grad_in_forward", "None, True or False", repr(requested))
+    if requested is False:
+        return False
+    reason = grad_in_forward_reason(opt)
+    if reason is None and backend != "triton":
+        reason = "logits on the CPU without the Triton interpreter (the PyTorch path)"
+    if reason is None and inplace:
+        reason = "inplace_backward (the in-place backward writes over the logits)"
+    if reason is None and cu_seqlens is not None:
+        reason = "cu_seqlens (a packed batch)"
+    if reason is None and shard[1] is not None:
+        reason = "process_group (a vocabulary-sharded lm-head)"
+    if reason is not None:
+        if requested:
+            refuse("grad_in_forward", "options and inputs it applies to", reason)
+        return False
+    return torch.is_grad_enabled() and logits.requires_grad
+
+
+def _check_grad_scale(grad_scale: object) -> float:
+    """grad_scale as a float: finite and nonzero (the backward divides by it)."""
+    ok = isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool)
+    if not ok or not math.isfinite(grad_scale) or grad_scale == 0:
+        refuse("grad_scale", "a finite, nonzero float", repr(grad_scale))
+    return float(grad_scale)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,9 +39,10 @@ def small_vocab_blocks(monkeypatch):
     monkeypatch.setattr(logp_lse_cpu, "CPU_CHUNK_ELEMENTS", 256)
 
 
-def check_against_reference(case, dtype, impl, record=False, **opts) -> None:
-    """Loss, every metric and the gradient of the op against the float64 oracle (numerics.py)."""
-    loss, metrics, grad = run_op(case, impl, **opts)
+def check_against_reference(case, dtype, impl, record=False, op_opts=None, **opts) -> None:
+    """Loss, every metric and the gradient of the op against the float64 oracle (numerics.py);
+    op_opts: the op's own keywords (not the method's options)."""
+    loss, metrics, grad = run_op(case, impl, **opts, **(op_opts or {}))
     o_loss, o_metrics, o_grad = run_ref(case, torch.float64, **opts)
     p_loss, p_metrics, _ = run_ref(case, torch.float32, **opts)
     _, _, p_grad = run_ref(case, dtype, **opts)
@@ -289,13 +291,160 @@ def test_inplace_backward_writes_the_same_gradient_into_the_logits(device):
         assert grad.data_ptr() == logits.data_ptr(), "no new (B, T, V) buffer"
 
 
-def test_gradient_scales_with_the_incoming_gradient(device):
+@pytest.mark.parametrize("grad_in_forward", [False, None])
+def test_gradient_scales_with_the_incoming_gradient(grad_in_forward, device):
+    case = make_case(2, 3, 40, seed=15, device=device)
+    grads = []
+    for scale in (1.0, 3.0):
+        x = case.logits.clone().requires_grad_()
+        loss, _ = ftis_loss(x, *case.inputs, grad_in_forward=grad_in_forward)
+        grads.append(torch.autograd.grad(loss * scale, x)[0])
+    numerics.assert_close("grad", grads[1], 3.0 * grads[0])
+
+
+def test_three_pass_backward_runs_again_with_retain_graph(device):
     case = make_case(2, 3, 40, seed=15, device=device)
     x = case.logits.clone().requires_grad_()
-    loss, _ = ftis_loss(x, *case.inputs)
+    loss, _ = ftis_loss(x, *case.inputs, grad_in_forward=False)
     (g1,) = torch.autograd.grad(loss, x, retain_graph=True)
     (g3,) = torch.autograd.grad(loss * 3.0, x)
     numerics.assert_close("grad", g3, 3.0 * g1)
+
+
+# --- the gradient written in the forward (kernels/logp_grad.py) -------------------------------
+
+# Options under which a row's gradient is its own row's: each reduction, surrogate, IS mode and
+# filter that the gradient-in-forward path takes, with filters that reject samples.
+GRAD_IN_FORWARD_OPTIONS = [
+    {},
+    {"kl_threshold": 0.5},
+    {"kl_threshold": 0.5, "kl_reduction": "mean", "kl_estimator": "k2"},
+    {"filter": "negative"},
+    {"filter": "negative_or_offpolicy", "kl_threshold": 2.0, "temperature": 0.7},
+    {"filter": "offpolicy", "kl_threshold": 1.0, "kl_threshold_low": 0.1},
+    {"loss_type": "dapo", "kl_threshold": 0.5},
+    {"loss_type": "bnpo", "filter": None, "beta": 0.1},
+    {"loss_type": "dr_grpo", "max_completion_length": 9},
+    {"loss_type": "cispo", "is_mode": "vis"},
+    {"loss_type": "sapo", "is_mode": "mask", "is_cap_min": 0.5},
+    {"loss_type": "luspo", "is_mode": "none", "reject_mode": "mask", "kl_threshold": 0.5},
+    {"is_source": "old", "kl_source": "old", "epsilon_high": 0.28, "delta": 1.5},
+]
+
+
+@pytest.mark.parametrize("opts", GRAD_IN_FORWARD_OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_in_forward_matches_reference_and_three_passes(opts, dtype, device):
+    case = make_case(
+        4, 5, 203, dtype, seed=21, gen_spread=3.0, with_old=True, with_ref=True, device=device
+    )
+    for impl in implementations(device):
+        if impl == "torch":  # the PyTorch path has no gradient-in-forward
+            continue
+        check_against_reference(case, dtype, impl, op_opts={"grad_in_forward": True}, **opts)
+        _, _, three = run_op(case, impl, grad_in_forward=False, **opts)
+        _, m, one = run_op(case, impl, grad_in_forward=True, **opts)
+        if opts.get("loss_type") not in ("dapo", "bnpo"):  # the 1 / N' folds in another order
+            assert torch.equal(one, three)
+        else:
+            numerics.assert_close("grad", one.float(), three.float())
+
+
+def test_gradient_in_forward_zeroes_rejected_samples_and_scales(device):
+    # Samples 1 and 2 negative and far off-policy: rejected after the forward wrote their rows.
+    case = make_case(3, 4, 70, seed=22, gen_spread=3.0, device=device)
+    case = replace(case, advantages=torch.tensor([1.0, -1.0, -0.5], device=device))
+    x = case.logits.clone().requires_grad_()
+    loss, metrics = ftis_loss(x, *case.inputs, grad_in_forward=True, kl_threshold=0.5)
+    assert metrics["filtered"].tolist() == [False, True, True]
+    (loss * -2.5).backward()
+    assert torch.count_nonzero(x.grad[1:]) == 0
+    _, _, want = run_op(case, None, grad_in_forward=False, kl_threshold=0.5)
+    numerics.assert_close("grad", x.grad, -2.5 * want)
+
+
+@pytest.mark.parametrize("announced", [1.0, 0.3, -2.5])
+def test_announced_incoming_gradient_is_folded_in_and_any_other_stays_exact(announced, device):
+    case = make_case(3, 4, 70, seed=23, gen_spread=3.0, device=device)
+    _, _, unit = run_op(case, None, grad_in_forward=False)
+    for incoming in (0.3, 1.0, -2.5):
+        x = case.logits.clone().requires_grad_()
+        loss, _ = ftis_loss(x, *case.inputs, grad_in_forward=True, grad_scale=announced)
+        (loss * incoming).backward()
+        numerics.assert_close("grad", x.grad, incoming * unit)
+
+
+def test_announced_gradient_leaves_nothing_to_rescale_in_the_backward(device, monkeypatch):
+    # The fix-up kernel reads no row of a kept sample when the announced gradient arrives.
+    from ftis_kernels.kernels import logp_grad
+
+    case = make_case(2, 3, 40, seed=24, device=device)
+    x = case.logits.clone().requires_grad_()
+    loss, _ = ftis_loss(x, *case.inputs, grad_in_forward=True, grad_scale=0.25, filter=None)
+    before = None
+
+    def spy(dlogits, *args):
+        nonlocal before
+        before = dlogits.clone()
+        return real(dlogits, *args)
+
+    real = logp_grad.grad_finish
+    monkeypatch.setattr(ftis_loss_module, "grad_finish", spy)
+    (loss * 0.25).backward()
+    assert torch.equal(x.grad, before), "the backward rewrote nothing"
+
+
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan"), True, "1"])
+def test_grad_scale_must_be_finite_and_nonzero(bad):
+    case = make_case(1, 2, 5, seed=1)
+    with pytest.raises(ValueError, match="grad_scale: expected a finite, nonzero float"):
+        ftis_loss(case.logits.clone().requires_grad_(), *case.inputs, grad_scale=bad)
+
+
+def test_gradient_in_forward_refuses_a_second_backward(device):
+    case = make_case(2, 3, 40, seed=15, device=device)
+    x = case.logits.clone().requires_grad_()
+    loss, _ = ftis_loss(x, *case.inputs, grad_in_forward=True)
+    torch.autograd.grad(loss, x, retain_graph=True)
+    with pytest.raises(RuntimeError, match="grad_in_forward=False"):
+        torch.autograd.grad(loss, x)
+
+
+@pytest.mark.parametrize(
+    "opts,reason",
+    [
+        ({"is_level": "sequence"}, "is_level"),
+        ({"ratio_level": "sequence"}, "ratio_level"),
+        ({"loss_type": "vespo"}, "vespo"),
+        ({"entropy_coef": 0.01}, "entropy_coef"),
+        ({"beta": 0.1}, "beta"),
+        ({"reject_mode": "mask", "loss_type": "dapo"}, "reject_mode"),
+        ({"inplace_backward": True}, "inplace_backward"),
+    ],
+)
+def test_gradient_in_forward_required_where_it_cannot_apply_names_the_reason(opts, reason):
+    case = make_case(2, 3, 40, seed=15, with_ref=True)
+    x = case.logits.clone().requires_grad_() * 1.0
+    with pytest.raises(ValueError, match=f"grad_in_forward: .*{reason}"):
+        ftis_loss(x, *case.inputs, grad_in_forward=True, **opts)
+    # Left to choose, the op takes the three-pass design and gives the gradient.
+    loss, _ = ftis_loss(x, *case.inputs, **opts)
+    loss.backward()
+
+
+@pytest.mark.parametrize("bad", [1, "yes"])
+def test_grad_in_forward_must_be_none_or_a_bool(bad):
+    case = make_case(1, 2, 5, seed=1)
+    with pytest.raises(ValueError, match="grad_in_forward: expected None, True or False"):
+        ftis_loss(case.logits.clone().requires_grad_(), *case.inputs, grad_in_forward=bad)
+
+
+def test_gradient_in_forward_skipped_without_a_gradient(device):
+    case = make_case(2, 3, 40, seed=15, device=device)
+    with torch.no_grad():
+        loss_ng, _ = ftis_loss(case.logits.clone().requires_grad_(), *case.inputs)
+    want, _ = ftis_loss(case.logits.clone(), *case.inputs, grad_in_forward=False)
+    assert torch.equal(loss_ng, want)
 
 
 def test_no_gradient_flows_to_logprob_inputs(device):

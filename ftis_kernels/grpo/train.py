@@ -230,6 +230,8 @@ def grpo_update(
             batch = build_packed_batch(chunk, prompt_tokens, pad_id, device, pack_row_tokens)
             logits, mask = packed_completion_logits(model, batch), None
             packing = dict(cu_seqlens=batch["cu_seqlens"])
+        chunk_tokens = sum(s.n_tokens for s in chunk)
+        share = chunk_tokens / max(n_tokens, 1) if by_tokens else len(chunk) / n_samples
         loss, metrics = ftis_loss(
             logits,
             batch["tokens"],
@@ -238,9 +240,8 @@ def grpo_update(
             mask,
             **packing,
             options=options,
+            grad_scale=share,  # the backward below: a gradient written in the forward is final
         )
-        chunk_tokens = sum(s.n_tokens for s in chunk)
-        share = chunk_tokens / max(n_tokens, 1) if by_tokens else len(chunk) / n_samples
         (loss * share).backward()
         if per_sample is not None:
             for key, values in sample_stats(metrics).items():

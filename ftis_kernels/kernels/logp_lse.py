@@ -66,6 +66,55 @@ def _num_warps(block_v: int) -> int:
     return 4 if block_v <= 1024 else (8 if block_v <= 4096 else 16)
 
 
+@triton.jit
+def row_stats(
+    row_ptr, v_end, V, stride_lv, inv_t,
+    WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    """One streaming pass over logits row_ptr[0 : v_end] (v_end = V for a live row, 0 for a masked
+    one): (m, s, u) with m = max_v x_v / tau (rounded as x * inv_t rounds the max element),
+    s = sum_v 2^((x_v - max) k) and u = sum_v 2^((x_v - max) k) (x_v - max) k (base-2 units, the
+    entropy's sum; 0 without WITH_ENTROPY), k = inv_t / ln 2."""
+    # The exponentials in base 2: e^(x / tau - m / tau) = 2^((x - m) k), one MUFU.EX2 a logit.
+    # The block is (LANES, VEC), VEC contiguous logits in one thread: each lane keeps its own
+    # running max, sum and entropy sum, rescaled once per VEC logits, and the lanes are combined
+    # once after the loop; a block costs no cross-thread reduction (bench/hopper_asm.py: no
+    # barrier in the loop).
+    k = inv_t * 1.4426950408889634
+    lane = tl.arange(0, LANES)
+    offs_in = lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    m = tl.full([LANES], NEG_BIG, dtype=tl.float32)  # each lane's running max of the raw logits
+    s = tl.zeros([LANES], dtype=tl.float32)  # sum of 2^(x k - m k)
+    u = tl.zeros([LANES], dtype=tl.float32)  # sum of 2^(x k - m k) (x k - m k): base-2 units
+    for v0 in range(0, v_end, BLOCK_V):
+        offs = v0 + offs_in
+        x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        # A lane with nothing summed yet has no past to rescale (its max may be the sentinel,
+        # whose product by k would overflow).
+        shift = tl.where(s > 0, (m - m_new) * k, 0.0)
+        alpha = tl.exp2(shift)
+        # (x - m) k, not x k - m k: the difference is exact near the max (Sterbenz), where the
+        # digits matter, so that |logits| = 1e8 keep the digits of log_softmax. A lane that has
+        # seen only -inf keeps the finite sentinel: -inf - NEG_BIG = -inf, 2^-inf = 0.
+        d = (x - m_new[:, None]) * k
+        e = tl.exp2(d)
+        if WITH_ENTROPY:
+            # max(d, -200): exact wherever e > 0 (2^-150 underflows), and e * d = 0, not 0 * -inf,
+            # at a -inf logit.
+            u = alpha * (u + shift * s) + tl.sum(e * tl.maximum(d, -200.0), axis=1)
+        s = s * alpha + tl.sum(e, axis=1)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    shift = tl.where(s > 0, (m - m_row) * k, 0.0)
+    alpha = tl.exp2(shift)
+    u = tl.sum(alpha * (u + shift * s), axis=0)
+    s = tl.sum(s * alpha, axis=0)
+    m = m_row * inv_t
+    return m, s, u
+
+
 @triton.heuristics(
     {
         "HAS_MASK": lambda args: args["mask_ptr"] is not None,
@@ -116,43 +165,7 @@ def _logp_lse_fwd_kernel(
     # x * (1 / tau), not x / tau: compiled Triton divides by a runtime scalar with a reciprocal and
     # two range fix-ups per element (bench/hopper_asm.py counted 3 instructions a logit).
     inv_t = tl.math.div_rn(1.0, temperature)
-    # The exponentials in base 2: e^(x / tau - m / tau) = 2^((x - m) k), one MUFU.EX2 a logit.
-    # The block is (LANES, VEC), VEC contiguous logits in one thread: each lane keeps its own
-    # running max, sum and entropy sum, rescaled once per VEC logits, and the lanes are combined
-    # once after the loop; a block costs no cross-thread reduction (bench/hopper_asm.py: no
-    # barrier in the loop).
-    k = inv_t * 1.4426950408889634
-    lane = tl.arange(0, LANES)
-    offs_in = lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    m = tl.full([LANES], NEG_BIG, dtype=tl.float32)  # each lane's running max of the raw logits
-    s = tl.zeros([LANES], dtype=tl.float32)  # sum of 2^(x k - m k)
-    u = tl.zeros([LANES], dtype=tl.float32)  # sum of 2^(x k - m k) (x k - m k): base-2 units
-    for v0 in range(0, v_end, BLOCK_V):
-        offs = v0 + offs_in
-        x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
-        x = x.to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        # A lane with nothing summed yet has no past to rescale (its max may be the sentinel,
-        # whose product by k would overflow).
-        shift = tl.where(s > 0, (m - m_new) * k, 0.0)
-        alpha = tl.exp2(shift)
-        # (x - m) k, not x k - m k: the difference is exact near the max (Sterbenz), where the
-        # digits matter, so that |logits| = 1e8 keep the digits of log_softmax. A lane that has
-        # seen only -inf keeps the finite sentinel: -inf - NEG_BIG = -inf, 2^-inf = 0.
-        d = (x - m_new[:, None]) * k
-        e = tl.exp2(d)
-        if WITH_ENTROPY:
-            # max(d, -200): exact wherever e > 0 (2^-150 underflows), and e * d = 0, not 0 * -inf,
-            # at a -inf logit.
-            u = alpha * (u + shift * s) + tl.sum(e * tl.maximum(d, -200.0), axis=1)
-        s = s * alpha + tl.sum(e, axis=1)
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    shift = tl.where(s > 0, (m - m_row) * k, 0.0)
-    alpha = tl.exp2(shift)
-    u = tl.sum(alpha * (u + shift * s), axis=0)
-    s = tl.sum(s * alpha, axis=0)
-    m = m_row * inv_t  # max_v x_v / tau, rounded as x * inv_t rounds its max element
+    m, s, u = row_stats(row_ptr, v_end, V, stride_lv, inv_t, WITH_ENTROPY, BLOCK_V, VEC, LANES)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
     # A bad token id is refused by the caller after the forward: until then it reads nothing.
     token_ok = (token >= 0) & (token < V)
@@ -283,17 +296,23 @@ def _logits_bwd_kernel(
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
     row_ptr = logits_ptr + b * stride_lb + t * stride_lt  # int64, as in the forward
     drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
-    # Rows without gradient (masked, filtered, zero advantage) read nothing and write zeros.
+    # Rows without gradient (masked, filtered, zero advantage) read nothing and write zeros. The
+    # loop writes -coef p_v (and the entropy's term); the taken token's element, coef (1 - p_v)
+    # and the same term, is written after it (a compare and a select per logit fewer).
     v_read = tl.where(live, V, 0)
+    # The taken token's logit, read before the loop: in place, the loop overwrites it.
+    token_ok = (token >= 0) & (token < V)
+    x_token = tl.load(row_ptr + token * stride_lv, mask=live & token_ok, other=-float("inf"))
+    # Every thread holds it before any thread's store can overwrite it (in place).
+    tl.debug_barrier()
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        in_row = offs < V
         x = tl.load(
             row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf")
         )
         log_p = (x.to(tl.float32) * inv_t - row_max) - log_sum
         p = tl.exp(log_p)
-        grad = coef * (tl.where(offs == token, 1.0, 0.0) - p)
+        grad = p * -coef
         if HAS_ENTROPY_GRAD:
             # dH/dlogit_v = -p_v (log p_v + H); p_v = 0 adds 0 * 0, not 0 * -inf (no lane forms
             # a nan, even one discarded afterwards).
@@ -301,8 +320,20 @@ def _logits_bwd_kernel(
         tl.store(
             drow_ptr + offs.to(tl.int64) * stride_dv,
             grad.to(dlogits_ptr.dtype.element_ty),
-            mask=in_row,
+            mask=offs < V,
         )
+    # The loop's store of the token's element, by another thread, lands before this one.
+    tl.debug_barrier()
+    log_p = (x_token.to(tl.float32) * inv_t - row_max) - log_sum
+    p = tl.exp(log_p)
+    grad = coef * (1.0 - p)
+    if HAS_ENTROPY_GRAD:
+        grad -= ecoef * p * tl.where(p > 0, log_p + entropy, 0.0)
+    tl.store(
+        drow_ptr + token * stride_dv,
+        grad.to(dlogits_ptr.dtype.element_ty),
+        mask=live & token_ok,
+    )
 
 
 def logits_bwd(

@@ -63,3 +63,29 @@ def surrogate_and_grad(
         dP_dlogp = -phi * adv
         clip = R > inf
     return P, dP_dR, dP_dlogp, clip
+
+
+@triton.jit
+def token_coef(
+    logp, gen, old, adv, is_cap, is_cap_min, lo, hi, clip_high, delta, tau_pos, tau_neg,
+    IS_MODE: tl.constexpr, IS_FROM_OLD: tl.constexpr, SURROGATE: tl.constexpr,
+):  # fmt: skip
+    """The policy term's derivatives for a token with a token-level IS weight and PPO ratio and
+    no sequence weight (not VESPO), before the penalty and the reduction's scale: (d loss_tok /
+    d logp directly, d loss_tok / d R, R), as the per-sample kernel's pass 2 forms them (the
+    caller adds the penalty, then dL_dR * R, in that order). logp, gen, old (old = logp without
+    old_logprobs) and adv (0 for a rejected sample) are fp32 scalars or blocks."""
+    if IS_FROM_OLD:
+        log_ratio = old - gen
+    else:
+        log_ratio = logp - gen
+    w = is_weight(log_ratio, is_cap, is_cap_min, IS_MODE)
+    R = tl.exp(logp - old)
+    P, dP_dR, dP_dlogp, clip = surrogate_and_grad(
+        R, adv, lo, hi, clip_high, delta, logp, tau_pos, tau_neg, 0.0, SURROGATE
+    )
+    has_adv = adv != 0.0
+    w_loss = tl.where(has_adv, w, 0.0)
+    dL_dR = w_loss * tl.where(has_adv, dP_dR, 0.0)
+    dL_dlogp = w_loss * tl.where(has_adv, dP_dlogp, 0.0)
+    return dL_dlogp, dL_dR, R

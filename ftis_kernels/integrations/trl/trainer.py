@@ -273,8 +273,21 @@ class FTISGRPOTrainer(GRPOTrainer):
             options = options.replace(entropy_coef=0.0)
         # The value checks are read with the metrics below (a synchronisation this step makes
         # anyway), not in the backward: the backward then reads nothing from the device.
+        # The factor applied below, announced to ftis_loss: where it writes the gradient in its
+        # forward, it writes it scaled, and its backward has nothing to rescale.
+        announced = {}
+        if self.args.ftis_op == "ftis_loss" and isinstance(scale, float):
+            announced["grad_scale"] = scale
         loss, metrics = head(
-            completion_ids, gen, advantages, mask, old, ref, options=options, value_check="deferred"
+            completion_ids,
+            gen,
+            advantages,
+            mask,
+            old,
+            ref,
+            options=options,
+            value_check="deferred",
+            **announced,
         )
         if not self._on_policy_noticed:
             self._notice_on_policy(gen, old, metrics["logp"], mask)

@@ -1,0 +1,390 @@
+"""The gradient written in the forward: one read of each row of logits and one write of its
+gradient, instead of a read in the forward and a read and a write in the backward.
+
+Where no row's gradient depends on what the forward has not yet seen (token-level IS weight and
+PPO ratio, a surrogate without a sequence weight, no entropy bonus, normalisers known from the
+mask: `ftis_loss.grad_in_forward_reason` lists the options), d loss / d logits of row r is
+    dx[r, v] = c_r (1[v == token_r] - p_v),   c_r = (d loss / d logp_r) / tau,
+and c_r needs only the row's own log pi_theta: `_logp_grad_fwd_kernel` makes the forward row
+pass (`logp_lse.row_stats`), forms c_r from the token's log-probabilities and its sample's
+advantage and normaliser as the per-sample kernel does (`loss_terms.token_coef`), then reads the
+row again (from L2: a program re-reads its own row right after the first pass) and writes dx. The
+filter's decision needs the whole sample, so the forward writes every row as if its sample were
+kept; the per-sample kernel then decides as always, and `_grad_finish_kernel` in the backward
+zeroes the rows of the rejected samples (their gradient is exactly 0 under these options) and
+multiplies the rest by the incoming gradient when it is not the one the caller announced
+(`grad_scale`, 1 by default; read on the device: nothing is read or written for a kept row when
+they agree).
+
+Memory traffic per call: the logits once and the gradient once (about 2/3 of the three-pass
+design's), plus the rejected rows' zeros and, only for an incoming gradient other than the one
+announced (a loss scaled after the op by an unannounced factor), one more read and write of the
+gradient.
+
+`_mask_counts_kernel` gives the per-sample token counts the normalisers need before the row pass
+(one small launch; none without a mask or for normalisers that do not count tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ftis_kernels.kernels.logp_lse import _block_v, fwd_meta, row_stats
+from ftis_kernels.kernels.loss_terms import token_coef
+from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
+
+# Tokens one program of `_mask_counts_kernel` sums per step; samples the row kernel sums per
+# step for a batch-wide token count.
+BLOCK_T = 1024
+BLOCK_S = 1024
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mask_counts_kernel(
+    mask_ptr,  # (B, T) bool | 0/1, any strides
+    counts_ptr,  # (B,) fp32 out: the sample's completion tokens
+    T,
+    stride_mb,
+    stride_mt,
+    BLOCK_T: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        mv = tl.load(mask_ptr + b * stride_mb + t.to(tl.int64) * stride_mt, mask=t < T, other=0)
+        n += (mv != 0).to(tl.float32)
+    tl.store(counts_ptr + b, tl.sum(n, axis=0))
+
+
+@triton.heuristics(
+    {
+        "HAS_MASK": lambda args: args["mask_ptr"] is not None,
+        "HAS_OLD": lambda args: args["old_ptr"] is not None,
+        "HAS_REF": lambda args: args["ref_ptr"] is not None,
+        "HAS_COUNTS": lambda args: args["counts_ptr"] is not None,
+    }
+)
+@triton.jit(do_not_specialize=["T", "n_samples", "length"])
+def _logp_grad_fwd_kernel(
+    # pointers: the logits and their gradient
+    logits_ptr,  # (B, T, V) fp32 | bf16 | fp16, any strides
+    dlogits_ptr,  # (B, T, V) out, the logits' dtype, any strides
+    # pointers: the caller's (B, T) tensors, any strides, and (B,) advantages
+    tokens_ptr,
+    mask_ptr,  # or None
+    gen_ptr,
+    old_ptr,  # or None
+    ref_ptr,  # or None (beta = 0)
+    adv_ptr,
+    counts_ptr,  # (B,) fp32 completion tokens per sample, or None (no mask: T each)
+    # pointers: outputs, (B * T,) fp32
+    logp_ptr,
+    row_max_ptr,
+    log_sum_ptr,
+    entropy_ptr,
+    coef_ptr,  # c_r as written into the gradient (with 1 / tau)
+    # scalars
+    grad_scale,  # the incoming gradient the caller announced: folded into c_r
+    temperature,
+    is_cap,
+    is_cap_min,  # 0 when unset
+    lo,  # 1 - epsilon
+    hi,  # 1 + epsilon_high (or epsilon)
+    clip_high,  # epsilon_high (or epsilon)
+    delta,  # inf when unset
+    tau_pos,
+    tau_neg,
+    beta,
+    # sizes
+    T,
+    V,
+    n_samples,  # B, the normaliser's
+    length,  # dr_grpo's L
+    # strides
+    stride_lb,
+    stride_lt,
+    stride_lv,
+    stride_db,
+    stride_dt,
+    stride_dv,
+    stride_tb,
+    stride_tt,
+    stride_mb,
+    stride_mt,
+    stride_gb,
+    stride_gt,
+    stride_ob,
+    stride_ot,
+    stride_rb,
+    stride_rt,
+    stride_adv,
+    # meta-parameters
+    IS_MODE: tl.constexpr,
+    IS_FROM_OLD: tl.constexpr,
+    SURROGATE: tl.constexpr,
+    REDUCTION: tl.constexpr,
+    ZERO_NEGATIVE: tl.constexpr,  # the filter rejects every sample with A <= 0, whatever its KL
+    HAS_MASK: tl.constexpr,
+    BIAS_KL: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    VEC: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    active = t >= 0  # every row, as a tensor (a load's mask below)
+    if HAS_MASK:
+        active = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
+    row_ptr = logits_ptr + b * stride_lb + t * stride_lt
+    drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
+    v_end = tl.where(active, V, 0)
+    inv_t = tl.math.div_rn(1.0, temperature)
+    # Pass 1, the forward row kernel's: row statistics, log pi_theta(token), entropy.
+    m, s, u = row_stats(row_ptr, v_end, V, stride_lv, inv_t, True, BLOCK_V, VEC, LANES)
+    token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
+    token_ok = (token >= 0) & (token < V)
+    x_token = tl.load(row_ptr + token * stride_lv, mask=active & token_ok, other=0.0)
+    s_safe = tl.where(active, s, 1.0)
+    log_sum = tl.where(active, tl.log(s_safe), 0.0)
+    logp = tl.where(active, (x_token.to(tl.float32) / temperature - m) - log_sum, 0.0)
+    row_max = tl.where(active, m, 0.0)
+    tl.store(logp_ptr + row, logp)
+    tl.store(row_max_ptr + row, row_max)
+    tl.store(log_sum_ptr + row, log_sum)
+    tl.store(entropy_ptr + row, tl.where(active, log_sum - 0.6931471805599453 * u / s_safe, 0.0))
+
+    # d loss / d logp of this token, as the per-sample kernel's pass 2 forms it for a kept sample.
+    gen = tl.load(gen_ptr + b * stride_gb + t * stride_gt, mask=active, other=0.0).to(tl.float32)
+    old = logp
+    if HAS_OLD:
+        old = tl.load(old_ptr + b * stride_ob + t * stride_ot, mask=active, other=0.0)
+        old = old.to(tl.float32)
+    adv = tl.load(adv_ptr + b * stride_adv).to(tl.float32)
+    if ZERO_NEGATIVE:
+        adv = tl.where(adv <= 0.0, 0.0, adv)
+    dL_dlogp, dL_dR, R = token_coef(
+        logp, gen, old, adv, is_cap, is_cap_min, lo, hi, clip_high, delta, tau_pos, tau_neg,
+        IS_MODE, IS_FROM_OLD, SURROGATE,
+    )  # fmt: skip
+    if HAS_REF:  # beta * k3(ref - logp), times R with the bias correction
+        ref = tl.load(ref_ptr + b * stride_rb + t * stride_rt, mask=active, other=0.0)
+        u_ref = tl.where(active, ref.to(tl.float32), 0.0) - logp
+        dpen = -expm1(u_ref)  # d pen / d logp = 1 - exp(u)
+        if BIAS_KL:
+            dL_dlogp += beta * dpen * R
+            dL_dR += beta * exp_m1_mx(u_ref)
+        else:
+            dL_dlogp += beta * dpen
+    dL_dlogp += dL_dR * R
+    # The reduction's scale (per_sample.REDUCTION_SCALES), the samples' token counts read here.
+    if REDUCTION == 0:
+        n_b = T + 0.0
+        if HAS_COUNTS:
+            n_b = tl.load(counts_ptr + b)
+        factor = 1.0 / (n_samples * tl.maximum(n_b, 1.0))
+    elif REDUCTION == 1:
+        n_all = (n_samples * T) + 0.0
+        if HAS_COUNTS:
+            acc = tl.zeros([BLOCK_S], dtype=tl.float32)
+            for s0 in range(0, n_samples, BLOCK_S):
+                i = s0 + tl.arange(0, BLOCK_S)
+                acc += tl.load(counts_ptr + i, mask=i < n_samples, other=0.0)
+            n_all = tl.sum(acc, axis=0)
+        factor = 1.0 / tl.maximum(n_all, 1.0)
+    elif REDUCTION == 2:
+        factor = 1.0 / (n_samples * length)
+    else:
+        factor = 1.0 / n_samples
+    c = tl.where(active, dL_dlogp * factor, 0.0) * (inv_t * grad_scale)
+    tl.store(coef_ptr + row, c)
+
+    # Pass 2: the row again (a row without gradient reads nothing), its gradient written: -c p_v
+    # in the loop, then c (1 - p_v) at the taken token (the one-hot kept out of the loop: a
+    # compare and a select per logit fewer).
+    v_read = tl.where(c != 0.0, V, 0)
+    lane = tl.arange(0, LANES)
+    offs_in = lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + offs_in
+        x = tl.load(
+            row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf")
+        )
+        p = tl.exp((x.to(tl.float32) * inv_t - row_max) - log_sum)
+        tl.store(
+            drow_ptr + offs.to(tl.int64) * stride_dv,
+            (p * -c).to(dlogits_ptr.dtype.element_ty),
+            mask=offs < V,
+        )
+    # The loop's store of the token's element, by another thread, lands before this one.
+    tl.debug_barrier()
+    p_token = tl.exp((x_token.to(tl.float32) * inv_t - row_max) - log_sum)
+    tl.store(
+        drow_ptr + token * stride_dv,
+        (c * (1.0 - p_token)).to(dlogits_ptr.dtype.element_ty),
+        mask=(c != 0.0) & token_ok,
+    )
+
+
+@triton.heuristics({"HAS_FILTER": lambda args: args["filtered_ptr"] is not None})
+@triton.jit(do_not_specialize=["T"])
+def _grad_finish_kernel(
+    dlogits_ptr,  # (B, T, V), written by `_logp_grad_fwd_kernel`; updated in place
+    coef_ptr,  # (B * T,) fp32: the forward's c_r
+    filtered_ptr,  # (B,) bool: the per-sample kernel's rejected samples, or None (no filter)
+    grad_ptr,  # () fp32: d (outer loss) / d loss
+    grad_scale,  # fp32: the incoming gradient the forward folded in
+    T,
+    V,
+    stride_db,
+    stride_dt,
+    stride_dv,
+    HAS_FILTER: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    written = tl.load(coef_ptr + row) != 0.0
+    # The incoming gradient over the one the forward folded in: exactly 1 when they are equal
+    # (an IEEE division, not the reciprocal's approximation).
+    g = tl.math.div_rn(tl.load(grad_ptr).to(tl.float32), grad_scale)
+    # A rejected sample's rows become zeros (nothing read); a kept row is scaled by g only when
+    # g != 1; rows the forward left at zero stay as they are.
+    scaled = written & (g != 1.0)
+    n_zero = V * 0
+    if HAS_FILTER:
+        rejected = tl.load(filtered_ptr + b).to(tl.int32) != 0
+        n_zero = tl.where(written & rejected, V, 0)
+        scaled = scaled & (~rejected)
+    n_scale = tl.where(scaled, V, 0)
+    drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
+    for v0 in range(0, n_zero, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        zeros = tl.zeros([BLOCK_V], dtype=dlogits_ptr.dtype.element_ty)
+        tl.store(drow_ptr + offs.to(tl.int64) * stride_dv, zeros, mask=offs < V)
+    for v0 in range(0, n_scale, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        ptrs = drow_ptr + offs.to(tl.int64) * stride_dv
+        x = tl.load(ptrs, mask=offs < V, other=0.0).to(tl.float32)
+        tl.store(ptrs, (x * g).to(dlogits_ptr.dtype.element_ty), mask=offs < V)
+
+
+# --- launchers -----------------------------------------------------------------------------------
+
+
+def _strides(x: Optional[torch.Tensor]) -> tuple[int, int]:
+    return (0, 0) if x is None else tuple(x.stride())
+
+
+def logp_grad_fwd(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    rows,
+    opt,
+    codes: dict,
+    length: int,
+    grad_scale: float = 1.0,
+    *,
+    meta: Optional[dict] = None,
+) -> tuple[torch.Tensor, ...]:
+    """The forward row pass with the gradient: one launch (two with a mask and a token-counting
+    normaliser). logits, out (B, T, V) (out: any strides, the logits' dtype); rows the op's
+    `validate.Rows` ((B, T) tensors, advantages (B,)); codes the per-sample kernel's compile-time
+    codes of the options (IS_MODE, IS_FROM_OLD, SURROGATE, REDUCTION, ZERO_NEGATIVE); length
+    dr_grpo's L; meta in place of `logp_lse.fwd_meta`'s.
+
+    Returns logp, row_max, log_sum, entropy, coef, each (B, T) fp32 (0 at masked positions; coef
+    is c_r, what `grad_finish` reads), with out holding d loss / d logits of every row as if no
+    sample were rejected, for an incoming gradient of grad_scale.
+    """
+    B, T, V = logits.shape
+    f32, dev = torch.float32, logits.device
+    # One allocation for the five (each a contiguous (B, T) view): on a GPU each is host time.
+    logp, row_max, log_sum, entropy, coef = torch.empty(5, B, T, dtype=f32, device=dev).unbind(0)
+    mask, old = rows.mask, rows.old_logprobs
+    ref = None if opt.beta == 0 else rows.ref_logprobs
+    counts = None
+    if mask is not None and codes["REDUCTION"] in (0, 1):
+        counts = torch.empty(B, dtype=f32, device=dev)
+        _mask_counts_kernel[(B,)](mask, counts, T, *mask.stride(), BLOCK_T=BLOCK_T, num_warps=4)
+    _logp_grad_fwd_kernel[(B * T,)](
+        logits,
+        out,
+        rows.tokens,
+        mask,
+        rows.gen_logprobs,
+        old,
+        ref,
+        rows.advantages,
+        counts,
+        logp,
+        row_max,
+        log_sum,
+        entropy,
+        coef,
+        float(grad_scale),
+        float(opt.temperature),
+        float(opt.is_cap),
+        0.0 if opt.is_cap_min is None else float(opt.is_cap_min),
+        1.0 - opt.epsilon,
+        1.0 + opt.clip_high,
+        float(opt.clip_high),
+        float("inf") if opt.delta is None else float(opt.delta),
+        float(opt.sapo_temperature_pos),
+        float(opt.sapo_temperature_neg),
+        float(opt.beta),
+        T,
+        V,
+        B,
+        length,
+        *logits.stride(),
+        *out.stride(),
+        *rows.tokens.stride(),
+        *_strides(mask),
+        *rows.gen_logprobs.stride(),
+        *_strides(old),
+        *_strides(ref),
+        rows.advantages.stride(0),
+        BIAS_KL=bool(opt.use_bias_correction_kl),
+        **codes,
+        **(meta if meta is not None else fwd_meta(_block_v(V))),
+    )
+    return logp, row_max, log_sum, entropy, coef
+
+
+def grad_finish(
+    dlogits: torch.Tensor,
+    coef: torch.Tensor,
+    filtered: Optional[torch.Tensor],
+    grad: torch.Tensor,
+    grad_scale: float = 1.0,
+) -> torch.Tensor:
+    """The backward of the gradient-in-forward path, one launch, in place: zeroes the rows of the
+    rejected samples (filtered (B,) bool, or None without a filter) and multiplies the others by
+    grad / grad_scale (grad a 0-dim fp32 tensor, grad_scale what `logp_grad_fwd` folded in) when
+    it is not 1. dlogits (B, T, V), coef (B, T) fp32 as
+    `logp_grad_fwd` returned them. Returns dlogits."""
+    B, T, V = dlogits.shape
+    block_v = _block_v(V)
+    _grad_finish_kernel[(B * T,)](
+        dlogits,
+        coef,
+        filtered,
+        grad,
+        float(grad_scale),
+        T,
+        V,
+        *dlogits.stride(),
+        BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )
+    return dlogits
