@@ -24,7 +24,6 @@ shared with `ftis_linear_loss` is in `custom_op.py`.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -243,7 +242,9 @@ class _FTISLossGradInForward(torch.autograd.Function):
         outputs = custom_op.finish_forward(args, logits.shape[-1], tuple(stats))
         named = dict(zip(custom_op.OUTPUT_NAMES, outputs))
         ctx.dlogits, ctx.coef = dlogits, coef
-        ctx.filtered = named["filtered"] if opt.filter is not None else None
+        # The per-sample kernel's coefficients (not a tensor the caller holds): 0 on the rows of
+        # the samples it rejected.
+        ctx.final_coef = named["coef"] if opt.filter is not None else None
         ctx.record = named["record"]
         ctx.check_in_backward = args["value_check"] == "backward" and not args["check_now"]
         ctx.n_inputs, ctx.grad_scale = len(inputs), grad_scale
@@ -261,8 +262,8 @@ class _FTISLossGradInForward(torch.autograd.Function):
                 "forward; pass grad_in_forward=False to backpropagate through it more than once"
             )
         ctx.dlogits = None  # the gradient is handed on: autograd may accumulate into it
-        grad = grad_loss.detach().to(torch.float32)
-        grad_finish(dlogits, ctx.coef, ctx.filtered, grad, ctx.grad_scale)
+        grad = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.float()
+        grad_finish(dlogits, ctx.coef, ctx.final_coef, grad, ctx.grad_scale)
         if ctx.check_in_backward:
             raise_on_faults(ctx.record)
         return (None, dlogits) + (None,) * (ctx.n_inputs - 1)
@@ -281,7 +282,7 @@ def ftis_loss(
     options: Optional[FTISOptions] = None,
     inplace_backward: bool | str = False,
     grad_in_forward: Optional[bool] = None,
-    grad_scale: float = 1.0,
+    grad_scale: Optional[float] = None,
     value_check: str = "backward",
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_start: int = 0,
@@ -325,13 +326,18 @@ def ftis_loss(
             token-level IS weight and PPO ratio, not VESPO, no entropy bonus, no penalty beside
             a filter). The gradient buffer then lives from the forward to the backward; an
             incoming gradient other than `grad_scale` costs one more read and write of it; the
-            graph can be backpropagated once.
+            graph can be backpropagated once. Under None, fp16 logits take it only with
+            grad_scale given.
         grad_scale: the factor the caller multiplies the loss by before its backward (d outer
-            loss / d loss: 1 / accumulation steps, a micro-batch's share, an AMP loss scale).
-            The loss is returned unscaled; only where the gradient is written in the forward,
-            it is written times grad_scale, so that the backward has nothing to rescale. A
-            different incoming gradient is still exact, at the cost of one more pass. A finite,
-            nonzero float.
+            loss / d loss: 1 / accumulation steps, a micro-batch's share, an AMP loss scale),
+            or None (not announced: 1 is assumed). The loss is returned unscaled; where the
+            gradient is written in the forward, it is written times grad_scale, so that the
+            backward has nothing to rescale. Another incoming gradient is applied in one more
+            pass to the gradient already rounded to the logits' dtype (bf16: at most one more
+            unit in the last place than the three-pass design); fp16 logits, whose small
+            gradients would underflow before an unannounced loss scale reaches them, take the
+            three-pass design unless grad_scale is given. Finite, nonzero and in fp32's normal
+            range.
         cu_seqlens: (S + 1,) int32 | int64 offsets of a packed (padding-free) batch, or None.
             Then logits are (N, V) or (1, N, V), the per-token tensors (N,) or (1, N), advantages
             (S,), and sample s is tokens cu_seqlens[s] : cu_seqlens[s + 1]; the result is the
@@ -388,15 +394,20 @@ def ftis_loss(
     traced = custom_op.traced(logits, *rows, cu_seqlens)
     if traced:
         outputs = _ftis_loss_fwd(*inputs)
-    elif _use_grad_in_forward(grad_in_forward, opt, logits, backend, inplace, cu_seqlens, shard):
+    elif _use_grad_in_forward(
+        grad_in_forward, opt, logits, backend, inplace, cu_seqlens, shard, grad_scale is not None
+    ):
         outputs = _FTISLossGradInForward.apply(scale, *inputs)
     else:
         outputs = _FTISLoss.apply(*inputs)
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)
 
 
-def _use_grad_in_forward(requested, opt, logits, backend, inplace, cu_seqlens, shard) -> bool:
-    """Whether an eager call takes `_FTISLossGradInForward` (`ftis_loss`'s grad_in_forward)."""
+def _use_grad_in_forward(
+    requested, opt, logits, backend, inplace, cu_seqlens, shard, announced: bool
+) -> bool:
+    """Whether an eager call takes `_FTISLossGradInForward` (`ftis_loss`'s grad_in_forward;
+    announced: whether the caller gave grad_scale)."""
     if requested is not None and not isinstance(requested, bool):
         refuse("grad_in_forward", "None, True or False", repr(requested))
     if requested is False:
@@ -414,12 +425,23 @@ def _use_grad_in_forward(requested, opt, logits, backend, inplace, cu_seqlens, s
         if requested:
             refuse("grad_in_forward", "options and inputs it applies to", reason)
         return False
+    if requested is None and logits.dtype == torch.float16 and not announced:
+        return False  # an unannounced loss scale would meet gradients already underflowed
     return torch.is_grad_enabled() and logits.requires_grad
 
 
 def _check_grad_scale(grad_scale: object) -> float:
-    """grad_scale as a float: finite and nonzero (the backward divides by it)."""
+    """grad_scale as a float (None: 1), finite, nonzero and a normal fp32 number (the kernels
+    take it in fp32, and the backward divides by it)."""
+    if grad_scale is None:
+        return 1.0
     ok = isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool)
-    if not ok or not math.isfinite(grad_scale) or grad_scale == 0:
-        refuse("grad_scale", "a finite, nonzero float", repr(grad_scale))
+    if not ok or not _FP32_NORMAL_MIN <= abs(grad_scale) <= _FP32_MAX:
+        refuse(
+            "grad_scale", "None or a finite, nonzero float in fp32's normal range", repr(grad_scale)
+        )
     return float(grad_scale)
+
+
+_FP32_MAX = 3.4028234663852886e38
+_FP32_NORMAL_MIN = 1.1754943508222875e-38

@@ -394,11 +394,28 @@ def test_announced_gradient_leaves_nothing_to_rescale_in_the_backward(device, mo
     assert torch.equal(x.grad, before), "the backward rewrote nothing"
 
 
-@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan"), True, "1"])
-def test_grad_scale_must_be_finite_and_nonzero(bad):
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan"), 1e39, 1e-46, True, "1"])
+def test_grad_scale_must_be_finite_nonzero_and_a_normal_fp32(bad):
     case = make_case(1, 2, 5, seed=1)
-    with pytest.raises(ValueError, match="grad_scale: expected a finite, nonzero float"):
+    with pytest.raises(ValueError, match="grad_scale: expected None or a finite, nonzero float"):
         ftis_loss(case.logits.clone().requires_grad_(), *case.inputs, grad_scale=bad)
+
+
+def test_fp16_logits_keep_three_passes_unless_the_loss_scale_is_announced(device):
+    # An AMP loss scale applied to an fp16 gradient written in the forward would meet entries
+    # already underflowed: by default fp16 takes the three-pass design, announced it is exact.
+    case = make_case(3, 4, 70, torch.float16, seed=25, gen_spread=3.0, device=device)
+    grads = {}
+    for name, kw in {"default": {}, "announced": {"grad_scale": 1024.0}}.items():
+        x = case.logits.clone().requires_grad_()
+        loss, _ = ftis_loss(x, *case.inputs, **kw)
+        (loss * 1024.0).backward()
+        grads[name] = x.grad
+    x = case.logits.clone().requires_grad_()
+    loss, _ = ftis_loss(x, *case.inputs, grad_in_forward=False)
+    (loss * 1024.0).backward()
+    assert torch.equal(grads["default"], x.grad)
+    assert torch.equal(grads["announced"], x.grad)
 
 
 def test_gradient_in_forward_refuses_a_second_backward(device):

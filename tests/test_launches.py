@@ -43,6 +43,7 @@ FREE = {
     "aten::t",
     "aten::transpose",
     "aten::unsqueeze",
+    "aten::unbind",
     "aten::squeeze",
     "aten::detach",
     "aten::detach_",

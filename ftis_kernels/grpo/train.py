@@ -240,7 +240,9 @@ def grpo_update(
             mask,
             **packing,
             options=options,
-            grad_scale=share,  # the backward below: a gradient written in the forward is final
+            # The backward below: a gradient written in the forward is final (an empty chunk's
+            # share is 0, which scales nothing: not announced).
+            grad_scale=share or None,
         )
         (loss * share).backward()
         if per_sample is not None:

@@ -234,12 +234,13 @@ def _logp_grad_fwd_kernel(
     )
 
 
-@triton.heuristics({"HAS_FILTER": lambda args: args["filtered_ptr"] is not None})
+@triton.heuristics({"HAS_FILTER": lambda args: args["final_coef_ptr"] is not None})
 @triton.jit(do_not_specialize=["T"])
 def _grad_finish_kernel(
     dlogits_ptr,  # (B, T, V), written by `_logp_grad_fwd_kernel`; updated in place
     coef_ptr,  # (B * T,) fp32: the forward's c_r
-    filtered_ptr,  # (B,) bool: the per-sample kernel's rejected samples, or None (no filter)
+    final_coef_ptr,  # (B * T,) fp32: the per-sample kernel's coef, 0 on a rejected sample's
+    # rows (None without a filter: then no row is rejected)
     grad_ptr,  # () fp32: d (outer loss) / d loss
     grad_scale,  # fp32: the incoming gradient the forward folded in
     T,
@@ -262,7 +263,9 @@ def _grad_finish_kernel(
     scaled = written & (g != 1.0)
     n_zero = V * 0
     if HAS_FILTER:
-        rejected = tl.load(filtered_ptr + b).to(tl.int32) != 0
+        # The forward's c_r and the per-sample kernel's coef are the same operations on the same
+        # values: a written row whose final coefficient is 0 belongs to a rejected sample.
+        rejected = tl.load(final_coef_ptr + row) == 0.0
         n_zero = tl.where(written & rejected, V, 0)
         scaled = scaled & (~rejected)
     n_scale = tl.where(scaled, V, 0)
@@ -364,12 +367,13 @@ def logp_grad_fwd(
 def grad_finish(
     dlogits: torch.Tensor,
     coef: torch.Tensor,
-    filtered: Optional[torch.Tensor],
+    final_coef: Optional[torch.Tensor],
     grad: torch.Tensor,
     grad_scale: float = 1.0,
 ) -> torch.Tensor:
     """The backward of the gradient-in-forward path, one launch, in place: zeroes the rows of the
-    rejected samples (filtered (B,) bool, or None without a filter) and multiplies the others by
+    rejected samples (the rows where final_coef, the per-sample kernel's (B, T) fp32 coef, is 0;
+    None without a filter) and multiplies the others by
     grad / grad_scale (grad a 0-dim fp32 tensor, grad_scale what `logp_grad_fwd` folded in) when
     it is not 1. dlogits (B, T, V), coef (B, T) fp32 as
     `logp_grad_fwd` returned them. Returns dlogits."""
@@ -378,7 +382,7 @@ def grad_finish(
     _grad_finish_kernel[(B * T,)](
         dlogits,
         coef,
-        filtered,
+        final_coef,
         grad,
         float(grad_scale),
         T,
