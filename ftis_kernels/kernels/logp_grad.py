@@ -311,8 +311,12 @@ def logp_grad_fwd(
     """
     B, T, V = logits.shape
     f32, dev = torch.float32, logits.device
-    # One allocation for the five (each a contiguous (B, T) view): on a GPU each is host time.
-    logp, row_max, log_sum, entropy, coef = torch.empty(5, B, T, dtype=f32, device=dev).unbind(0)
+    # One allocation for the five (on a GPU each is host time), each a contiguous (B, T) view
+    # starting 128 bytes aligned, as a fresh allocation would (Triton specialises on a
+    # pointer's 16-byte alignment: an unaligned view would compile another binary).
+    n = -(-(B * T) // 32) * 32
+    slab = torch.empty(5, n, dtype=f32, device=dev)
+    logp, row_max, log_sum, entropy, coef = (slab[i, : B * T].view(B, T) for i in range(5))
     mask, old = rows.mask, rows.old_logprobs
     ref = None if opt.beta == 0 else rows.ref_logprobs
     counts = None
