@@ -22,6 +22,8 @@ linear family (inputs: hidden (B, T, H), lm-head weight (V, H); gradients to bot
   ref_eager            hidden @ weight.T, then `ref_ftis_loss`
   ref_compile          the same under torch.compile
   ftis_loss            hidden @ weight.T, then `ftis_loss` (the unfused use of our kernels)
+  ftis_loss_inplace    the same with the gradient written over the logits' buffer (on Triton in
+                       the forward: grad_in_forward=True; fwd+bwd only)
   ftis_linear_loss     `ftis_kernels.ftis_linear_loss` (never materialises the logits)
   trl_eager            hidden @ weight.T, then TRL's GRPO loss code as in the logits family: the
                        materialised `selective_log_softmax` path (TRL before 1.16)
@@ -58,6 +60,7 @@ LINEAR_IMPLS = (
     "ref_eager",
     "ref_compile",
     "ftis_loss",
+    "ftis_loss_inplace",
     "ftis_linear_loss",
     "trl_eager",
     "trl_fused",
@@ -322,10 +325,15 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
             return Prepared(
                 lambda: _finish(fn(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode), None, opts
             )
-        if name == "ftis_loss":
+        if name in ("ftis_loss", "ftis_loss_inplace"):
+            switch = {}
+            if name == "ftis_loss_inplace":
+                # The logits' buffer receives their gradient: in the forward on Triton (the
+                # lm-head's output is no leaf), in the backward on the CPU path.
+                switch = dict(inplace_backward=True, grad_in_forward=h.is_cuda or None)
             return Prepared(
                 lambda: _finish(
-                    ftis_loss(h @ wt.t(), tok, gen, adv, mask, **opts)[0], leaves, mode
+                    ftis_loss(h @ wt.t(), tok, gen, adv, mask, **opts, **switch)[0], leaves, mode
                 ),
                 None,
                 opts,

@@ -235,7 +235,8 @@ class _FTISLossGradInForward(torch.autograd.Function):
         args = _FWD.bind(inputs)
         logits, opt, rows = args["logits"], args.opt, args.rows
         ctx.set_materialize_grads(False)  # the metrics get no gradient: no zeros made for them
-        dlogits = grad_buffer(logits)
+        inplace = args["inplace_backward"]
+        dlogits = logits if inplace else grad_buffer(logits)
         length = custom_op.dr_grpo_length(args, logits.shape[1])
         codes = _row_codes(opt, rows.old_logprobs is not None)
         *stats, coef = logp_grad_fwd(logits, dlogits, rows, opt, codes, length, grad_scale)
@@ -248,6 +249,12 @@ class _FTISLossGradInForward(torch.autograd.Function):
         ctx.record = named["record"]
         ctx.check_in_backward = args["value_check"] == "backward" and not args["check_now"]
         ctx.n_inputs, ctx.grad_scale = len(inputs), grad_scale
+        if inplace:
+            # The logits now hold their gradient: autograd is told, so that a graph node that
+            # saved them for its own backward raises instead of reading the gradient.
+            ctx.mark_dirty(logits)
+            ctx.mark_non_differentiable(*outputs[1:], logits)
+            return (*outputs, logits)
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 
@@ -266,7 +273,7 @@ class _FTISLossGradInForward(torch.autograd.Function):
         grad_finish(dlogits, ctx.coef, ctx.final_coef, grad, ctx.grad_scale)
         if ctx.check_in_backward:
             raise_on_faults(ctx.record)
-        return (None, dlogits) + (None,) * (ctx.n_inputs - 1)
+        return (None, dlogits.detach()) + (None,) * (ctx.n_inputs - 1)
 
 
 @with_option_keywords
@@ -311,8 +318,8 @@ def ftis_loss(
             or a step that reads the host anyway).
         **option_keywords: any field of `FTISOptions` (is_mode, filter, loss_type, ratio_level,
             entropy_coef, ...), applied over `options`; help(ftis_loss) lists them all.
-        inplace_backward: write d loss / d logits into the logits buffer during backward, saving
-            a (B, T, V) allocation. Only when nothing reads the logits after the loss: they are
+        inplace_backward: write d loss / d logits into the logits buffer during backward (with
+            grad_in_forward=True: during the forward), saving a (B, T, V) allocation. Only when nothing reads the logits after the loss: they are
             overwritten by their gradient. Refused (ValueError) for logits whose elements share
             memory (expanded or overlapping views) and, unless "force", for a leaf tensor that
             requires grad or a view of one (your own tensor would become its gradient).
@@ -321,7 +328,9 @@ def ftis_loss(
             gradient per call, instead of a read in each pass and a write): None (default)
             where it applies, True to require it (ValueError naming the option that prevents
             it), False for the three-pass design. It applies on the Triton backend to eager,
-            out-of-place, unpacked and unsharded calls that record a gradient, with options
+            unpacked and unsharded calls that record a gradient (with inplace_backward only when
+            True: the logits are then overwritten at the call, and autograd raises if a graph
+            node saved them; never on a leaf), with options
             under which a row's gradient depends on its own row only (`grad_in_forward_reason`:
             token-level IS weight and PPO ratio, not VESPO, no entropy bonus, no penalty beside
             a filter). The gradient buffer then lives from the forward to the backward; an
@@ -416,7 +425,13 @@ def _use_grad_in_forward(
     if reason is None and backend != "triton":
         reason = "logits on the CPU without the Triton interpreter (the PyTorch path)"
     if reason is None and inplace:
-        reason = "inplace_backward (the in-place backward writes over the logits)"
+        base = logits if logits._base is None else logits._base
+        if base.is_leaf and base.requires_grad:
+            reason = "inplace_backward on a leaf tensor (autograd forbids writing over it)"
+        elif requested is None:
+            # Written in the forward, the gradient overwrites the logits at the call, not at
+            # the backward: only on request.
+            reason = "inplace_backward without grad_in_forward=True"
     if reason is None and cu_seqlens is not None:
         reason = "cu_seqlens (a packed batch)"
     if reason is None and shard[1] is not None:

@@ -436,7 +436,6 @@ def test_gradient_in_forward_refuses_a_second_backward(device):
         ({"entropy_coef": 0.01}, "entropy_coef"),
         ({"beta": 0.1}, "beta"),
         ({"reject_mode": "mask", "loss_type": "dapo"}, "reject_mode"),
-        ({"inplace_backward": True}, "inplace_backward"),
     ],
 )
 def test_gradient_in_forward_required_where_it_cannot_apply_names_the_reason(opts, reason):
@@ -446,6 +445,53 @@ def test_gradient_in_forward_required_where_it_cannot_apply_names_the_reason(opt
         ftis_loss(x, *case.inputs, grad_in_forward=True, **opts)
     # Left to choose, the op takes the three-pass design and gives the gradient.
     loss, _ = ftis_loss(x, *case.inputs, **opts)
+    loss.backward()
+
+
+@pytest.mark.parametrize("layout", ["non_leaf", "causal_view"])
+def test_gradient_in_forward_in_place_writes_the_three_pass_gradient_over_the_logits(
+    layout, device
+):
+    # Requested with inplace_backward: the forward writes the gradient over the logits (here
+    # with rejected samples and an unannounced incoming gradient).
+    case = make_case(3, 4, 70, torch.bfloat16, seed=22, gen_spread=3.0, device=device)
+    case = replace(case, advantages=torch.tensor([1.0, -1.0, -0.5], device=device))
+    opts = {"kl_threshold": 0.5}
+    _, _, want = run_op(case, None, grad_in_forward=False, **opts)
+    if layout == "non_leaf":
+        leaf = case.logits.clone().requires_grad_()
+        logits, grad_of = leaf * 1.0, lambda: leaf.grad
+    else:  # the causal-LM slice logits[:, :-1] of a longer output
+        leaf = torch.cat([case.logits, case.logits[:, :1]], dim=1).requires_grad_()
+        logits, grad_of = (leaf * 1.0)[:, :-1], lambda: leaf.grad[:, :-1]
+    ptr = logits.data_ptr()
+    loss, metrics = ftis_loss(
+        logits, *case.inputs, inplace_backward=True, grad_in_forward=True, **opts
+    )
+    assert metrics["filtered"].tolist() == [False, True, True]
+    (loss * 2.0).backward()
+    assert torch.equal(grad_of(), 2.0 * want)
+    assert logits.data_ptr() == ptr and torch.equal(logits.detach(), 2.0 * want)
+
+
+def test_gradient_in_forward_in_place_is_refused_where_autograd_saved_the_logits(device):
+    case = make_case(2, 3, 40, seed=26, device=device)
+    leaf = case.logits.clone().requires_grad_()
+    logits = leaf.exp()  # exp's backward reads its output
+    loss, _ = ftis_loss(logits, *case.inputs, inplace_backward=True, grad_in_forward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_gradient_in_forward_in_place_only_on_request_and_never_on_a_leaf(device):
+    case = make_case(2, 3, 40, seed=27, device=device)
+    leaf = case.logits.clone().requires_grad_()
+    with pytest.raises(ValueError, match="grad_in_forward: .*leaf"):
+        ftis_loss(leaf, *case.inputs, inplace_backward="force", grad_in_forward=True)
+    # Not requested: the three-pass in-place design, the logits intact until the backward.
+    logits = leaf * 1.0
+    loss, _ = ftis_loss(logits, *case.inputs, inplace_backward=True)
+    assert torch.equal(logits.detach(), case.logits)
     loss.backward()
 
 

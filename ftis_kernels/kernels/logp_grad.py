@@ -73,7 +73,7 @@ def _mask_counts_kernel(
 def _logp_grad_fwd_kernel(
     # pointers: the logits and their gradient
     logits_ptr,  # (B, T, V) fp32 | bf16 | fp16, any strides
-    dlogits_ptr,  # (B, T, V) out, the logits' dtype, any strides
+    dlogits_ptr,  # (B, T, V) out, the logits' dtype, any strides; may be logits_ptr (in place)
     # pointers: the caller's (B, T) tensors, any strides, and (B,) advantages
     tokens_ptr,
     mask_ptr,  # or None
@@ -211,6 +211,8 @@ def _logp_grad_fwd_kernel(
     # in the loop, then c (1 - p_v) at the taken token (the one-hot kept out of the loop: a
     # compare and a select per logit fewer).
     v_read = tl.where(c != 0.0, V, 0)
+    # In place (dlogits is logits) every thread has read the token's logit before any writes.
+    tl.debug_barrier()
     lane = tl.arange(0, LANES)
     offs_in = lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
     for v0 in range(0, V, BLOCK_V):
