@@ -480,14 +480,254 @@ def report(rows: list[dict], mech: list[dict], plan: dict) -> str:
     return "\n".join(lines)
 
 
+# -- the runner: the pilot's and the confirmatory run's cells ---------------------------------------
+# Each cell is one `ftis-grpo` run of a pair's confirmatory config (`configs/confirm/<pair>.yaml`:
+# the receiver `small` is rank 0, so its prompts, sampling seed and warm-up are the same in every
+# arm of a seed), run, timed and recorded by `study.run_cell` / `confirm.run`. The TIS arm is
+# `--loss tis` over the same config (the stale pair's TIS arm is new; the config needs no change:
+# the mode is a flag); an F-TIS arm adds its grid entry's `grid_flags`. Every cell's final greedy
+# evaluation is `confirm.SMALL_EVAL` problems per split: no comparison of this study reads it.
+WORK = HERE / "runs-filter"
+RESULTS = HERE / "results" / "filter_effect"
+FROZEN = RESULTS / "frozen.json"
+STUDY = {"pilot": "filter-pilot", "confirm": "filter-confirm"}
+CHUNK_SEEDS = {"pilot": 2, "confirm": 6}  # about half an hour of one core a chunk (`estimate`)
+
+
+def load_frozen(path: Path = FROZEN) -> Optional[dict]:
+    """The pilot's frozen choice (`report --scale pilot` writes it once the pilot is complete)."""
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else None
+
+
+def _entry(plan: dict, name: str) -> dict:
+    return next(g for g in plan["pilot"]["grid"] if g["name"] == name)
+
+
+def study_cells(plan: dict, stage: str, frozen: Optional[dict] = None) -> list:
+    """The stage's cells as `study.Cell`s, seed by seed, the TIS arm first in each pair. The
+    confirmatory stage needs the pilot's frozen choice: its grid entry and its seed count."""
+    from experiments.confirm import SMALL_EVAL
+    from experiments.study import Cell
+
+    if stage == "confirm":
+        if frozen is None:
+            raise SystemExit(
+                f"the confirmatory run needs the pilot's frozen g: {_rel(FROZEN)} is missing "
+                "(`python -m experiments.filter_effect report --scale pilot` writes it once every "
+                "pilot cell has run)"
+            )
+        if frozen.get("seeds") is None:
+            raise SystemExit(
+                "the pilot's spread asks more than the plan's max_seeds: the plan declares the "
+                "confirmatory test underpowered for its effect before it runs (estimates only)"
+            )
+        entry = _entry(plan, frozen["frozen"])
+        todo = plan_cells(plan, "confirm", frozen["seeds"])
+    else:
+        todo = plan_cells(plan, "pilot")
+    out = []
+    for pair, arm, g, seed in todo:
+        flags = ["--loss", arm, "--set", f"eval_size={SMALL_EVAL}"]
+        if g is not None:
+            flags += grid_flags(entry if g == "frozen" else _entry(plan, g))
+        out.append(Cell(STUDY[stage], pair, _variant(arm, g), seed, f"confirm/{pair}", flags))
+    return out
+
+
+def stage_seeds(plan: dict, stage: str, frozen: Optional[dict] = None) -> list[int]:
+    if stage == "pilot":
+        return list(plan["pilot"]["seeds"])
+    return list(dict.fromkeys(c.seed for c in study_cells(plan, stage, frozen)))
+
+
+def stage_chunks(plan: dict, stage: str, frozen: Optional[dict] = None) -> list[list[int]]:
+    seeds, k = stage_seeds(plan, stage, frozen), CHUNK_SEEDS[stage]
+    return [seeds[i : i + k] for i in range(0, len(seeds), k)]
+
+
+def _rel(path: Path) -> str:
+    from experiments.study import _rel as rel
+
+    return rel(path)
+
+
+def _files(stage: str) -> tuple[str, str]:
+    from experiments.confirm import _result_files
+
+    return _result_files("pilot" if stage == "pilot" else "full")
+
+
+def recorded(stage: str, results: Path = RESULTS) -> tuple[list[dict], list[dict]]:
+    from experiments.confirm import recorded as rec
+
+    return rec(results, "pilot" if stage == "pilot" else "full")
+
+
+def record(plan: dict, stage: str, work: Path, results: Path, frozen=None) -> list[dict]:
+    """Write the stage's finished cells (run folders under `work`, and rows recorded before whose
+    run folders are elsewhere) to `results` (as `confirm.report` does); returns the rows."""
+    from experiments import study
+
+    todo = study_cells(plan, stage, frozen)
+    rows, curves = study.collect(todo, work, ())
+    here, ids = {r["id"] for r in rows}, {c.id for c in todo}
+    old_rows, old_curves = recorded(stage, results)
+    rows += [r for r in old_rows if r["id"] in ids and r["id"] not in here]
+    curves += [c for c in old_curves if c["id"] in ids and c["id"] not in here]
+    order = {c.id: i for i, c in enumerate(todo)}
+    rows.sort(key=lambda r: (order[r["id"]], r["node"]))
+    curves.sort(key=lambda c: (order[c["id"]], c["node"]))
+    results.mkdir(parents=True, exist_ok=True)
+    for name, items in zip(_files(stage), (rows, curves)):
+        (results / name).write_text("".join(json.dumps(x) + "\n" for x in items))
+    return rows
+
+
+def cell_seconds(cell, cpu: dict[str, float]) -> float:
+    """A cell's CPU-s from the confirmatory round's recorded medians (`cell_cpu`): an F-TIS arm
+    at any g as that pair's F-TIS cell, the stale pair's TIS arm (none recorded) as its F-TIS
+    cell too. Those cells' final evaluation was 128 or 512 problems; these evaluate 128."""
+    mode = "f-tis" if cell.variant.startswith("f-tis") else cell.variant
+    return cpu.get(f"{cell.group}/{mode}", cpu[f"{cell.group}/f-tis"])
+
+
+def _left(todo: list, work: Path, done: set) -> list:
+    from experiments.study import _finished, _out
+
+    return [c for c in todo if c.id not in done and not _finished(_out(c, work, ()))]
+
+
+def estimate_chunks(plan: dict, stage: str, work: Path, results: Path, frozen=None) -> str:
+    """Per chunk: the cells left (not finished here nor recorded under `results`) and their
+    CPU-hours (a fresh seed also pays its warm-ups), i.e. the wall hours on one idle core."""
+    cpu = cell_cpu(load_jsonl(CELLS))
+    done = {r["id"] for r in recorded(stage, results)[0]}
+    todo = study_cells(plan, stage, frozen)
+    lines, total = [], 0.0
+    for k, seeds in enumerate(stage_chunks(plan, stage, frozen), 1):
+        chunk = [c for c in todo if c.seed in seeds]
+        left = _left(chunk, work, done)
+        fresh = {c.seed for c in left} - {c.seed for c in chunk if c not in left}
+        sec = sum(cell_seconds(c, cpu) for c in left) + len(fresh) * cpu["warmups"]
+        total += sec
+        lines.append(
+            f"chunk {k} (seeds {seeds[0]}-{seeds[-1]}): {len(left)} of {len(chunk)} cells to run, "
+            f"{sec / 3600:.2f} CPU-h (about {sec / 60:.0f} min on one idle core)"
+        )
+    lines.append(
+        f"all: {total / 3600:.2f} CPU-h; per cell (CPU-s, the confirmatory round's medians): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items()))
+    )
+    return "\n".join(lines)
+
+
+def _deadline(until: Optional[str]) -> Optional[float]:
+    """--until HH:MM (UTC, today) as a time stamp."""
+    if until is None:
+        return None
+    import datetime as dt
+
+    now = dt.datetime.now(dt.timezone.utc)
+    h, m = (int(x) for x in until.split(":"))
+    return now.replace(hour=h, minute=m, second=0, microsecond=0).timestamp()
+
+
+def run_stage(
+    plan: dict,
+    stage: str,
+    todo: list,
+    work: Path,
+    jobs: int,
+    results: Path,
+    frozen=None,
+    until: Optional[str] = None,
+) -> int:
+    """Run `todo` (finished and recorded cells skipped), `jobs` cells at a time, recording after
+    each batch; with `until`, a batch starts only if its estimated CPU time (x1.5, warm-ups
+    included) ends before then: a run stopped so holds finished cells only."""
+    import time
+
+    from experiments import confirm
+
+    cpu = cell_cpu(load_jsonl(CELLS))
+    stop = _deadline(until)
+    done = {r["id"] for r in recorded(stage, results)[0]}
+    left = _left(todo, work, done)
+    warmed = {c.seed for c in todo if c not in left}
+    t0, rc, ran = time.time(), 0, 0
+    for i in range(0, len(left), jobs):
+        batch = left[i : i + jobs]
+        need = max(
+            cell_seconds(c, cpu) + (cpu["warmups"] if c.seed not in warmed else 0.0) for c in batch
+        )
+        if stop is not None and time.time() + 1.5 * need > stop:
+            print(f"--until {until}: stopping before {batch[0].id} ({len(left) - i} cells left)")
+            break
+        rc |= confirm.run(batch, work, jobs, results)
+        warmed |= {c.seed for c in batch}
+        ran += len(batch)
+        record(plan, stage, work, results, frozen)
+    print(f"{ran} cells run in {(time.time() - t0) / 60:.1f} min wall", flush=True)
+    return rc
+
+
+def report_stage(plan: dict, args: argparse.Namespace) -> int:
+    record(plan, args.scale, args.work, args.results, load_frozen(args.results / FROZEN.name))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.filter_effect", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        default="table",
+        choices=("table", "cells", "list", "estimate", "run", "report"),
+        help="table (default): write --out; cells/list: a stage's cells and commands; estimate: "
+        "CPU-hours per chunk; run: a chunk (resumable); report: record the finished cells, at the "
+        "pilot's end freeze g, and write --out",
+    )
+    p.add_argument("--scale", choices=("pilot", "confirm"), default="pilot")
+    p.add_argument("--chunk", type=int, metavar="K", help="run the K-th chunk of seeds only")
+    p.add_argument("--only", action="append", metavar="GLOB", help="cell ids to run (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, help="cells run at once (default 1)")
+    p.add_argument("--until", metavar="HH:MM", help="run: start no cell that would end after (UTC)")
+    p.add_argument("--work", type=Path, default=WORK, help="run folders (not in git)")
+    p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--cells", type=Path, default=CELLS)
     p.add_argument("--mechanism", type=Path, default=MECHANISM)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--check", action="store_true", help="compare with --out, write nothing")
     args = p.parse_args(argv)
-    text = report(load_jsonl(args.cells), load_jsonl(args.mechanism), load_plan())
+    plan = load_plan()
+    if args.action != "table":
+        import fnmatch
+        import shlex
+
+        frozen = load_frozen(args.results / FROZEN.name)
+        if args.action == "estimate":
+            print(estimate_chunks(plan, args.scale, args.work, args.results, frozen))
+            return 0
+        if args.action == "report":
+            return report_stage(plan, args)
+        todo = study_cells(plan, args.scale, frozen)
+        if args.chunk is not None:
+            chunks = stage_chunks(plan, args.scale, frozen)
+            if not 1 <= args.chunk <= len(chunks):
+                raise SystemExit(f"--chunk: expected 1-{len(chunks)}, got {args.chunk}")
+            todo = [c for c in todo if c.seed in chunks[args.chunk - 1]]
+        if args.only:
+            todo = [c for c in todo if any(fnmatch.fnmatchcase(c.id, g) for g in args.only)]
+        if args.action in ("cells", "list"):
+            for c in todo:
+                print(f"{c.id:40s} {shlex.join(c.argv(args.work))}")
+            return 0
+        return run_stage(
+            plan, args.scale, todo, args.work, args.jobs, args.results, frozen, args.until
+        )
+    text = report(load_jsonl(args.cells), load_jsonl(args.mechanism), plan)
     if args.check:
         same = args.out.is_file() and args.out.read_text() == text
         print("up to date" if same else f"{args.out} differs from the recorded data's table")
