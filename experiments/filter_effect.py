@@ -2,6 +2,19 @@
 
     python -m experiments.filter_effect           # writes results/filter_effect.md
     python -m experiments.filter_effect --check   # exit 1 if the committed table is out of date
+    python -m experiments.filter_effect list --scale pilot        # the pilot's cells, commands
+    python -m experiments.filter_effect estimate --scale pilot    # CPU-hours left, per chunk
+    python -m experiments.filter_effect run --scale pilot --chunk 1 --jobs 1 [--until 22:00]
+    python -m experiments.filter_effect report --scale pilot      # record; at its end freeze g
+    python -m experiments.filter_effect run --scale confirm --chunk 1   # needs the frozen g
+
+The runner (below `study_cells`) runs the pre-registration's cells through the confirmatory
+round's machinery (`study.Cell`, `study.run_cell`, `confirm.run`: resumable, finished or
+recorded cells skipped, CPU time and environment recorded per cell) into `runs-filter/` and
+records them in `results/filter_effect/` (pilot.jsonl, cells.jsonl and their curves).
+`report --scale pilot` applies the plan's rule (`choose_g`) once every pilot cell has run and
+writes the frozen g and the confirmatory sample size to `results/filter_effect/frozen.json`;
+`run --scale confirm` refuses to start without it.
 
 From recorded data only: the confirmatory round's cells (`results/confirm/cells.jsonl`: per
 cell and node, each run metric's mean over its 30 rounds) and the first round's mechanism test
@@ -316,10 +329,12 @@ def unit_diffs(rows: list[dict], plan: dict, units: list[dict], grid: Optional[s
     return out
 
 
-def choose_g(pilot_rows: list[dict], plan: dict) -> dict[str, Any]:
-    """The plan's rule for the frozen g on the pilot's rows, and the confirmatory sample size
-    from the pilot's SD at that g."""
+def g_table(pilot_rows: list[dict], plan: dict) -> list[dict[str, Any]]:
+    """Per grid entry: the pilot mean of the pooled family difference (F-TIS at g - TIS), the
+    smallest family node's mean update share, the family's largest per-seed SD of the
+    difference, and the fewest paired seeds of a family node."""
     table = []
+    peers = {(r["group"], r["variant"], r["seed"], r["node"]): r for r in pilot_rows}
     for g in plan["pilot"]["grid"]:
         d = unit_diffs(pilot_rows, plan, plan["family"], g["name"])
         pooled = stats.pool(list(d.values()))
@@ -331,22 +346,30 @@ def choose_g(pilot_rows: list[dict], plan: dict) -> dict[str, Any]:
                 if (r["group"], r["variant"], r["name"])
                 == (u["pair"], _variant(plan["mode"], g["name"]), u["node"])
             ]
-            peers = {(r["group"], r["variant"], r["seed"], r["node"]): r for r in pilot_rows}
             figs = [
                 sample_figures(r, peers[r["group"], r["variant"], r["seed"], 1 - r["node"]])
                 for r in sel
+                if (r["group"], r["variant"], r["seed"], 1 - r["node"]) in peers
             ]
             shares.append(_summary([f["update_share"] for f in figs])["mean"])
         sds = [float(np.std(list(v.values()), ddof=1)) for v in d.values() if len(v) >= 2]
         table.append(
             dict(
                 name=g["name"],
-                mean=float(np.mean(list(pooled.values()))),
-                min_share=min(shares),
+                mean=float(np.mean(list(pooled.values()))) if pooled else math.nan,
+                min_share=math.nan if any(math.isnan(x) for x in shares) else min(shares),
+                shares={u["id"]: x for u, x in zip(plan["family"], shares)},
                 sd=max(sds) if sds else math.nan,
                 n=min(len(v) for v in d.values()),
             )
         )
+    return table
+
+
+def choose_g(pilot_rows: list[dict], plan: dict) -> dict[str, Any]:
+    """The plan's rule for the frozen g on the pilot's rows, and the confirmatory sample size
+    from the pilot's SD at that g."""
+    table = g_table(pilot_rows, plan)
     acting = [t for t in table if t["min_share"] >= plan["act_share"]]
     pick = (
         max(acting, key=lambda t: t["mean"]) if acting else max(table, key=lambda t: t["min_share"])
@@ -397,7 +420,14 @@ def _seeds(plan: dict, sd: float, n: int = 16) -> str:
     return f"{k} seeds" if k else f"more than {plan['confirm']['max_seeds']} seeds (underpowered)"
 
 
-def report(rows: list[dict], mech: list[dict], plan: dict) -> str:
+def report(
+    rows: list[dict],
+    mech: list[dict],
+    plan: dict,
+    pilot_rows: tuple = (),
+    frozen: Optional[dict] = None,
+    confirm_rows: tuple = (),
+) -> str:
     acts = where_filter_acts(rows, plan["act_share"], FILTER_MODES)
     lines = [
         "### Where the filter acts (confirmatory round, g = 15 summed k3; recorded data only)",
@@ -477,10 +507,109 @@ def report(rows: list[dict], mech: list[dict], plan: dict) -> str:
         f"{sd['small/stale']:.4f} (cap and filter together) -> {_seeds(plan, sd['small/stale'])}.",
         "",
     ]
+    lines += pilot_section(plan, list(pilot_rows), frozen)
+    if confirm_rows:
+        lines += confirm_section(plan, list(confirm_rows), frozen)
     return "\n".join(lines)
 
 
-# -- the runner: the pilot's and the confirmatory run's cells ---------------------------------------
+def pilot_complete(plan: dict, rows: list[dict]) -> bool:
+    """Every pilot cell recorded, both nodes."""
+    ids = {c.id for c in study_cells(plan, "pilot")}
+    have: dict[str, int] = {}
+    for r in rows:
+        have[r["id"]] = have.get(r["id"], 0) + 1
+    return all(have.get(i, 0) >= 2 for i in ids)
+
+
+def pilot_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> list[str]:
+    """The pilot's record: cells run, per grid entry what the rule reads, and the frozen g and
+    sample size once the pilot is complete (`frozen`, from `frozen.json`)."""
+    lines = ["### The pilot (seeds 200-207): the g sweep", ""]
+    if not rows:
+        return lines + ["No pilot cell has run.", ""]
+    todo = study_cells(plan, "pilot")
+    ids = {r["id"] for r in rows}
+    seeds = [s for s in plan["pilot"]["seeds"] if all(c.id in ids for c in todo if c.seed == s)]
+    cpu = sorted(r["cpu_seconds"] for r in {r["id"]: r for r in rows}.values())
+    lines.append(
+        f"`python -m experiments.filter_effect run --scale pilot --chunk K`, recorded in "
+        f"`results/filter_effect/pilot.jsonl`: {len(ids)} of {len(todo)} cells; seeds complete: "
+        f"{', '.join(map(str, seeds)) or 'none'}. CPU-s per cell (one core, both nodes): "
+        f"median {np.median(cpu):.0f} ({cpu[0]:.0f}-{cpu[-1]:.0f})."
+    )
+    lines += [
+        "",
+        "Per grid entry, over the seeds with both arms: the mean update share (the changed share "
+        "of the node's non-zero-advantage samples) of each family node, the pilot mean of the "
+        "pooled family difference F-TIS(g) - TIS in acc_late, the family's largest per-seed SD "
+        "of that difference, and the paired seeds.",
+        "",
+        "| entry | reduction | g | "
+        + " | ".join(f"share {u['id']}" for u in plan["family"])
+        + f" | acts (every node >= {plan['act_share']:.2f}) | pooled F-TIS - TIS | largest SD "
+        "| seeds |",
+        "|---|---|---|" + "---|" * len(plan["family"]) + "---|---|---|---|",
+    ]
+    for t in g_table(rows, plan):
+        g = _entry(plan, t["name"])
+        lines.append(
+            f"| {t['name']} | {g['kl_reduction']} | {g['kl_threshold']:g} | "
+            + " | ".join(_f(t["shares"][u["id"]]) for u in plan["family"])
+            + f" | {'yes' if t['min_share'] >= plan['act_share'] else 'no'} "
+            f"| {'-' if math.isnan(t['mean']) else format(t['mean'], '+.4f')} "
+            f"| {_f(t['sd'], 4)} | {t['n']} |"
+        )
+    lines.append("")
+    if frozen is not None:
+        n = frozen["seeds"]
+        lines.append(
+            f"**Frozen by the plan's rule on the complete pilot: g = {frozen['frozen']} "
+            f"({frozen['entry']['kl_reduction']} k3, threshold {frozen['entry']['kl_threshold']:g})"
+            f"; confirmatory seeds: "
+            + (
+                f"{n} (from {plan['confirm']['seeds_from']}).**"
+                if n
+                else f"more than {plan['confirm']['max_seeds']}: underpowered for "
+                f"{plan['effect']}, estimates only.**"
+            )
+            + f" Per-seed SD {frozen['sd']:.4f} at {frozen['n']} seeds, upper "
+            f"{plan['confirm']['sd_level']:.0%} bound "
+            f"{sd_upper(frozen['sd'], frozen['n'], plan['confirm']['sd_level']):.4f} "
+            "(`results/filter_effect/frozen.json`)."
+        )
+    else:
+        lines.append(
+            "**Partial: the pilot is not complete, so no g is frozen** (the rule runs on all "
+            f"{len(todo)} cells; the figures above are the pilot's so far and choose nothing)."
+        )
+    return lines + [""]
+
+
+def confirm_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> list[str]:
+    """The confirmatory test's verdicts at the frozen g (`results/filter_effect/cells.jsonl`)."""
+    out = confirmatory(rows, plan)
+    lines = [
+        f"### The confirmatory test (g = {frozen['frozen'] if frozen else '?'}; seeds "
+        f"{min(r['seed'] for r in rows)}-{max(r['seed'] for r in rows)})",
+        "",
+        "| id | mean | 95% interval | p | p (Holm) | verdict | leave one seed out |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in out["results"]:
+        loo = out["leave_one_out"][r.claim.name]
+        lines.append(
+            f"| {r.claim.name} | {r.mean:+.4f} | [{r.ci.lo:+.4f}, {r.ci.hi:+.4f}] | {r.p:.3g} "
+            f"| {r.p_holm:.3g} | {r.verdict} | "
+            + ", ".join(f"{k} {v}" for k, v in sorted(loo.items()))
+            + " |"
+        )
+    for k, v in out["estimates"].items():
+        lines.append(f"| {k} (estimate) | {v} | | | | | |")
+    return lines + [""]
+
+
+# -- the runner: the pilot's and the confirmatory run's cells --------------------------------------
 # Each cell is one `ftis-grpo` run of a pair's confirmatory config (`configs/confirm/<pair>.yaml`:
 # the receiver `small` is rank 0, so its prompts, sampling seed and warm-up are the same in every
 # arm of a seed), run, timed and recorded by `study.run_cell` / `confirm.run`. The TIS arm is
@@ -671,8 +800,59 @@ def run_stage(
     return rc
 
 
+def freeze(plan: dict, rows: list[dict], path: Path) -> dict:
+    """The plan's rule on the complete pilot, written to `path` once: a second call must find
+    the same choice (the pilot's rows cannot change it after the fact)."""
+    pick = choose_g(rows, plan)
+    row = next(t for t in pick["table"] if t["name"] == pick["frozen"])
+    frozen = dict(
+        frozen=pick["frozen"],
+        entry=_entry(plan, pick["frozen"]),
+        seeds=pick["seeds"],
+        sd=row["sd"],
+        n=row["n"],
+        pilot_seeds=list(plan["pilot"]["seeds"]),
+        table=pick["table"],
+    )
+    old = load_frozen(path)
+    if old is not None:
+        if (old["frozen"], old["seeds"]) != (frozen["frozen"], frozen["seeds"]):
+            raise SystemExit(
+                f"{path} froze {old['frozen']} at {old['seeds']} seeds; the pilot "
+                f"rows now give {frozen['frozen']} at {frozen['seeds']}"
+            )
+        return old
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(frozen, indent=1) + "\n")
+    return frozen
+
+
 def report_stage(plan: dict, args: argparse.Namespace) -> int:
-    record(plan, args.scale, args.work, args.results, load_frozen(args.results / FROZEN.name))
+    """Record the stage's finished cells; at the pilot's end freeze g; write `--out`."""
+    if args.check:
+        return write_table(args, plan)
+    path = args.results / FROZEN.name
+    frozen = load_frozen(path)
+    rows = record(plan, args.scale, args.work, args.results, frozen)
+    if args.scale == "pilot" and pilot_complete(plan, rows):
+        frozen = freeze(plan, rows, path)
+    return write_table(args, plan)
+
+
+def write_table(args: argparse.Namespace, plan: dict) -> int:
+    """The results markdown from every recorded file; --check compares instead of writing."""
+    pilot_rows = recorded("pilot", args.results)[0]
+    confirm_rows = recorded("confirm", args.results)[0]
+    frozen = load_frozen(args.results / FROZEN.name)
+    text = report(
+        load_jsonl(args.cells), load_jsonl(args.mechanism), plan, pilot_rows, frozen, confirm_rows
+    )
+    if args.check:
+        same = args.out.is_file() and args.out.read_text() == text
+        print("up to date" if same else f"{args.out} differs from the recorded data's table")
+        return 0 if same else 1
+    args.out.write_text(text)
+    print(text)
     return 0
 
 
@@ -727,14 +907,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return run_stage(
             plan, args.scale, todo, args.work, args.jobs, args.results, frozen, args.until
         )
-    text = report(load_jsonl(args.cells), load_jsonl(args.mechanism), plan)
-    if args.check:
-        same = args.out.is_file() and args.out.read_text() == text
-        print("up to date" if same else f"{args.out} differs from the recorded data's table")
-        return 0 if same else 1
-    args.out.write_text(text)
-    print(text)
-    return 0
+    return write_table(args, plan)
 
 
 if __name__ == "__main__":
