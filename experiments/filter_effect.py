@@ -593,13 +593,14 @@ def confirm_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> lis
         f"### The confirmatory test (g = {frozen['frozen'] if frozen else '?'}; seeds "
         f"{min(r['seed'] for r in rows)}-{max(r['seed'] for r in rows)})",
         "",
-        "| id | mean | 95% interval | p | p (Holm) | verdict | leave one seed out |",
+        "| id | mean F-TIS - TIS (acc_late) | 95% interval | p | p (Holm) | verdict "
+        "| leave one seed out |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in out["results"]:
         loo = out["leave_one_out"][r.claim.name]
         lines.append(
-            f"| {r.claim.name} | {r.mean:+.4f} | [{r.ci.lo:+.4f}, {r.ci.hi:+.4f}] | {r.p:.3g} "
+            f"| {r.claim.name} | {r.ci.mean:+.4f} | [{r.ci.lo:+.4f}, {r.ci.hi:+.4f}] | {r.p:.3g} "
             f"| {r.p_holm:.3g} | {r.verdict} | "
             + ", ".join(f"{k} {v}" for k, v in sorted(loo.items()))
             + " |"

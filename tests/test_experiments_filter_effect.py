@@ -305,3 +305,20 @@ def test_the_pilot_report_freezes_g_only_on_the_complete_pilot(tmp_path):
             r["acc_late"] += 0.1
     with pytest.raises(SystemExit, match="froze sum5"):
         _report(tmp_path, rows)
+
+
+def test_the_confirmatory_section_reports_each_family_member_and_the_estimate(tmp_path):
+    import json
+
+    plan = fe.load_plan()
+    rows = _arm_rows(plan, range(300, 316), {"tis": (0, 0), "f-tis-frozen": (0.02, 0.2)})
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (res / "frozen.json").write_text(json.dumps(dict(frozen="sum20", seeds=16)))
+    out = tmp_path / "t.md"
+    assert fe.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "### The confirmatory test (g = sum20; seeds 300-315)" in text
+    assert "| F-stale | +0.0199 |" in text and "reproduced 16" in text
+    assert "E-add-expert (estimate)" in text
