@@ -2,6 +2,19 @@
 
     python -m experiments.filter_effect           # writes results/filter_effect.md
     python -m experiments.filter_effect --check   # exit 1 if the committed table is out of date
+    python -m experiments.filter_effect list --scale pilot        # the pilot's cells, commands
+    python -m experiments.filter_effect estimate --scale pilot    # CPU-hours left, per chunk
+    python -m experiments.filter_effect run --scale pilot --chunk 1 --jobs 1 [--until 22:00]
+    python -m experiments.filter_effect report --scale pilot      # record; at its end freeze g
+    python -m experiments.filter_effect run --scale confirm --chunk 1   # needs the frozen g
+
+The runner (below `study_cells`) runs the pre-registration's cells through the confirmatory
+round's machinery (`study.Cell`, `study.run_cell`, `confirm.run`: resumable, finished or
+recorded cells skipped, CPU time and environment recorded per cell) into `runs-filter/` and
+records them in `results/filter_effect/` (pilot.jsonl, cells.jsonl and their curves).
+`report --scale pilot` applies the plan's rule (`choose_g`) once every pilot cell has run and
+writes the frozen g and the confirmatory sample size to `results/filter_effect/frozen.json`;
+`run --scale confirm` refuses to start without it.
 
 From recorded data only: the confirmatory round's cells (`results/confirm/cells.jsonl`: per
 cell and node, each run metric's mean over its 30 rounds) and the first round's mechanism test
@@ -316,10 +329,12 @@ def unit_diffs(rows: list[dict], plan: dict, units: list[dict], grid: Optional[s
     return out
 
 
-def choose_g(pilot_rows: list[dict], plan: dict) -> dict[str, Any]:
-    """The plan's rule for the frozen g on the pilot's rows, and the confirmatory sample size
-    from the pilot's SD at that g."""
+def g_table(pilot_rows: list[dict], plan: dict) -> list[dict[str, Any]]:
+    """Per grid entry: the pilot mean of the pooled family difference (F-TIS at g - TIS), the
+    smallest family node's mean update share, the family's largest per-seed SD of the
+    difference, and the fewest paired seeds of a family node."""
     table = []
+    peers = {(r["group"], r["variant"], r["seed"], r["node"]): r for r in pilot_rows}
     for g in plan["pilot"]["grid"]:
         d = unit_diffs(pilot_rows, plan, plan["family"], g["name"])
         pooled = stats.pool(list(d.values()))
@@ -331,22 +346,30 @@ def choose_g(pilot_rows: list[dict], plan: dict) -> dict[str, Any]:
                 if (r["group"], r["variant"], r["name"])
                 == (u["pair"], _variant(plan["mode"], g["name"]), u["node"])
             ]
-            peers = {(r["group"], r["variant"], r["seed"], r["node"]): r for r in pilot_rows}
             figs = [
                 sample_figures(r, peers[r["group"], r["variant"], r["seed"], 1 - r["node"]])
                 for r in sel
+                if (r["group"], r["variant"], r["seed"], 1 - r["node"]) in peers
             ]
             shares.append(_summary([f["update_share"] for f in figs])["mean"])
         sds = [float(np.std(list(v.values()), ddof=1)) for v in d.values() if len(v) >= 2]
         table.append(
             dict(
                 name=g["name"],
-                mean=float(np.mean(list(pooled.values()))),
-                min_share=min(shares),
+                mean=float(np.mean(list(pooled.values()))) if pooled else math.nan,
+                min_share=math.nan if any(math.isnan(x) for x in shares) else min(shares),
+                shares={u["id"]: x for u, x in zip(plan["family"], shares)},
                 sd=max(sds) if sds else math.nan,
                 n=min(len(v) for v in d.values()),
             )
         )
+    return table
+
+
+def choose_g(pilot_rows: list[dict], plan: dict) -> dict[str, Any]:
+    """The plan's rule for the frozen g on the pilot's rows, and the confirmatory sample size
+    from the pilot's SD at that g."""
+    table = g_table(pilot_rows, plan)
     acting = [t for t in table if t["min_share"] >= plan["act_share"]]
     pick = (
         max(acting, key=lambda t: t["mean"]) if acting else max(table, key=lambda t: t["min_share"])
@@ -397,7 +420,14 @@ def _seeds(plan: dict, sd: float, n: int = 16) -> str:
     return f"{k} seeds" if k else f"more than {plan['confirm']['max_seeds']} seeds (underpowered)"
 
 
-def report(rows: list[dict], mech: list[dict], plan: dict) -> str:
+def report(
+    rows: list[dict],
+    mech: list[dict],
+    plan: dict,
+    pilot_rows: tuple = (),
+    frozen: Optional[dict] = None,
+    confirm_rows: tuple = (),
+) -> str:
     acts = where_filter_acts(rows, plan["act_share"], FILTER_MODES)
     lines = [
         "### Where the filter acts (confirmatory round, g = 15 summed k3; recorded data only)",
@@ -477,17 +507,347 @@ def report(rows: list[dict], mech: list[dict], plan: dict) -> str:
         f"{sd['small/stale']:.4f} (cap and filter together) -> {_seeds(plan, sd['small/stale'])}.",
         "",
     ]
+    lines += pilot_section(plan, list(pilot_rows), frozen)
+    if confirm_rows:
+        lines += confirm_section(plan, list(confirm_rows), frozen)
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cells", type=Path, default=CELLS)
-    p.add_argument("--mechanism", type=Path, default=MECHANISM)
-    p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--check", action="store_true", help="compare with --out, write nothing")
-    args = p.parse_args(argv)
-    text = report(load_jsonl(args.cells), load_jsonl(args.mechanism), load_plan())
+def pilot_complete(plan: dict, rows: list[dict]) -> bool:
+    """Every pilot cell recorded, both nodes."""
+    ids = {c.id for c in study_cells(plan, "pilot")}
+    have: dict[str, int] = {}
+    for r in rows:
+        have[r["id"]] = have.get(r["id"], 0) + 1
+    return all(have.get(i, 0) >= 2 for i in ids)
+
+
+def pilot_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> list[str]:
+    """The pilot's record: cells run, per grid entry what the rule reads, and the frozen g and
+    sample size once the pilot is complete (`frozen`, from `frozen.json`)."""
+    lines = ["### The pilot (seeds 200-207): the g sweep", ""]
+    if not rows:
+        return lines + ["No pilot cell has run.", ""]
+    todo = study_cells(plan, "pilot")
+    ids = {r["id"] for r in rows}
+    seeds = [s for s in plan["pilot"]["seeds"] if all(c.id in ids for c in todo if c.seed == s)]
+    cpu = sorted(r["cpu_seconds"] for r in {r["id"]: r for r in rows}.values())
+    lines.append(
+        f"`python -m experiments.filter_effect run --scale pilot --chunk K`, recorded in "
+        f"`results/filter_effect/pilot.jsonl`: {len(ids)} of {len(todo)} cells; seeds complete: "
+        f"{', '.join(map(str, seeds)) or 'none'}. CPU-s per cell (one core, both nodes): "
+        f"median {np.median(cpu):.0f} ({cpu[0]:.0f}-{cpu[-1]:.0f})."
+    )
+    lines += [
+        "",
+        "Per grid entry, over the seeds with both arms: the mean update share (the changed share "
+        "of the node's non-zero-advantage samples) of each family node, the pilot mean of the "
+        "pooled family difference F-TIS(g) - TIS in acc_late, the family's largest per-seed SD "
+        "of that difference, and the paired seeds.",
+        "",
+        "| entry | reduction | g | "
+        + " | ".join(f"share {u['id']}" for u in plan["family"])
+        + f" | acts (every node >= {plan['act_share']:.2f}) | pooled F-TIS - TIS | largest SD "
+        "| seeds |",
+        "|---|---|---|" + "---|" * len(plan["family"]) + "---|---|---|---|",
+    ]
+    for t in g_table(rows, plan):
+        g = _entry(plan, t["name"])
+        lines.append(
+            f"| {t['name']} | {g['kl_reduction']} | {g['kl_threshold']:g} | "
+            + " | ".join(_f(t["shares"][u["id"]]) for u in plan["family"])
+            + f" | {'yes' if t['min_share'] >= plan['act_share'] else 'no'} "
+            f"| {'-' if math.isnan(t['mean']) else format(t['mean'], '+.4f')} "
+            f"| {_f(t['sd'], 4)} | {t['n']} |"
+        )
+    lines.append("")
+    if frozen is not None:
+        n = frozen["seeds"]
+        lines.append(
+            f"**Frozen by the plan's rule on the complete pilot: g = {frozen['frozen']} "
+            f"({frozen['entry']['kl_reduction']} k3, threshold {frozen['entry']['kl_threshold']:g})"
+            f"; confirmatory seeds: "
+            + (
+                f"{n} (from {plan['confirm']['seeds_from']}).**"
+                if n
+                else f"more than {plan['confirm']['max_seeds']}: underpowered for "
+                f"{plan['effect']}, estimates only.**"
+            )
+            + f" Per-seed SD {frozen['sd']:.4f} at {frozen['n']} seeds, upper "
+            f"{plan['confirm']['sd_level']:.0%} bound "
+            f"{sd_upper(frozen['sd'], frozen['n'], plan['confirm']['sd_level']):.4f} "
+            "(`results/filter_effect/frozen.json`)."
+        )
+    else:
+        lines.append(
+            "**Partial: the pilot is not complete, so no g is frozen** (the rule runs on all "
+            f"{len(todo)} cells; the figures above are the pilot's so far and choose nothing)."
+        )
+    return lines + [""]
+
+
+def confirm_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> list[str]:
+    """The confirmatory test's verdicts at the frozen g (`results/filter_effect/cells.jsonl`)."""
+    out = confirmatory(rows, plan)
+    lines = [
+        f"### The confirmatory test (g = {frozen['frozen'] if frozen else '?'}; seeds "
+        f"{min(r['seed'] for r in rows)}-{max(r['seed'] for r in rows)})",
+        "",
+        "| id | mean F-TIS - TIS (acc_late) | 95% interval | p | p (Holm) | verdict "
+        "| leave one seed out |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in out["results"]:
+        loo = out["leave_one_out"][r.claim.name]
+        lines.append(
+            f"| {r.claim.name} | {r.ci.mean:+.4f} | [{r.ci.lo:+.4f}, {r.ci.hi:+.4f}] | {r.p:.3g} "
+            f"| {r.p_holm:.3g} | {r.verdict} | "
+            + ", ".join(f"{k} {v}" for k, v in sorted(loo.items()))
+            + " |"
+        )
+    for k, v in out["estimates"].items():
+        lines.append(f"| {k} (estimate) | {v} | | | | | |")
+    return lines + [""]
+
+
+# -- the runner: the pilot's and the confirmatory run's cells --------------------------------------
+# Each cell is one `ftis-grpo` run of a pair's confirmatory config (`configs/confirm/<pair>.yaml`:
+# the receiver `small` is rank 0, so its prompts, sampling seed and warm-up are the same in every
+# arm of a seed), run, timed and recorded by `study.run_cell` / `confirm.run`. The TIS arm is
+# `--loss tis` over the same config (the stale pair's TIS arm is new; the config needs no change:
+# the mode is a flag); an F-TIS arm adds its grid entry's `grid_flags`. Every cell's final greedy
+# evaluation is `confirm.SMALL_EVAL` problems per split: no comparison of this study reads it.
+WORK = HERE / "runs-filter"
+RESULTS = HERE / "results" / "filter_effect"
+FROZEN = RESULTS / "frozen.json"
+STUDY = {"pilot": "filter-pilot", "confirm": "filter-confirm"}
+CHUNK_SEEDS = {"pilot": 2, "confirm": 6}  # about half an hour of one core a chunk (`estimate`)
+
+
+def load_frozen(path: Path = FROZEN) -> Optional[dict]:
+    """The pilot's frozen choice (`report --scale pilot` writes it once the pilot is complete)."""
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else None
+
+
+def _entry(plan: dict, name: str) -> dict:
+    return next(g for g in plan["pilot"]["grid"] if g["name"] == name)
+
+
+def study_cells(plan: dict, stage: str, frozen: Optional[dict] = None) -> list:
+    """The stage's cells as `study.Cell`s, seed by seed, the TIS arm first in each pair. The
+    confirmatory stage needs the pilot's frozen choice: its grid entry and its seed count."""
+    from experiments.confirm import SMALL_EVAL
+    from experiments.study import Cell
+
+    if stage == "confirm":
+        if frozen is None:
+            raise SystemExit(
+                f"the confirmatory run needs the pilot's frozen g: {_rel(FROZEN)} is missing "
+                "(`python -m experiments.filter_effect report --scale pilot` writes it once every "
+                "pilot cell has run)"
+            )
+        if frozen.get("seeds") is None:
+            raise SystemExit(
+                "the pilot's spread asks more than the plan's max_seeds: the plan declares the "
+                "confirmatory test underpowered for its effect before it runs (estimates only)"
+            )
+        entry = _entry(plan, frozen["frozen"])
+        todo = plan_cells(plan, "confirm", frozen["seeds"])
+    else:
+        todo = plan_cells(plan, "pilot")
+    out = []
+    for pair, arm, g, seed in todo:
+        flags = ["--loss", arm, "--set", f"eval_size={SMALL_EVAL}"]
+        if g is not None:
+            flags += grid_flags(entry if g == "frozen" else _entry(plan, g))
+        out.append(Cell(STUDY[stage], pair, _variant(arm, g), seed, f"confirm/{pair}", flags))
+    return out
+
+
+def stage_seeds(plan: dict, stage: str, frozen: Optional[dict] = None) -> list[int]:
+    if stage == "pilot":
+        return list(plan["pilot"]["seeds"])
+    return list(dict.fromkeys(c.seed for c in study_cells(plan, stage, frozen)))
+
+
+def stage_chunks(plan: dict, stage: str, frozen: Optional[dict] = None) -> list[list[int]]:
+    seeds, k = stage_seeds(plan, stage, frozen), CHUNK_SEEDS[stage]
+    return [seeds[i : i + k] for i in range(0, len(seeds), k)]
+
+
+def _rel(path: Path) -> str:
+    from experiments.study import _rel as rel
+
+    return rel(path)
+
+
+def _files(stage: str) -> tuple[str, str]:
+    from experiments.confirm import _result_files
+
+    return _result_files("pilot" if stage == "pilot" else "full")
+
+
+def recorded(stage: str, results: Path = RESULTS) -> tuple[list[dict], list[dict]]:
+    from experiments.confirm import recorded as rec
+
+    return rec(results, "pilot" if stage == "pilot" else "full")
+
+
+def record(plan: dict, stage: str, work: Path, results: Path, frozen=None) -> list[dict]:
+    """Write the stage's finished cells (run folders under `work`, and rows recorded before whose
+    run folders are elsewhere) to `results` (as `confirm.report` does); returns the rows."""
+    from experiments import study
+
+    todo = study_cells(plan, stage, frozen)
+    rows, curves = study.collect(todo, work, ())
+    here, ids = {r["id"] for r in rows}, {c.id for c in todo}
+    old_rows, old_curves = recorded(stage, results)
+    rows += [r for r in old_rows if r["id"] in ids and r["id"] not in here]
+    curves += [c for c in old_curves if c["id"] in ids and c["id"] not in here]
+    order = {c.id: i for i, c in enumerate(todo)}
+    rows.sort(key=lambda r: (order[r["id"]], r["node"]))
+    curves.sort(key=lambda c: (order[c["id"]], c["node"]))
+    results.mkdir(parents=True, exist_ok=True)
+    for name, items in zip(_files(stage), (rows, curves)):
+        (results / name).write_text("".join(json.dumps(x) + "\n" for x in items))
+    return rows
+
+
+def cell_seconds(cell, cpu: dict[str, float]) -> float:
+    """A cell's CPU-s from the confirmatory round's recorded medians (`cell_cpu`): an F-TIS arm
+    at any g as that pair's F-TIS cell, the stale pair's TIS arm (none recorded) as its F-TIS
+    cell too. Those cells' final evaluation was 128 or 512 problems; these evaluate 128."""
+    mode = "f-tis" if cell.variant.startswith("f-tis") else cell.variant
+    return cpu.get(f"{cell.group}/{mode}", cpu[f"{cell.group}/f-tis"])
+
+
+def _left(todo: list, work: Path, done: set) -> list:
+    from experiments.study import _finished, _out
+
+    return [c for c in todo if c.id not in done and not _finished(_out(c, work, ()))]
+
+
+def estimate_chunks(plan: dict, stage: str, work: Path, results: Path, frozen=None) -> str:
+    """Per chunk: the cells left (not finished here nor recorded under `results`) and their
+    CPU-hours (a fresh seed also pays its warm-ups), i.e. the wall hours on one idle core."""
+    cpu = cell_cpu(load_jsonl(CELLS))
+    done = {r["id"] for r in recorded(stage, results)[0]}
+    todo = study_cells(plan, stage, frozen)
+    lines, total = [], 0.0
+    for k, seeds in enumerate(stage_chunks(plan, stage, frozen), 1):
+        chunk = [c for c in todo if c.seed in seeds]
+        left = _left(chunk, work, done)
+        fresh = {c.seed for c in left} - {c.seed for c in chunk if c not in left}
+        sec = sum(cell_seconds(c, cpu) for c in left) + len(fresh) * cpu["warmups"]
+        total += sec
+        lines.append(
+            f"chunk {k} (seeds {seeds[0]}-{seeds[-1]}): {len(left)} of {len(chunk)} cells to run, "
+            f"{sec / 3600:.2f} CPU-h (about {sec / 60:.0f} min on one idle core)"
+        )
+    lines.append(
+        f"all: {total / 3600:.2f} CPU-h; per cell (CPU-s, the confirmatory round's medians): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items()))
+    )
+    return "\n".join(lines)
+
+
+def _deadline(until: Optional[str]) -> Optional[float]:
+    """--until HH:MM (UTC, today) as a time stamp."""
+    if until is None:
+        return None
+    import datetime as dt
+
+    now = dt.datetime.now(dt.timezone.utc)
+    h, m = (int(x) for x in until.split(":"))
+    return now.replace(hour=h, minute=m, second=0, microsecond=0).timestamp()
+
+
+def run_stage(
+    plan: dict,
+    stage: str,
+    todo: list,
+    work: Path,
+    jobs: int,
+    results: Path,
+    frozen=None,
+    until: Optional[str] = None,
+) -> int:
+    """Run `todo` (finished and recorded cells skipped), `jobs` cells at a time, recording after
+    each batch; with `until`, a batch starts only if its estimated CPU time (x1.5, warm-ups
+    included) ends before then: a run stopped so holds finished cells only."""
+    import time
+
+    from experiments import confirm
+
+    cpu = cell_cpu(load_jsonl(CELLS))
+    stop = _deadline(until)
+    done = {r["id"] for r in recorded(stage, results)[0]}
+    left = _left(todo, work, done)
+    warmed = {c.seed for c in todo if c not in left}
+    t0, rc, ran = time.time(), 0, 0
+    for i in range(0, len(left), jobs):
+        batch = left[i : i + jobs]
+        need = max(
+            cell_seconds(c, cpu) + (cpu["warmups"] if c.seed not in warmed else 0.0) for c in batch
+        )
+        if stop is not None and time.time() + 1.5 * need > stop:
+            print(f"--until {until}: stopping before {batch[0].id} ({len(left) - i} cells left)")
+            break
+        rc |= confirm.run(batch, work, jobs, results)
+        warmed |= {c.seed for c in batch}
+        ran += len(batch)
+        record(plan, stage, work, results, frozen)
+    print(f"{ran} cells run in {(time.time() - t0) / 60:.1f} min wall", flush=True)
+    return rc
+
+
+def freeze(plan: dict, rows: list[dict], path: Path) -> dict:
+    """The plan's rule on the complete pilot, written to `path` once: a second call must find
+    the same choice (the pilot's rows cannot change it after the fact)."""
+    pick = choose_g(rows, plan)
+    row = next(t for t in pick["table"] if t["name"] == pick["frozen"])
+    frozen = dict(
+        frozen=pick["frozen"],
+        entry=_entry(plan, pick["frozen"]),
+        seeds=pick["seeds"],
+        sd=row["sd"],
+        n=row["n"],
+        pilot_seeds=list(plan["pilot"]["seeds"]),
+        table=pick["table"],
+    )
+    old = load_frozen(path)
+    if old is not None:
+        if (old["frozen"], old["seeds"]) != (frozen["frozen"], frozen["seeds"]):
+            raise SystemExit(
+                f"{path} froze {old['frozen']} at {old['seeds']} seeds; the pilot "
+                f"rows now give {frozen['frozen']} at {frozen['seeds']}"
+            )
+        return old
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(frozen, indent=1) + "\n")
+    return frozen
+
+
+def report_stage(plan: dict, args: argparse.Namespace) -> int:
+    """Record the stage's finished cells; at the pilot's end freeze g; write `--out`."""
+    if args.check:
+        return write_table(args, plan)
+    path = args.results / FROZEN.name
+    frozen = load_frozen(path)
+    rows = record(plan, args.scale, args.work, args.results, frozen)
+    if args.scale == "pilot" and pilot_complete(plan, rows):
+        frozen = freeze(plan, rows, path)
+    return write_table(args, plan)
+
+
+def write_table(args: argparse.Namespace, plan: dict) -> int:
+    """The results markdown from every recorded file; --check compares instead of writing."""
+    pilot_rows = recorded("pilot", args.results)[0]
+    confirm_rows = recorded("confirm", args.results)[0]
+    frozen = load_frozen(args.results / FROZEN.name)
+    text = report(
+        load_jsonl(args.cells), load_jsonl(args.mechanism), plan, pilot_rows, frozen, confirm_rows
+    )
     if args.check:
         same = args.out.is_file() and args.out.read_text() == text
         print("up to date" if same else f"{args.out} differs from the recorded data's table")
@@ -495,6 +855,60 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.out.write_text(text)
     print(text)
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.filter_effect", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        default="table",
+        choices=("table", "cells", "list", "estimate", "run", "report"),
+        help="table (default): write --out; cells/list: a stage's cells and commands; estimate: "
+        "CPU-hours per chunk; run: a chunk (resumable); report: record the finished cells, at the "
+        "pilot's end freeze g, and write --out",
+    )
+    p.add_argument("--scale", choices=("pilot", "confirm"), default="pilot")
+    p.add_argument("--chunk", type=int, metavar="K", help="run the K-th chunk of seeds only")
+    p.add_argument("--only", action="append", metavar="GLOB", help="cell ids to run (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, help="cells run at once (default 1)")
+    p.add_argument("--until", metavar="HH:MM", help="run: start no cell that would end after (UTC)")
+    p.add_argument("--work", type=Path, default=WORK, help="run folders (not in git)")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--cells", type=Path, default=CELLS)
+    p.add_argument("--mechanism", type=Path, default=MECHANISM)
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--check", action="store_true", help="compare with --out, write nothing")
+    args = p.parse_args(argv)
+    plan = load_plan()
+    if args.action != "table":
+        import fnmatch
+        import shlex
+
+        frozen = load_frozen(args.results / FROZEN.name)
+        if args.action == "estimate":
+            print(estimate_chunks(plan, args.scale, args.work, args.results, frozen))
+            return 0
+        if args.action == "report":
+            return report_stage(plan, args)
+        todo = study_cells(plan, args.scale, frozen)
+        if args.chunk is not None:
+            chunks = stage_chunks(plan, args.scale, frozen)
+            if not 1 <= args.chunk <= len(chunks):
+                raise SystemExit(f"--chunk: expected 1-{len(chunks)}, got {args.chunk}")
+            todo = [c for c in todo if c.seed in chunks[args.chunk - 1]]
+        if args.only:
+            todo = [c for c in todo if any(fnmatch.fnmatchcase(c.id, g) for g in args.only)]
+        if args.action in ("cells", "list"):
+            for c in todo:
+                print(f"{c.id:40s} {shlex.join(c.argv(args.work))}")
+            return 0
+        return run_stage(
+            plan, args.scale, todo, args.work, args.jobs, args.results, frozen, args.until
+        )
+    return write_table(args, plan)
 
 
 if __name__ == "__main__":

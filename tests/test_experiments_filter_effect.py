@@ -198,3 +198,127 @@ def test_every_grid_entry_is_a_config_the_driver_accepts():
         )
         assert cfg.kl_threshold == entry["kl_threshold"]
         assert cfg.loss_options["kl_reduction"] == entry["kl_reduction"]
+
+
+# -- the runner: its cells, the refusal without a frozen g, the pilot's report ---------------------
+def test_the_pilot_cells_are_one_tis_and_one_f_tis_arm_per_grid_entry_in_both_pairs():
+    plan = fe.load_plan()
+    cells = fe.study_cells(plan, "pilot")
+    grid = plan["pilot"]["grid"]
+    assert len(cells) == len(fe.plan_cells(plan, "pilot")) == 8 * 2 * (1 + len(grid))
+    assert sorted({c.seed for c in cells}) == list(range(200, 208))
+    by = {(c.group, c.variant, c.seed): c for c in cells}
+    for seed in plan["pilot"]["seeds"]:
+        for pair in ("stale", "expertise"):
+            tis = by[pair, "tis", seed]  # the stale pair has its TIS arm too
+            assert tis.config == f"confirm/{pair}" and tis.flags[:2] == ["--loss", "tis"]
+            assert "kl_threshold" not in " ".join(tis.flags)
+            for g in grid:
+                c = by[pair, f"f-tis-{g['name']}", seed]
+                assert c.flags[:2] == ["--loss", "f-tis"]
+                assert c.flags[-4:] == fe.grid_flags(g)
+                assert c.config == f"confirm/{pair}"
+    # every cell's final evaluation is the small one, the same in every arm
+    assert all("eval_size=128" in c.flags for c in cells)
+    assert len({c.id for c in cells}) == len(cells)
+    assert all(c.id.startswith("filter-pilot/") for c in cells)
+    # chunks of two seeds, in order
+    assert fe.stage_chunks(plan, "pilot") == [[200, 201], [202, 203], [204, 205], [206, 207]]
+    # the variant names are the ones unit_diffs reads
+    arms = {c.variant for c in cells}
+    assert arms == {"tis", *(fe._variant("f-tis", g["name"]) for g in grid)}
+
+
+def test_the_confirmatory_run_refuses_without_the_pilots_frozen_g(tmp_path, capsys):
+    plan = fe.load_plan()
+    with pytest.raises(SystemExit, match="frozen g"):
+        fe.study_cells(plan, "confirm", None)
+    with pytest.raises(SystemExit, match="frozen g"):
+        fe.main(["run", "--scale", "confirm", "--results", str(tmp_path), "--work", str(tmp_path)])
+    # an underpowered pilot: no confirmatory seed runs either
+    with pytest.raises(SystemExit, match="underpowered"):
+        fe.study_cells(plan, "confirm", dict(frozen="sum20", seeds=None))
+    # frozen: fresh seeds from seeds_from, TIS and F-TIS at the frozen entry's flags
+    cells = fe.study_cells(plan, "confirm", dict(frozen="sum20", seeds=17))
+    assert sorted({c.seed for c in cells}) == list(range(300, 317))
+    assert {c.variant for c in cells} == {"tis", "f-tis-frozen"}
+    frozen = next(c for c in cells if c.variant == "f-tis-frozen")
+    assert frozen.flags[-4:] == fe.grid_flags(fe._entry(plan, "sum20"))
+    assert all(c.id.startswith("filter-confirm/") for c in cells)
+    (tmp_path / "frozen.json").write_text('{"frozen": "sum20", "seeds": 17}')
+    assert fe.main(["list", "--scale", "confirm", "--results", str(tmp_path)]) == 0
+    assert "filter-confirm/stale/f-tis-frozen/s316" in capsys.readouterr().out
+
+
+def _pilot_rows(plan, seeds):
+    arms = {
+        "tis": (0.0, 0.0),
+        "f-tis-sum5": (0.03, 0.3),
+        "f-tis-sum20": (0.01, 0.15),
+        "f-tis-sum50": (0.05, 0.05),
+        "f-tis-sum200": (0.0, 0.0),
+        "f-tis-mean0.3": (0.0, 0.3),
+        "f-tis-mean1": (0.0, 0.1),
+    }
+    rows = _arm_rows(plan, seeds, arms)
+    for r in rows:
+        r["id"] = f"filter-pilot/{r['group']}/{r['variant']}/s{r['seed']}"
+    return rows
+
+
+def _report(tmp_path, rows):
+    import json
+
+    res = tmp_path / "results"
+    res.mkdir(exist_ok=True)
+    (res / "pilot.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "t.md")
+    argv = ["--results", str(res), "--work", str(tmp_path / "runs"), "--out", out]
+    assert fe.main(["report", "--scale", "pilot", *argv]) == 0
+    return res, argv
+
+
+def test_the_pilot_report_freezes_g_only_on_the_complete_pilot(tmp_path):
+    plan = fe.load_plan()
+    # seven of eight seeds: the table, no frozen g
+    res, argv = _report(tmp_path, _pilot_rows(plan, range(200, 207)))
+    text = (tmp_path / "t.md").read_text()
+    assert "Partial" in text and "98 of 112 cells" in text
+    assert not (res / "frozen.json").exists()
+    with pytest.raises(SystemExit, match="frozen g"):
+        fe.main(["run", "--scale", "confirm", *argv])
+    # all eight: the rule freezes sum5 and the sample size, and the markdown says so
+    res, argv = _report(tmp_path, _pilot_rows(plan, range(200, 208)))
+    frozen = fe.load_frozen(res / "frozen.json")
+    assert frozen["frozen"] == "sum5" and frozen["entry"]["kl_threshold"] == 5
+    assert frozen["seeds"] == fe.choose_g(_pilot_rows(plan, range(200, 208)), plan)["seeds"]
+    text = (tmp_path / "t.md").read_text()
+    assert "g = sum5" in text and f"confirmatory seeds: {frozen['seeds']}" in text
+    assert fe.main(["--check", *argv[:2], "--out", str(tmp_path / "t.md")]) == 0
+    # the confirmatory run now lists its cells at the frozen g
+    cells = fe.study_cells(plan, "confirm", frozen)
+    assert len(cells) == frozen["seeds"] * 2 * 2
+    # a second report with rows that would choose otherwise refuses to move the frozen g
+    rows = _pilot_rows(plan, range(200, 208))
+    for r in rows:
+        if r["variant"] == "f-tis-sum20" and r["node"] == 0:
+            r["acc_late"] += 0.1
+    with pytest.raises(SystemExit, match="froze sum5"):
+        _report(tmp_path, rows)
+
+
+def test_the_confirmatory_section_reports_each_family_member_and_the_estimate(tmp_path):
+    import json
+
+    plan = fe.load_plan()
+    rows = _arm_rows(plan, range(300, 316), {"tis": (0, 0), "f-tis-frozen": (0.02, 0.2)})
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (res / "frozen.json").write_text(json.dumps(dict(frozen="sum20", seeds=16)))
+    out = tmp_path / "t.md"
+    assert fe.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "### The confirmatory test (g = sum20; seeds 300-315)" in text
+    assert "| F-stale | +0.0199 |" in text and "reproduced 16" in text
+    assert "E-add-expert (estimate)" in text
