@@ -319,10 +319,11 @@ def ftis_loss(
         **option_keywords: any field of `FTISOptions` (is_mode, filter, loss_type, ratio_level,
             entropy_coef, ...), applied over `options`; help(ftis_loss) lists them all.
         inplace_backward: write d loss / d logits into the logits buffer during backward (with
-            grad_in_forward=True: during the forward), saving a (B, T, V) allocation. Only when nothing reads the logits after the loss: they are
-            overwritten by their gradient. Refused (ValueError) for logits whose elements share
-            memory (expanded or overlapping views) and, unless "force", for a leaf tensor that
-            requires grad or a view of one (your own tensor would become its gradient).
+            grad_in_forward=True: during the forward), saving a (B, T, V) allocation. Only when
+            nothing reads the logits after the loss: they are overwritten by their gradient.
+            Refused (ValueError) for logits whose elements share memory (expanded or
+            overlapping views) and, unless "force", for a leaf tensor that requires grad or a
+            view of one (your own tensor would become its gradient).
         grad_in_forward: write d loss / d logits in the forward's pass over the logits, and
             only fix it up in the backward (one read of the logits and one write of the
             gradient per call, instead of a read in each pass and a write): None (default)
