@@ -1036,17 +1036,24 @@ BEGIN, END = "<!-- confirm:begin -->", "<!-- confirm:end -->"
 PILOT_BEGIN, PILOT_END = "<!-- pilot:begin -->", "<!-- pilot:end -->"
 
 
-def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str:
-    todo = cells(scale)
+def with_recorded(todo: list[Cell], work: Path, old: tuple[list, list]) -> tuple[list, list]:
+    """The rows and curves of `todo`'s cells finished under `work`, plus those recorded before
+    (`old`, as `recorded` reads them) whose run folders are not here (cells finished on another
+    machine stay as recorded), in `todo`'s order, node by node."""
     rows, curves = study.collect(todo, work, ())
-    # Cells finished on another machine (their run folders are not here) stay as recorded.
     here, ids = {r["id"] for r in rows}, {c.id for c in todo}
-    old_rows, old_curves = recorded(results, scale)
+    old_rows, old_curves = old
     rows += [r for r in old_rows if r["id"] in ids and r["id"] not in here]
     curves += [c for c in old_curves if c["id"] in ids and c["id"] not in here]
     order = {c.id: i for i, c in enumerate(todo)}
     rows.sort(key=lambda r: (order[r["id"]], r["node"]))
     curves.sort(key=lambda c: (order[c["id"]], c["node"]))
+    return rows, curves
+
+
+def report(scale: str, work: Path, results: Path, readme: Optional[Path]) -> str:
+    todo = cells(scale)
+    rows, curves = with_recorded(todo, work, recorded(results, scale))
     results.mkdir(parents=True, exist_ok=True)
     files = _result_files(scale)
     if scale == "pilot":

@@ -696,17 +696,10 @@ def recorded(stage: str, results: Path = RESULTS) -> tuple[list[dict], list[dict
 def record(plan: dict, stage: str, work: Path, results: Path, frozen=None) -> list[dict]:
     """Write the stage's finished cells (run folders under `work`, and rows recorded before whose
     run folders are elsewhere) to `results` (as `confirm.report` does); returns the rows."""
-    from experiments import study
+    from experiments import confirm
 
     todo = study_cells(plan, stage, frozen)
-    rows, curves = study.collect(todo, work, ())
-    here, ids = {r["id"] for r in rows}, {c.id for c in todo}
-    old_rows, old_curves = recorded(stage, results)
-    rows += [r for r in old_rows if r["id"] in ids and r["id"] not in here]
-    curves += [c for c in old_curves if c["id"] in ids and c["id"] not in here]
-    order = {c.id: i for i, c in enumerate(todo)}
-    rows.sort(key=lambda r: (order[r["id"]], r["node"]))
-    curves.sort(key=lambda c: (order[c["id"]], c["node"]))
+    rows, curves = confirm.with_recorded(todo, work, recorded(stage, results))
     results.mkdir(parents=True, exist_ok=True)
     for name, items in zip(_files(stage), (rows, curves)):
         (results / name).write_text("".join(json.dumps(x) + "\n" for x in items))

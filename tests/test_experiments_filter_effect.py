@@ -150,18 +150,21 @@ def _arm_rows(plan, seeds, arms):
     return rows
 
 
+# Per arm: (its acc_late gain over TIS, the share of the update its filter changes).
+PILOT_ARMS = {
+    "tis": (0.0, 0.0),
+    "f-tis-sum5": (0.03, 0.3),
+    "f-tis-sum20": (0.01, 0.15),
+    "f-tis-sum50": (0.05, 0.05),
+    "f-tis-sum200": (0.0, 0.0),
+    "f-tis-mean0.3": (0.0, 0.3),
+    "f-tis-mean1": (0.0, 0.1),
+}
+
+
 def test_the_pilot_rule_freezes_the_acting_g_with_the_largest_gain():
     plan = fe.load_plan()
-    arms = {
-        "tis": (0.0, 0.0),
-        "f-tis-sum5": (0.03, 0.3),
-        "f-tis-sum20": (0.01, 0.15),
-        "f-tis-sum50": (0.05, 0.05),
-        "f-tis-sum200": (0.0, 0.0),
-        "f-tis-mean0.3": (0.0, 0.3),
-        "f-tis-mean1": (0.0, 0.1),
-    }
-    out = fe.choose_g(_arm_rows(plan, range(200, 208), arms), plan)
+    out = fe.choose_g(_arm_rows(plan, range(200, 208), PILOT_ARMS), plan)
     # sum50 gains most but filters too little to count as acting.
     assert out["frozen"] == "sum5"
     assert out["seeds"] is not None and out["seeds"] >= plan["confirm"]["min_seeds"]
@@ -251,16 +254,7 @@ def test_the_confirmatory_run_refuses_without_the_pilots_frozen_g(tmp_path, caps
 
 
 def _pilot_rows(plan, seeds):
-    arms = {
-        "tis": (0.0, 0.0),
-        "f-tis-sum5": (0.03, 0.3),
-        "f-tis-sum20": (0.01, 0.15),
-        "f-tis-sum50": (0.05, 0.05),
-        "f-tis-sum200": (0.0, 0.0),
-        "f-tis-mean0.3": (0.0, 0.3),
-        "f-tis-mean1": (0.0, 0.1),
-    }
-    rows = _arm_rows(plan, seeds, arms)
+    rows = _arm_rows(plan, seeds, PILOT_ARMS)
     for r in rows:
         r["id"] = f"filter-pilot/{r['group']}/{r['variant']}/s{r['seed']}"
     return rows

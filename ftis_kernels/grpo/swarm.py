@@ -71,6 +71,9 @@ _ANNOUNCEMENT_BYTES = 16 << 10
 # How long the announced peers read from the DHT are used before it is read again (a new peer
 # that pulls from this one, or a changed fingerprint, has it read at once).
 _MEMBERS_REFRESH_S = 10.0
+# A peer a pull could not reach is left alone this long, twice as long after each further
+# failure in a row, at most _MEMBERS_REFRESH_S.
+_GONE_FIRST_S = 1.0
 # A long poll asks for a reply this long before the collect's deadline; a probe of a peer not
 # waited for is given at least this long to answer.
 _REPLY_MARGIN_S = 0.1
@@ -167,7 +170,11 @@ class HivemindTransport:
         self._members_at = -math.inf  # when the DHT was last read
         self._announced_at = -math.inf
         self._absent: dict[str, float] = {}  # peer -> since when it is not waited for
-        self._gone: dict[str, float] = {}  # peer -> when a pull could not reach it
+        # peer -> (when a pull last could not reach it, how long it is left alone since): the
+        # pause doubles from _GONE_FIRST_S with each failure in a row, up to the members'
+        # refresh period, so that one reset stream (a lossy link, a busy host) costs a round or
+        # two of that peer, not the rest of a short run.
+        self._gone: dict[str, tuple[float, float]] = {}
         self._reported: set[tuple[str, str]] = set()  # (peer, why) of refused peers
         self._closed = False
         self._streams = None
@@ -378,8 +385,8 @@ class HivemindTransport:
             asks: dict[str, tuple[list[int], float]] = {}
             for peer in self._live():
                 want = [r for r in window if (peer, r) not in self._collected]
-                gone = self._gone.get(peer)
-                if not want or peer in done or (gone and now - gone < _MEMBERS_REFRESH_S):
+                since, pause = self._gone.get(peer, (0.0, 0.0))
+                if not want or peer in done or now - since < pause:
                     continue
                 # A long poll for this round from the peers it waits for; a probe (no wait)
                 # of the others: those that let a round pass, and what is left of older rounds.
@@ -398,8 +405,15 @@ class HivemindTransport:
                 if reply.error is not None:
                     done.add(peer)
                     if reply.error != "timeout":
-                        self._gone[peer] = time.monotonic()
-                        log.info("swarm: peer %s unreachable: %s", peer, reply.error)
+                        pause = self._gone.get(peer, (0.0, _GONE_FIRST_S / 2))[1]
+                        pause = min(2 * pause, _MEMBERS_REFRESH_S)
+                        self._gone[peer] = (time.monotonic(), pause)
+                        log.info(
+                            "swarm: peer %s unreachable (left alone %.0f s): %s",
+                            peer,
+                            pause,
+                            reply.error,
+                        )
                     continue
                 self._gone.pop(peer, None)
                 if reply.digest != self._members[peer].digest:

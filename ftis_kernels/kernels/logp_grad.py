@@ -6,7 +6,7 @@ PPO ratio, a surrogate without a sequence weight, no entropy bonus, normalisers 
 mask: `ftis_loss.grad_in_forward_reason` lists the options), d loss / d logits of row r is
     dx[r, v] = c_r (1[v == token_r] - p_v),   c_r = (d loss / d logp_r) / tau,
 and c_r needs only the row's own log pi_theta: `_logp_grad_fwd_kernel` makes the forward row
-pass (`logp_lse.row_stats`), forms c_r from the token's log-probabilities and its sample's
+pass (`logp_lse.row_pass`), forms c_r from the token's log-probabilities and its sample's
 advantage and normaliser as the per-sample kernel does (`loss_terms.token_coef`), then reads the
 row again (from L2: a program re-reads its own row right after the first pass) and writes dx. The
 filter's decision needs the whole sample, so the forward writes every row as if its sample were
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftis_kernels.kernels.logp_lse import _block_v, fwd_meta, row_stats
+from ftis_kernels.kernels.logp_lse import _block_v, fwd_meta, row_pass
 from ftis_kernels.kernels.loss_terms import token_coef
 from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
 
@@ -146,21 +146,17 @@ def _logp_grad_fwd_kernel(
         active = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
     row_ptr = logits_ptr + b * stride_lb + t * stride_lt
     drow_ptr = dlogits_ptr + b * stride_db + t * stride_dt
-    v_end = tl.where(active, V, 0)
-    inv_t = tl.math.div_rn(1.0, temperature)
-    # Pass 1, the forward row kernel's: row statistics, log pi_theta(token), entropy.
-    m, s, u = row_stats(row_ptr, v_end, V, stride_lv, inv_t, True, BLOCK_V, VEC, LANES)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
     token_ok = (token >= 0) & (token < V)
-    x_token = tl.load(row_ptr + token * stride_lv, mask=active & token_ok, other=0.0)
-    s_safe = tl.where(active, s, 1.0)
-    log_sum = tl.where(active, tl.log(s_safe), 0.0)
-    logp = tl.where(active, (x_token.to(tl.float32) / temperature - m) - log_sum, 0.0)
-    row_max = tl.where(active, m, 0.0)
+    inv_t = tl.math.div_rn(1.0, temperature)
+    # Pass 1, the forward row kernel's: row statistics, log pi_theta(token), entropy.
+    logp, row_max, log_sum, entropy, x_token = row_pass(
+        row_ptr, token, active, V, stride_lv, temperature, True, BLOCK_V, VEC, LANES
+    )
     tl.store(logp_ptr + row, logp)
     tl.store(row_max_ptr + row, row_max)
     tl.store(log_sum_ptr + row, log_sum)
-    tl.store(entropy_ptr + row, tl.where(active, log_sum - 0.6931471805599453 * u / s_safe, 0.0))
+    tl.store(entropy_ptr + row, entropy)
 
     # d loss / d logp of this token, as the per-sample kernel's pass 2 forms it for a kept sample.
     gen = tl.load(gen_ptr + b * stride_gb + t * stride_gt, mask=active, other=0.0).to(tl.float32)

@@ -115,6 +115,31 @@ def row_stats(
     return m, s, u
 
 
+@triton.jit
+def row_pass(
+    row_ptr, token, active, V, stride_lv, temperature,
+    WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    """The forward pass over one row (`row_stats`) and what it gives: (logp, row_max, log_sum,
+    entropy, x_token), fp32 but x_token (the taken token's logit as stored), each 0 for a row
+    that is not active (masked: nothing is read). A token id outside [0, V) reads nothing."""
+    # x * (1 / tau), not x / tau: compiled Triton divides by a runtime scalar with a reciprocal and
+    # two range fix-ups per element (bench/hopper_asm.py counted 3 instructions a logit).
+    inv_t = tl.math.div_rn(1.0, temperature)
+    # A masked row runs no iteration: its logits may be anything, even nan, and are never read.
+    v_end = tl.where(active, V, 0)
+    m, s, u = row_stats(row_ptr, v_end, V, stride_lv, inv_t, WITH_ENTROPY, BLOCK_V, VEC, LANES)
+    # A bad token id is refused by the caller after the forward: until then it reads nothing.
+    token_ok = (token >= 0) & (token < V)
+    x_token = tl.load(row_ptr + token * stride_lv, mask=active & token_ok, other=0.0)
+    s_safe = tl.where(active, s, 1.0)
+    log_sum = tl.where(active, tl.log(s_safe), 0.0)
+    logp = tl.where(active, (x_token.to(tl.float32) / temperature - m) - log_sum, 0.0)
+    # H = log s - (sum_v e_v (x_v / tau - m)) / s, the sum in base-2 units times ln 2.
+    entropy = tl.where(active, log_sum - 0.6931471805599453 * u / s_safe, 0.0)
+    return logp, tl.where(active, m, 0.0), log_sum, entropy, x_token
+
+
 @triton.heuristics(
     {
         "HAS_MASK": lambda args: args["mask_ptr"] is not None,
@@ -154,33 +179,21 @@ def _logp_lse_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
-    active = True
+    active = t >= 0  # every row, as a tensor
     if HAS_MASK:
         active = tl.load(mask_ptr + b * stride_mb + t * stride_mt) != 0
     # b and t are int64 (from the program id), so the row offsets are: no stride is cast, since
     # Triton turns a stride equal to 1 into a compile-time constant, which has no .to().
     row_ptr = logits_ptr + b * stride_lb + t * stride_lt
-    # A masked row runs no iteration: its logits may be anything, even nan, and are never read.
-    v_end = tl.where(active, V, 0)
-    # x * (1 / tau), not x / tau: compiled Triton divides by a runtime scalar with a reciprocal and
-    # two range fix-ups per element (bench/hopper_asm.py counted 3 instructions a logit).
-    inv_t = tl.math.div_rn(1.0, temperature)
-    m, s, u = row_stats(row_ptr, v_end, V, stride_lv, inv_t, WITH_ENTROPY, BLOCK_V, VEC, LANES)
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
-    # A bad token id is refused by the caller after the forward: until then it reads nothing.
-    token_ok = (token >= 0) & (token < V)
-    x_token = tl.load(row_ptr + token * stride_lv, mask=active & token_ok, other=0.0)
-    s_safe = tl.where(active, s, 1.0)
-    log_sum = tl.where(active, tl.log(s_safe), 0.0)
-    logp = tl.where(active, (x_token.to(tl.float32) / temperature - m) - log_sum, 0.0)
+    logp, row_max, log_sum, entropy, x_token = row_pass(
+        row_ptr, token, active, V, stride_lv, temperature, WITH_ENTROPY, BLOCK_V, VEC, LANES
+    )
     tl.store(logp_ptr + row, logp)
-    tl.store(row_max_ptr + row, tl.where(active, m, 0.0))
+    tl.store(row_max_ptr + row, row_max)
     tl.store(log_sum_ptr + row, log_sum)
     if WITH_ENTROPY:
-        # H = log s - (sum_v e_v (x_v / tau - m)) / s, the sum in base-2 units times ln 2.
-        tl.store(
-            entropy_ptr + row, tl.where(active, log_sum - 0.6931471805599453 * u / s_safe, 0.0)
-        )
+        tl.store(entropy_ptr + row, entropy)
 
 
 def logp_lse_fwd(
