@@ -14,7 +14,8 @@ recorded cells skipped, CPU time and environment recorded per cell) into `runs-f
 records them in `results/filter_effect/` (pilot.jsonl, cells.jsonl and their curves).
 `report --scale pilot` applies the plan's rule (`choose_g`) once every pilot cell has run and
 writes the frozen g and the confirmatory sample size to `results/filter_effect/frozen.json`;
-`run --scale confirm` refuses to start without it.
+`run --scale confirm` refuses to start without it. Where the rule found the test underpowered,
+the confirmatory run takes the plan's cap of seeds and reports estimates only (`confirm_seeds`).
 
 From recorded data only: the confirmatory round's cells (`results/confirm/cells.jsonl`: per
 cell and node, each run metric's mean over its 30 rounds) and the first round's mechanism test
@@ -56,6 +57,7 @@ from typing import Any, Optional
 import numpy as np
 import scipy.stats as sps
 import yaml
+from scipy.optimize import brentq
 
 from experiments import stats
 
@@ -571,7 +573,8 @@ def pilot_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> list[
                 f"{n} (from {plan['confirm']['seeds_from']}).**"
                 if n
                 else f"more than {plan['confirm']['max_seeds']}: underpowered for "
-                f"{plan['effect']}, estimates only.**"
+                f"{plan['effect']}, so estimates only, at the cap's {plan['confirm']['max_seeds']} "
+                f"seeds (from {plan['confirm']['seeds_from']}).**"
             )
             + f" Per-seed SD {frozen['sd']:.4f} at {frozen['n']} seeds, upper "
             f"{plan['confirm']['sd_level']:.0%} bound "
@@ -586,8 +589,55 @@ def pilot_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> list[
     return lines + [""]
 
 
+def detectable(sd: float, n: int, alpha: float, power: float) -> float:
+    """The smallest true mean difference a two-sided paired t-test at level `alpha` over n seeds
+    of per-seed SD `sd` detects with probability `power`."""
+    crit = sps.t.ppf(1 - alpha / 2, n - 1)
+    se = sd / math.sqrt(n)
+    if se == 0.0:
+        return 0.0
+    return float(
+        brentq(lambda e: sps.nct.sf(crit, n - 1, e / se) - power, 1e-12 * se, 20 * se + 1e-12)
+    )
+
+
+def estimates_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> list[str]:
+    """The underpowered plan's confirmatory answer: per family member and estimate, F-TIS - TIS
+    with its 95% interval, the effects it rules out, and the smallest effect the seeds had 80%
+    power for at the observed SD (Holm's level for the family), no verdict."""
+    d = unit_diffs(rows, plan, plan["family"] + plan["estimates"], "frozen")
+    level = plan["alpha"] / len(plan["family"])
+    seeds = sorted({r["seed"] for r in rows})
+    n_plan = confirm_seeds(plan, frozen)[0] if frozen else len(seeds)
+    lines = [
+        f"### The confirmatory estimates (g = {frozen['frozen'] if frozen else '?'}; seeds "
+        f"{seeds[0]}-{seeds[-1]}, {len(seeds)} of {n_plan}; underpowered for "
+        f"{plan['effect']} by the plan's rule, so no verdict)",
+        "",
+        "| id | seeds | mean F-TIS - TIS (acc_late) | 95% interval | rules out (95%) "
+        f"| 80% power at (level {level:.3g}) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for u in plan["family"] + plan["estimates"]:
+        v = list(d[u["id"]].values())
+        if len(v) < 3:
+            lines.append(f"| {u['id']} | {len(v)} | - | - | - | - |")
+            continue
+        ci = stats.t_interval(v)
+        sd = float(np.std(v, ddof=1))
+        lines.append(
+            f"| {u['id']} | {ci.n} | {ci.mean:+.4f} | [{ci.lo:+.4f}, {ci.hi:+.4f}] "
+            f"| below {ci.lo:+.4f} and above {ci.hi:+.4f} "
+            f"| {detectable(sd, ci.n, level, plan['power']):.4f} |"
+        )
+    return lines + [""]
+
+
 def confirm_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> list[str]:
-    """The confirmatory test's verdicts at the frozen g (`results/filter_effect/cells.jsonl`)."""
+    """The confirmatory test's verdicts at the frozen g (`results/filter_effect/cells.jsonl`);
+    the estimates only when the plan's rule found the test underpowered."""
+    if frozen is not None and not confirm_seeds(plan, frozen)[1]:
+        return estimates_section(plan, rows, frozen)
     out = confirmatory(rows, plan)
     lines = [
         f"### The confirmatory test (g = {frozen['frozen'] if frozen else '?'}; seeds "
@@ -624,6 +674,16 @@ STUDY = {"pilot": "filter-pilot", "confirm": "filter-confirm"}
 CHUNK_SEEDS = {"pilot": 2, "confirm": 6}  # about half an hour of one core a chunk (`estimate`)
 
 
+def confirm_seeds(plan: dict, frozen: dict) -> tuple[int, bool]:
+    """(seeds, powered): the confirmatory seed count, and whether the plan's rule found it enough
+    for `effect`. When the rule needs more than `max_seeds` (frozen `seeds: null`), the plan says
+    the study "reports estimates only": it runs the cap's `max_seeds` fresh seeds, its family
+    members reported with their intervals, the effects those rule out and the smallest effect
+    the seeds had 80% power for, and no verdict (fixed here before any confirmatory cell ran)."""
+    n = frozen.get("seeds")
+    return (n, True) if n else (plan["confirm"]["max_seeds"], False)
+
+
 def load_frozen(path: Path = FROZEN) -> Optional[dict]:
     """The pilot's frozen choice (`report --scale pilot` writes it once the pilot is complete)."""
     return json.loads(Path(path).read_text()) if Path(path).is_file() else None
@@ -646,13 +706,8 @@ def study_cells(plan: dict, stage: str, frozen: Optional[dict] = None) -> list:
                 "(`python -m experiments.filter_effect report --scale pilot` writes it once every "
                 "pilot cell has run)"
             )
-        if frozen.get("seeds") is None:
-            raise SystemExit(
-                "the pilot's spread asks more than the plan's max_seeds: the plan declares the "
-                "confirmatory test underpowered for its effect before it runs (estimates only)"
-            )
         entry = _entry(plan, frozen["frozen"])
-        todo = plan_cells(plan, "confirm", frozen["seeds"])
+        todo = plan_cells(plan, "confirm", confirm_seeds(plan, frozen)[0])
     else:
         todo = plan_cells(plan, "pilot")
     out = []

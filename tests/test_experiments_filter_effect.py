@@ -238,9 +238,12 @@ def test_the_confirmatory_run_refuses_without_the_pilots_frozen_g(tmp_path, caps
         fe.study_cells(plan, "confirm", None)
     with pytest.raises(SystemExit, match="frozen g"):
         fe.main(["run", "--scale", "confirm", "--results", str(tmp_path), "--work", str(tmp_path)])
-    # an underpowered pilot: no confirmatory seed runs either
-    with pytest.raises(SystemExit, match="underpowered"):
-        fe.study_cells(plan, "confirm", dict(frozen="sum20", seeds=None))
+    # an underpowered pilot: the cap's seeds, for estimates only
+    capped = fe.study_cells(plan, "confirm", dict(frozen="sum20", seeds=None))
+    cap = plan["confirm"]["max_seeds"]
+    assert sorted({c.seed for c in capped}) == list(range(300, 300 + cap))
+    assert fe.confirm_seeds(plan, dict(seeds=None)) == (cap, False)
+    assert fe.confirm_seeds(plan, dict(seeds=17)) == (17, True)
     # frozen: fresh seeds from seeds_from, TIS and F-TIS at the frozen entry's flags
     cells = fe.study_cells(plan, "confirm", dict(frozen="sum20", seeds=17))
     assert sorted({c.seed for c in cells}) == list(range(300, 317))
@@ -316,3 +319,32 @@ def test_the_confirmatory_section_reports_each_family_member_and_the_estimate(tm
     assert "### The confirmatory test (g = sum20; seeds 300-315)" in text
     assert "| F-stale | +0.0199 |" in text and "reproduced 16" in text
     assert "E-add-expert (estimate)" in text
+
+
+def test_an_underpowered_plan_reports_intervals_what_they_rule_out_and_no_verdict(tmp_path):
+    import json
+
+    plan = fe.load_plan()
+    rows = _arm_rows(plan, range(300, 316), {"tis": (0, 0), "f-tis-frozen": (0.02, 0.2)})
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (res / "frozen.json").write_text(json.dumps(dict(frozen="mean1", seeds=None)))
+    out = tmp_path / "t.md"
+    assert fe.main(["--results", str(res), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "### The confirmatory estimates (g = mean1; seeds 300-315, 16 of 96;" in text
+    assert "reproduced" not in text and "inconclusive" not in text
+    line = next(x for x in text.splitlines() if x.startswith("| F-stale |"))
+    d = list(fe.unit_diffs(rows, plan, plan["family"], "frozen")["F-stale"].values())
+    ci = fe.stats.t_interval(d)
+    assert f"[{ci.lo:+.4f}, {ci.hi:+.4f}]" in line and f"above {ci.hi:+.4f}" in line
+    assert "| E-add-expert | 16 | +0.0000 |" in text
+
+
+def test_the_detectable_effect_is_the_one_the_sample_size_rule_inverts():
+    for sd in (0.01, 0.04):
+        e = fe.detectable(sd, 40, 0.025, 0.8)
+        assert fe.stats.seeds_needed(sd, e * 1.001, alpha=0.025, power=0.8) <= 40
+        assert fe.stats.seeds_needed(sd, e * 0.99, alpha=0.025, power=0.8) > 40
+    assert fe.detectable(0.04, 96, 0.025, 0.8) < fe.detectable(0.04, 24, 0.025, 0.8)
