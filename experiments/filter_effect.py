@@ -51,6 +51,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -799,15 +800,17 @@ def estimate_chunks(plan: dict, stage: str, work: Path, results: Path, frozen=No
     return "\n".join(lines)
 
 
-def _deadline(until: Optional[str]) -> Optional[float]:
-    """--until HH:MM (UTC, today) as a time stamp."""
+def _deadline(until: Optional[str], now: Optional[float] = None) -> Optional[float]:
+    """--until HH:MM (UTC) as a time stamp: its next occurrence after `now` (a run started at
+    23:30 with --until 01:40 stops tomorrow at 01:40)."""
     if until is None:
         return None
     import datetime as dt
 
-    now = dt.datetime.now(dt.timezone.utc)
+    t = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.timezone.utc)
     h, m = (int(x) for x in until.split(":"))
-    return now.replace(hour=h, minute=m, second=0, microsecond=0).timestamp()
+    stop = t.replace(hour=h, minute=m, second=0, microsecond=0)
+    return (stop + dt.timedelta(days=1) if stop <= t else stop).timestamp()
 
 
 def run_stage(
@@ -823,7 +826,6 @@ def run_stage(
     """Run `todo` (finished and recorded cells skipped), `jobs` cells at a time, recording after
     each batch; with `until`, a batch starts only if its estimated CPU time (x1.5, warm-ups
     included) ends before then: a run stopped so holds finished cells only."""
-    import time
 
     from experiments import confirm
 

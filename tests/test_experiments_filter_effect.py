@@ -348,3 +348,14 @@ def test_the_detectable_effect_is_the_one_the_sample_size_rule_inverts():
         assert fe.stats.seeds_needed(sd, e * 1.001, alpha=0.025, power=0.8) <= 40
         assert fe.stats.seeds_needed(sd, e * 0.99, alpha=0.025, power=0.8) > 40
     assert fe.detectable(0.04, 96, 0.025, 0.8) < fe.detectable(0.04, 24, 0.025, 0.8)
+
+
+def test_until_is_the_next_occurrence_of_that_time_of_day():
+    import datetime as dt
+
+    def at(h, m):
+        return dt.datetime(2026, 12, 4, h, m, tzinfo=dt.timezone.utc).timestamp()
+
+    assert fe._deadline("22:00", at(20, 14)) == at(22, 0)
+    assert fe._deadline("01:40", at(23, 33)) == at(1, 40) + 86400
+    assert fe._deadline(None) is None
