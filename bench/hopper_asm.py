@@ -33,6 +33,19 @@ H200_COPY_BYTES_PER_S = 4.21e12
 H200_SMS = 132
 H200_CLOCK_HZ = 1.98e9
 ISSUE_PER_SM_CLOCK = 128  # 4 schedulers x 1 warp-instruction x 32 threads
+# Hopper's per-SM limits (CUDA's compute capability 9.0 table) and the GH100's L2 as an H100 SXM
+# or H200 has it enabled: 50 MB.
+MAX_THREADS_PER_SM = 2048
+REGS_PER_SM = 65536
+SMEM_PER_SM = 228 * 1024
+H200_L2_BYTES = 50 * 1024**2
+
+
+def awaiting_reread_bytes(stats: LoopStats, V: int, itemsize: int) -> int:
+    """Bytes the gradient-in-forward kernel has read once and will read again, with every SM
+    full: half a row for each resident program (a program is on average halfway through its
+    first read or its second)."""
+    return stats.programs_per_sm * H200_SMS * V * itemsize // 2
 
 
 @dataclass
@@ -49,10 +62,20 @@ class LoopStats:
     barriers: int
     ldg128: int
     stg128: int
+    evict_first: int  # loads and stores marked to leave L2 first (.EF)
 
     @property
     def per_element(self) -> float:
         return self.loop_instructions / self.elements_per_thread
+
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs an SM holds at once: threads, registers (allocated 8 a thread, 256 a warp),
+        shared memory (1 KB more a program) and Hopper's 32 programs an SM."""
+        threads = 32 * self.num_warps
+        regs = -(-max(self.registers, 1) // 8) * 8 * threads
+        smem = self.shared_bytes + 1024
+        return min(MAX_THREADS_PER_SM // threads, REGS_PER_SM // regs, SMEM_PER_SM // smem, 32)
 
     def issue_bound_fraction(self, bytes_per_element: float) -> float:
         """Fraction of issue capacity the loop needs to keep up with the copy roofline."""
@@ -143,13 +166,13 @@ def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
         scalars.update(tau_pos=1.0, tau_neg=1.05, beta=0.0, grad_scale=1.0)
         codes = dict(IS_MODE=2, IS_FROM_OLD=False, SURROGATE=0, REDUCTION=0, ZERO_NEGATIVE=False)
         codes.update(BIAS_KL=False)
-        meta = K.fwd_meta(block_v)
+        meta = G.grad_meta(V, getattr(torch, dtype).itemsize)
         args = {**common, **outputs, **mask, **rows, **scalars, **codes, **meta}
         return G._logp_grad_fwd_kernel, args
     rows = dict(row_max_ptr=f32, log_sum_ptr=f32, coef_ptr=f32, entropy_ptr=None)
     rows.update(scales_ptr=f32, grad_ptr=f32)
     grad = dict(dlogits_ptr=x, entropy_coef_ptr=None, stride_db=T * V, stride_dt=V, stride_dv=1)
-    return K._logits_bwd_kernel, {**common, **rows, **grad}
+    return K._logits_bwd_kernel, {**common, **rows, **grad, **K.bwd_meta(block_v)}
 
 
 def loop_stats(kernel: str, dtype: str, V: int) -> LoopStats:
@@ -177,13 +200,14 @@ def loop_stats(kernel: str, dtype: str, V: int) -> LoopStats:
         elements_per_thread=block_v // (32 * num_warps),
         mufu=sum("MUFU" in ln for ln in body),
         barriers=sum("BAR.SYNC" in ln for ln in body),
-        ldg128=sum("LDG.E.128" in ln for ln in body),
-        stg128=sum("STG.E.128" in ln for ln in body),
+        ldg128=sum(bool(re.search(r"LDG\.E(\.\w+)*\.128", ln)) for ln in body),
+        stg128=sum(bool(re.search(r"STG\.E(\.\w+)*\.128", ln)) for ln in body),
+        evict_first=sum(bool(re.search(r"[LS][DT]G\.E\.EF", ln)) for ln in body),
     )
 
 
 def main(argv=None) -> None:
-    from ftis_kernels.kernels.logp_lse import MAX_BLOCK_V, _block_v, _num_warps
+    from ftis_kernels.kernels.logp_lse import MAX_BLOCK_V
 
     ap = argparse.ArgumentParser(
         prog="python -m bench.hopper_asm", description=__doc__.splitlines()[0]
@@ -191,15 +215,13 @@ def main(argv=None) -> None:
     ap.add_argument("--V", type=int, default=151936)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     args = ap.parse_args(argv)
-    bv = _block_v(args.V)
+    print(f"V={args.V}; each kernel's BLOCK_V and warps as it launches (MAX_BLOCK_V={MAX_BLOCK_V})")
     print(
-        f"launch config for V={args.V}: BLOCK_V={bv} (MAX_BLOCK_V={MAX_BLOCK_V}), num_warps={_num_warps(bv)}"  # noqa: E501
+        "| kernel | dtype | BLOCK_V | warps | regs | smem B | programs / SM | loop instr / logit "
+        "| MUFU / logit | barriers / iter | 16 B loads / iter | 16 B stores / iter "
+        "| evict-first / iter | issue needed at roofline | awaiting re-read (L2 50 MB) |"
     )
-    print(
-        "| kernel | dtype | regs | smem B | loop instr / logit | MUFU / logit | barriers / iter | 16 B loads / iter "  # noqa: E501
-        "| 16 B stores / iter | issue needed at roofline |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kernel in ("fwd", "bwd", "grad_fwd_pass1", "grad_fwd_pass2"):
         for dtype in args.dtypes.split(","):
             s = loop_stats(kernel, dtype, args.V)
@@ -207,10 +229,16 @@ def main(argv=None) -> None:
             # Bytes from memory per logit: pass 2 re-reads its row from L2, so it moves the
             # gradient's write only, but its loop runs in the same time budget as pass 1's.
             bpe = size if kernel in ("fwd", "grad_fwd_pass1") else 2 * size
+            held = (
+                f"{awaiting_reread_bytes(s, args.V, size) / 2**20:.0f} MB"
+                if kernel.startswith("grad_fwd")
+                else "-"
+            )
             print(
-                f"| {kernel} | {dtype} | {s.registers} | {s.shared_bytes} | {s.per_element:.1f} "
+                f"| {kernel} | {dtype} | {s.block_v} | {s.num_warps} | {s.registers} "
+                f"| {s.shared_bytes} | {s.programs_per_sm} | {s.per_element:.1f} "
                 f"| {s.mufu / s.elements_per_thread:.2f} | {s.barriers} | {s.ldg128} | {s.stg128} "
-                f"| {100 * s.issue_bound_fraction(bpe):.0f}% |"
+                f"| {s.evict_first} | {100 * s.issue_bound_fraction(bpe):.0f}% | {held} |"
             )
 
 

@@ -1,12 +1,14 @@
 """The row kernels' meta-parameters, timed: `python -m bench.tune_rows --out tune.json` (a GPU).
 
-For the forward (`logp_lse_fwd`: one read of the logits) and the backward (`logits_bwd`: one read
-and one write) at each shape and dtype, every configuration in FWD_CONFIGS / BWD_CONFIGS is
-checked against the default's results (the same numbers to a few ulp, every element written) and
-timed (median of `triton.testing.do_bench`), beside a device copy of the same logits measured in
-the same run. Each record gives the time, the bytes the kernel must move over that time, and that
-rate as a fraction of the copy's (read + write) rate. The default configuration is the first of
-each list. The run stops starting shapes after --budget-s and writes what it measured.
+For the forward (`logp_lse_fwd`: one read of the logits), the backward (`logits_bwd`: one read
+and one write) and the gradient-in-forward kernel (`logp_grad_fwd`: a read, a re-read that L2
+should serve, a write) at each shape and dtype, every configuration in FWD_CONFIGS, BWD_CONFIGS
+and GRAD_CONFIGS is checked against the default's results (the same numbers to a few ulp, every
+element written) and timed (median of `triton.testing.do_bench`), beside a device copy of the
+same logits measured in the same run. Each record gives the time, the bytes the kernel must move
+over that time, and that rate as a fraction of the copy's (read + write) rate. The default
+configuration is the first of each list. The run stops starting shapes after --budget-s and
+writes what it measured.
 
 On CPU (`--device cpu`, the interpreter) it checks the mechanics on a tiny shape; its times mean
 nothing.
@@ -47,6 +49,19 @@ BWD_CONFIGS = (
     (8192, 16, None),
     (1024, 4, None),
     (4096, 8, 1),
+)
+# The gradient-in-forward kernel (`logp_grad_fwd`: one read from memory, one from L2, one write):
+# (BLOCK_V, VEC, num_warps, num_stages or None). None first: `logp_grad.grad_meta`, the default.
+# The others trade rows in flight (L2 hits of the second read) against programs per SM.
+GRAD_CONFIGS = (
+    None,
+    (4096, 8, 8, None),
+    (8192, 8, 16, None),
+    (16384, 8, 32, None),
+    (8192, 4, 16, None),
+    (8192, 4, 32, None),
+    (4096, 4, 8, None),
+    (16384, 16, 32, None),
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -89,7 +104,14 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / b.abs().clamp_min(1.0)).max())
 
 
-def tune_shape(n_tokens: int, V: int, dtype: str, device: torch.device, fit_v: bool) -> list:
+def tune_shape(
+    n_tokens: int,
+    V: int,
+    dtype: str,
+    device: torch.device,
+    fit_v: bool,
+    kernels: tuple = ("fwd", "bwd", "grad"),
+) -> list:
     from ftis_kernels.kernels import logp_lse
 
     T = min(1024, n_tokens)
@@ -129,6 +151,10 @@ def tune_shape(n_tokens: int, V: int, dtype: str, device: torch.device, fit_v: b
             flush=True,
         )
 
+    if "grad" in kernels:
+        _tune_grad(logits, tokens, device, fit_v, record)
+    if "fwd" not in kernels and "bwd" not in kernels:
+        return records
     fwd_cfgs = [c for c in FWD_CONFIGS if not fit_v or c[0] <= _pow2(V)]
     base = None
     for cfg in fwd_cfgs:
@@ -142,6 +168,8 @@ def tune_shape(n_tokens: int, V: int, dtype: str, device: torch.device, fit_v: b
         written = all(bool(torch.isfinite(o).all()) for o in outs)
         if base is None:
             base = tuple(o.clone() for o in outs)
+        if "fwd" not in kernels:
+            break  # the backward needs only the default's statistics
         err = max(_rel_diff(o, b) for o, b in zip(outs, base))
         ms = _time_ms(
             lambda m=meta, o=outs: logp_lse.logp_lse_fwd(
@@ -150,6 +178,8 @@ def tune_shape(n_tokens: int, V: int, dtype: str, device: torch.device, fit_v: b
             device,
         )
         record("fwd", cfg, ms, logits.numel() * es, err, written)
+    if "bwd" not in kernels:
+        return records
     logp, row_max, log_sum, entropy = base
     coef = torch.randn(B, T, device=device, generator=g)
     ecoef = torch.randn(B, T, device=device, generator=g) * 0.01
@@ -176,6 +206,52 @@ def tune_shape(n_tokens: int, V: int, dtype: str, device: torch.device, fit_v: b
     return records
 
 
+def _tune_grad(logits, tokens, device, fit_v: bool, record) -> None:
+    """The gradient-in-forward kernel over GRAD_CONFIGS, the default F-TIS work (TIS, the grpo
+    reduction, no mask, half the advantages positive): its bytes from memory are one read and
+    one write, so `of_copy` near 1 means the second read came from L2."""
+    from ftis_kernels.ftis_loss import _row_codes
+    from ftis_kernels.kernels import logp_grad
+    from ftis_kernels.options import FTISOptions
+    from ftis_kernels.validate import Rows
+
+    B, T, V = logits.shape
+    g = torch.Generator(device=device).manual_seed(1)
+    gen = -torch.rand(B, T, device=device, generator=g) * 3.0
+    adv = torch.randn(B, device=device, generator=g)
+    rows = Rows(tokens, gen, adv, None, None, None)
+    opt = FTISOptions()
+    codes = _row_codes(opt, False)
+    es = logits.element_size()
+    base = None
+    for cfg in GRAD_CONFIGS:
+        if cfg is not None and fit_v and cfg[0] > _pow2(V):
+            continue
+        meta = None if cfg is None else _fwd_meta(cfg)
+        out = torch.full_like(logits, float("nan"))
+        try:
+            stats = logp_grad.logp_grad_fwd(logits, out, rows, opt, codes, T, meta=meta)
+        except Exception as e:
+            print(f"grad_fwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        written = bool(torch.isfinite(out).all())
+        o32 = out.float()
+        if base is None:
+            base = (o32, stats[0].clone())
+        err = max(_rel_diff(o32, base[0]), _rel_diff(stats[0], base[1]))
+        del o32
+        ms = _time_ms(
+            lambda m=meta, o=out: logp_grad.logp_grad_fwd(logits, o, rows, opt, codes, T, meta=m),
+            device,
+        )
+        d = logp_grad.grad_meta(V, es)
+        shown = (
+            cfg if cfg is not None else ("default", d["BLOCK_V"], d["VEC"], d["num_warps"], None)
+        )
+        record("grad_fwd", shown, ms, 2 * logits.numel() * es, err, written)
+        del out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -185,6 +261,12 @@ def main(argv=None) -> None:
         help="tokens x V : dtype, comma-separated, in priority order",
     )
     ap.add_argument("--budget-s", type=float, default=90.0)
+    ap.add_argument(
+        "--kernels",
+        default="grad,fwd,bwd",
+        help="which kernels' configurations to time, of grad, fwd, bwd (the gradient-in-forward "
+        "kernel first)",
+    )
     ap.add_argument("--out", default=None, help="JSON file for the records")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -209,7 +291,11 @@ def main(argv=None) -> None:
             continue
         size, dtype = spec.split(":")
         n, V = (int(x) for x in size.split("x"))
-        records += tune_shape(n, V, dtype, device, fit_v=device.type == "cpu")
+        kernels = tuple(k for k in args.kernels.split(",") if k)
+        unknown = set(kernels) - {"fwd", "bwd", "grad"}
+        if unknown:
+            ap.error(f"--kernels: unknown {sorted(unknown)}; expected fwd, bwd, grad")
+        records += tune_shape(n, V, dtype, device, device.type == "cpu", kernels)
         if args.out:
             Path(args.out).write_text(json.dumps({"meta": meta, "records": records}, indent=1))
         if device.type == "cuda":

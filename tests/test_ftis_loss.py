@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftis_kernels import ftis_loss
-from ftis_kernels.kernels import logp_lse, logp_lse_cpu
+from ftis_kernels.kernels import logp_grad, logp_lse, logp_lse_cpu
 from ftis_kernels.options import IS_LEVELS, IS_MODES, LOSS_TYPES, FTISOptions, loss_type
 from tests import numerics
 from tests.cases import (
@@ -34,8 +34,9 @@ from tests.cases import (
 
 @pytest.fixture(autouse=True)
 def small_vocab_blocks(monkeypatch):
-    """Vocabulary blocks of 64 so that the tests' small V still exercise the multi-block loop."""
+    """Vocabulary blocks of 64 so that the tests' small V still exercise the multi-block loops."""
     monkeypatch.setattr(logp_lse, "MAX_BLOCK_V", 64)
+    monkeypatch.setattr(logp_grad, "MAX_GRAD_BLOCK_V", 64)
     monkeypatch.setattr(logp_lse_cpu, "CPU_CHUNK_ELEMENTS", 256)
 
 

@@ -8,13 +8,14 @@ mask: `ftis_loss.grad_in_forward_reason` lists the options), d loss / d logits o
 and c_r needs only the row's own log pi_theta: `_logp_grad_fwd_kernel` makes the forward row
 pass (`logp_lse.row_pass`), forms c_r from the token's log-probabilities and its sample's
 advantage and normaliser as the per-sample kernel does (`loss_terms.token_coef`), then reads the
-row again (from L2: a program re-reads its own row right after the first pass) and writes dx. The
-filter's decision needs the whole sample, so the forward writes every row as if its sample were
-kept; the per-sample kernel then decides as always, and `_grad_finish_kernel` in the backward
-zeroes the rows of the rejected samples (their gradient is exactly 0 under these options) and
-multiplies the rest by the incoming gradient when it is not the one the caller announced
-(`grad_scale`, 1 by default; read on the device: nothing is read or written for a kept row when
-they agree).
+row again, last block first, and writes dx. That read comes from L2 when the rows the resident
+programs hold fit there: wide programs (`grad_meta`) keep few rows in flight, and pass 2's reads
+and writes are marked to leave L2 first. The filter's decision needs the whole sample, so the
+forward writes every row as if its sample were kept; the per-sample kernel then decides as
+always, and `_grad_finish_kernel` in the backward zeroes the rows of the rejected samples
+(their gradient is exactly 0 under these options) and multiplies the rest by the incoming
+gradient when it is not the one the caller announced (`grad_scale`, 1 by default; read on the
+device: nothing is read or written for a kept row when they agree).
 
 Memory traffic per call: the logits once and the gradient once (about 2/3 of the three-pass
 design's), plus the rejected rows' zeros and, only for an incoming gradient other than the one
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftis_kernels.kernels.logp_lse import _block_v, fwd_meta, row_pass
+from ftis_kernels.kernels.logp_lse import FWD_VEC, _block_v, row_pass
 from ftis_kernels.kernels.loss_terms import token_coef
 from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
 
@@ -41,6 +42,10 @@ from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
 # step for a batch-wide token count.
 BLOCK_T = 1024
 BLOCK_S = 1024
+# A full-block `_logp_grad_fwd_kernel` program (`grad_meta`): its warps, and its largest block
+# (the tests lower it to cover the vocabulary loop with small vocabularies).
+GRAD_WARPS = 32
+MAX_GRAD_BLOCK_V = 16384
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -205,22 +210,30 @@ def _logp_grad_fwd_kernel(
 
     # Pass 2: the row again (a row without gradient reads nothing), its gradient written: -c p_v
     # in the loop, then c (1 - p_v) at the taken token (the one-hot kept out of the loop: a
-    # compare and a select per logit fewer).
+    # compare and a select per logit fewer). Last block first: the blocks pass 1 read last are
+    # the likeliest still in L2. Its reads are the row's last use and its writes are not read
+    # here again, so both are marked to leave L2 first, before the rows other programs have
+    # read once and will read again.
     v_read = tl.where(c != 0.0, V, 0)
     # In place (dlogits is logits) every thread has read the token's logit before any writes.
     tl.debug_barrier()
     lane = tl.arange(0, LANES)
     offs_in = lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + offs_in
+    n_blocks = tl.cdiv(V, BLOCK_V)
+    for i in range(0, n_blocks):
+        offs = (n_blocks - 1 - i) * BLOCK_V + offs_in
         x = tl.load(
-            row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf")
+            row_ptr + offs.to(tl.int64) * stride_lv,
+            mask=offs < v_read,
+            other=-float("inf"),
+            eviction_policy="evict_first",
         )
         p = tl.exp((x.to(tl.float32) * inv_t - row_max) - log_sum)
         tl.store(
             drow_ptr + offs.to(tl.int64) * stride_dv,
             (p * -c).to(dlogits_ptr.dtype.element_ty),
             mask=offs < V,
+            eviction_policy="evict_first",
         )
     # The loop's store of the token's element, by another thread, lands before this one.
     tl.debug_barrier()
@@ -282,6 +295,26 @@ def _grad_finish_kernel(
 # --- launchers -----------------------------------------------------------------------------------
 
 
+def grad_meta(V: int, itemsize: int) -> dict:
+    """`_logp_grad_fwd_kernel`'s meta-parameters for V logits of `itemsize` bytes: BLOCK_V, VEC,
+    LANES, num_warps.
+
+    Pass 2 re-reads the row pass 1 has just read, last block first. A block comes from L2 if
+    less than L2's size is read for a first time, by every program resident, between its two
+    reads: at its distance d from the row's end, about d per program. Programs of 8 warps at 32
+    registers a thread fill an SM 8 at a time; 1,056 on an H200's 132 SMs keep d below 50 KB of
+    a 297 KB bf16 row (151,936 logits). Programs of 32 warps fill it with the same 64 warps in 2
+    programs: d up to 190 KB, about 2/3 of the row (`python -m bench.hopper_asm` prints the
+    programs per SM from the compiled kernel, `bench.tune_rows` times the alternatives). A full
+    block gives each of the 1,024 threads 32 bytes (16,384 bf16 or 8,192 fp32 logits), at most
+    MAX_GRAD_BLOCK_V; VEC is the forward kernel's (`logp_lse.FWD_VEC`), so that a row within one
+    block of both kernels' sizes is summed in the same order by both."""
+    block_v = min(1 << (V - 1).bit_length(), GRAD_WARPS * 32 * 32 // itemsize, MAX_GRAD_BLOCK_V)
+    vec = min(FWD_VEC, block_v)
+    warps = max(4, min(GRAD_WARPS, block_v * itemsize // (32 * 32)))
+    return dict(BLOCK_V=block_v, VEC=vec, LANES=block_v // vec, num_warps=warps)
+
+
 def _strides(x: Optional[torch.Tensor]) -> tuple[int, int]:
     return (0, 0) if x is None else tuple(x.stride())
 
@@ -301,7 +334,7 @@ def logp_grad_fwd(
     normaliser). logits, out (B, T, V) (out: any strides, the logits' dtype); rows the op's
     `validate.Rows` ((B, T) tensors, advantages (B,)); codes the per-sample kernel's compile-time
     codes of the options (IS_MODE, IS_FROM_OLD, SURROGATE, REDUCTION, ZERO_NEGATIVE); length
-    dr_grpo's L; meta in place of `logp_lse.fwd_meta`'s.
+    dr_grpo's L; meta in place of `grad_meta`'s.
 
     Returns logp, row_max, log_sum, entropy, coef, each (B, T) fp32 (0 at masked positions; coef
     is c_r, what `grad_finish` reads), with out holding d loss / d logits of every row as if no
@@ -361,7 +394,7 @@ def logp_grad_fwd(
         rows.advantages.stride(0),
         BIAS_KL=bool(opt.use_bias_correction_kl),
         **codes,
-        **(meta if meta is not None else fwd_meta(_block_v(V))),
+        **(meta if meta is not None else grad_meta(V, logits.element_size())),
     )
     return logp, row_max, log_sum, entropy, coef
 
