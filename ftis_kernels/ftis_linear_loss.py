@@ -295,8 +295,10 @@ def _ftis_linear_loss_bwd_impl(
     as the forward took them, tokens (R,), the per-row statistics (R,) and scales and grad as
     `custom_op.backward_stats` gives them. With group_name (a vocabulary shard per rank),
     grad_hidden is summed over the ranks; grad_weight and grad_bias stay this shard's. A
-    value-check record is read at the end (one synchronisation)."""
+    value-check record is read first (one synchronisation, before any GEMM is queued)."""
     needs = (need_hidden, need_weight, need_bias)
+    if record is not None:  # first: the host waits for the forward only, not for the GEMMs
+        raise_on_faults(record)
     rows = chunks.masked_rows(hidden, mask)
     offsets = list(sample_offsets)
     sample_chunks = chunks.sample_chunks(offsets, chunk_size) if offsets else None
@@ -311,8 +313,6 @@ def _ftis_linear_loss_bwd_impl(
     )
     if group_name is not None and grads[0] is not None:
         all_reduce_sum(grads[0], group_name)
-    if record is not None:
-        raise_on_faults(record)
     return tuple(rows.new_empty(0) if g is None else g for g in grads)
 
 
@@ -341,12 +341,12 @@ def _scale_grads_impl(
 ) -> None:
     """Multiplies the gradients the forward computed for an incoming gradient of 1 by factor
     (0-dim: the incoming gradient, times 1 / N' for a batch-normalised loss on Triton), in place,
-    without reading it on the host; then reads a value-check record (one synchronisation)."""
+    without reading it on the host, after reading a value-check record (one synchronisation)."""
+    if record is not None:
+        raise_on_faults(record)
     for grad in (grad_hidden, grad_weight, grad_bias):
         if grad.numel():
             grad.mul_(factor)
-    if record is not None:
-        raise_on_faults(record)
 
 
 _scale_grads_ = torch.library.custom_op(

@@ -105,16 +105,15 @@ def _ftis_loss_bwd_impl(
 ) -> torch.Tensor:
     """d loss / d logits (B, T, V) in a buffer no one else holds (on the CPU, one reused across
     calls: grad_buffer.py); one launch on Triton (`custom_op.backward_stats` says what coef,
-    entropy_coef, scales and grad are). With a value-check record, it is read after the launch
-    (one synchronisation, the GPU busy meanwhile) and a bad input raises before the gradient is
-    returned."""
+    entropy_coef, scales and grad are). With a value-check record, it is read first (one
+    synchronisation, which waits for the forward's kernels only: the backward's then runs while
+    the host goes on) and a bad input raises before any gradient is written."""
+    if record is not None:
+        raise_on_faults(record)
     out = grad_buffer(logits)
     stats = (row_max, log_sum, coef, temperature, out, entropy, entropy_coef)
     extra = (scales, grad) if backend == "triton" else ()
-    dlogits = BACKWARD[backend](logits, tokens, *stats, *extra)
-    if record is not None:
-        raise_on_faults(record)
-    return dlogits
+    return BACKWARD[backend](logits, tokens, *stats, *extra)
 
 
 _ftis_loss_bwd = torch.library.custom_op(
@@ -142,11 +141,11 @@ def _ftis_loss_bwd_inplace_impl(
     backend: str,
 ) -> None:
     """d loss / d logits written over the logits themselves (as `_ftis_loss_bwd` otherwise)."""
+    if record is not None:  # read first, as `_ftis_loss_bwd_impl`: the logits stay intact
+        raise_on_faults(record)
     stats = (row_max, log_sum, coef, temperature, logits, entropy, entropy_coef)
     extra = (scales, grad) if backend == "triton" else ()
     BACKWARD[backend](logits, tokens, *stats, *extra)
-    if record is not None:
-        raise_on_faults(record)
 
 
 _ftis_loss_bwd_inplace = torch.library.custom_op(
@@ -269,10 +268,10 @@ class _FTISLossGradInForward(torch.autograd.Function):
                 "forward; pass grad_in_forward=False to backpropagate through it more than once"
             )
         ctx.dlogits = None  # the gradient is handed on: autograd may accumulate into it
+        if ctx.check_in_backward:  # before the launch, as the three-pass backward
+            raise_on_faults(ctx.record)
         grad = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.float()
         grad_finish(dlogits, ctx.coef, ctx.final_coef, grad, ctx.grad_scale)
-        if ctx.check_in_backward:
-            raise_on_faults(ctx.record)
         return (None, dlogits.detach()) + (None,) * (ctx.n_inputs - 1)
 
 

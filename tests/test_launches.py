@@ -198,6 +198,81 @@ def test_the_check_in_the_backward_raises_the_named_error():
         ftis_loss(logits, tokens, *case.inputs[1:])  # no backward will come: read at once
 
 
+@contextlib.contextmanager
+def sequence():
+    """The order of a block's host reads ("read"), Triton launches ("launch") and aten ops that
+    launch a kernel on a GPU (their names)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seq: list[str] = []
+    run, tolist = InterpretedFunction.run, torch.Tensor.tolist
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = f"aten::{func.overloadpacket.__name__}"
+            if name not in FREE and not name.startswith("aten::_to_copy"):
+                seq.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def logged_run(self, *args, **kwargs):
+        seq.append("launch")
+        return run(self, *args, **kwargs)
+
+    def logged_tolist(self):
+        seq.append("read")
+        return tolist(self)
+
+    InterpretedFunction.run, torch.Tensor.tolist = logged_run, logged_tolist
+    try:
+        with Ops():
+            yield seq
+    finally:
+        InterpretedFunction.run, torch.Tensor.tolist = run, tolist
+
+
+def _read_comes_first(seq: list[str]) -> None:
+    """One host read, and no launch, matmul or in-place scaling before it."""
+    assert seq.count("read") == 1, seq
+    before = seq[: seq.index("read")]
+    heavy = {"launch", "aten::mm", "aten::addmm", "aten::addmm_", "aten::mul_", "aten::copy_"}
+    assert not heavy & set(before), seq
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "op_opts",
+    [{}, {"grad_in_forward": False}, {"grad_in_forward": False, "inplace_backward": True}],
+    ids=["default", "three_pass", "three_pass_inplace"],
+)
+def test_the_backward_reads_the_check_before_it_launches_anything(op_opts):
+    """The backward's one synchronisation waits for the forward's kernels only: the backward's
+    own kernels, queued after it, run while the host goes on."""
+    case = make_case(2, 8, 300, seed=6)
+    logits = case.logits.float().requires_grad_()
+    x = logits * 1.0 if op_opts.get("inplace_backward") else logits  # in place: not on a leaf
+    loss, _ = ftis_loss(x, *case.inputs, **op_opts)
+    with sequence() as seq:
+        loss.backward(torch.ones(()))
+    _read_comes_first(seq)
+    assert "launch" in seq
+
+
+@interpreted
+@pytest.mark.parametrize("grad_in_forward", [True, False], ids=["forward_order", "backward_order"])
+def test_the_linear_backward_reads_the_check_before_its_gemms(grad_in_forward):
+    case = make_case(2, 5, 40, H=8, seed=5)
+    hidden = case.hidden.float().requires_grad_()
+    weight = case.weight.float().requires_grad_()
+    loss, _ = ftis_linear_loss(
+        hidden, weight, *case.inputs, chunk_size=5, grad_in_forward=grad_in_forward
+    )
+    with sequence() as seq:
+        loss.backward(torch.full((), 2.0))  # not 1: the forward order scales its gradients
+    _read_comes_first(seq)
+    assert any(op in seq for op in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::mul_"))
+
+
 @interpreted
 @pytest.mark.parametrize("grad_in_forward", [True, False])
 def test_linear_loss_launches_per_chunk_its_matmuls_and_three_kernels(grad_in_forward):
