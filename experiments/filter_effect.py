@@ -608,7 +608,7 @@ def estimates_section(plan: dict, rows: list[dict], frozen: Optional[dict]) -> l
     power for at the observed SD (Holm's level for the family), no verdict."""
     d = unit_diffs(rows, plan, plan["family"] + plan["estimates"], "frozen")
     level = plan["alpha"] / len(plan["family"])
-    seeds = sorted({r["seed"] for r in rows})
+    seeds = sorted(set().union(*(set(v) for v in d.values())))  # those with a paired difference
     n_plan = confirm_seeds(plan, frozen)[0] if frozen else len(seeds)
     lines = [
         f"### The confirmatory estimates (g = {frozen['frozen'] if frozen else '?'}; seeds "
