@@ -56,6 +56,8 @@ class LoopStats:
     num_warps: int
     registers: int
     shared_bytes: int
+    stack_bytes: int  # a thread's local-memory stack: registers spilled (0 when none are)
+    spills: int  # local loads and stores (LDL, STL) in the whole kernel
     loop_instructions: int
     elements_per_thread: int
     mufu: int
@@ -189,6 +191,7 @@ def loop_stats(kernel: str, dtype: str, V: int) -> LoopStats:
         body = _hot_loop(lines)
     reg = re.search(r"REG:(\d+)", usage)
     shared = re.search(r"SHARED:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
     return LoopStats(
         kernel=kernel,
         dtype=dtype,
@@ -196,6 +199,8 @@ def loop_stats(kernel: str, dtype: str, V: int) -> LoopStats:
         num_warps=num_warps,
         registers=int(reg.group(1)) if reg else -1,
         shared_bytes=int(shared.group(1)) if shared else -1,
+        stack_bytes=int(stack.group(1)) if stack else -1,
+        spills=sum(bool(re.search(r"\b(LDL|STL)\b", ln)) for ln in lines),
         loop_instructions=len(body),
         elements_per_thread=block_v // (32 * num_warps),
         mufu=sum("MUFU" in ln for ln in body),
@@ -217,15 +222,17 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     print(f"V={args.V}; each kernel's BLOCK_V and warps as it launches (MAX_BLOCK_V={MAX_BLOCK_V})")
     print(
-        "| kernel | dtype | BLOCK_V | warps | regs | smem B | programs / SM | loop instr / logit "
+        "| kernel | dtype | BLOCK_V | warps | regs | smem B | stack B | spills | programs / SM "
+        "| loop instr / logit "
         "| MUFU / logit | barriers / iter | 16 B loads / iter | 16 B stores / iter "
-        "| evict-first / iter | issue needed at roofline | awaiting re-read (L2 50 MB) |"
+        "| evict-first / iter | issue needed at roofline "
+        f"| awaiting re-read (L2 {H200_L2_BYTES // 2**20} MB) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 17 + "|")
     for kernel in ("fwd", "bwd", "grad_fwd_pass1", "grad_fwd_pass2"):
         for dtype in args.dtypes.split(","):
             s = loop_stats(kernel, dtype, args.V)
-            size = 2 if dtype == "bfloat16" else 4
+            size = getattr(torch, dtype).itemsize
             # Bytes from memory per logit: pass 2 re-reads its row from L2, so it moves the
             # gradient's write only, but its loop runs in the same time budget as pass 1's.
             bpe = size if kernel in ("fwd", "grad_fwd_pass1") else 2 * size
@@ -236,7 +243,8 @@ def main(argv=None) -> None:
             )
             print(
                 f"| {kernel} | {dtype} | {s.block_v} | {s.num_warps} | {s.registers} "
-                f"| {s.shared_bytes} | {s.programs_per_sm} | {s.per_element:.1f} "
+                f"| {s.shared_bytes} | {s.stack_bytes} | {s.spills} | {s.programs_per_sm} "
+                f"| {s.per_element:.1f} "
                 f"| {s.mufu / s.elements_per_thread:.2f} | {s.barriers} | {s.ldg128} | {s.stg128} "
                 f"| {s.evict_first} | {100 * s.issue_bound_fraction(bpe):.0f}% | {held} |"
             )

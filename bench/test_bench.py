@@ -387,8 +387,8 @@ def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
     logit, where the block reductions cost 20.4); the gradient loops write 16 bytes at a time
     without a barrier in ~12 instructions a logit (the one-hot written after the loop: 17-18
     with it in the loop). The gradient-in-forward kernel's two loops together stay near 24, 74%
-    of the issue rate its read and write at the copy roofline need, and its resident programs'
-    rows awaiting their second read fit in the H200's L2."""
+    of the issue rate its read and write at the copy roofline need, and the half-rows its
+    resident programs hold awaiting their second read fit in the H200's L2."""
     env = _child_env(TRITON_CACHE_DIR=str(tmp_path))
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run(
@@ -419,6 +419,31 @@ def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
         assert float(row["awaiting re-read (L2 50 MB)"].split()[0]) <= 50
     if kernel == "grad_fwd_pass2":
         assert int(row["evict-first / iter"]) >= 2
+
+
+def test_row_kernels_do_not_spill_at_a_vocabulary_not_divisible_by_16(tmp_path):
+    """GPT-2's 50,257: Triton cannot prove the rows 16-byte aligned and loads logit by logit;
+    no kernel may then spill registers to local memory (the gradient-in-forward kernel did at
+    32 bytes a thread with 1,024 threads, whose registers cap at 64)."""
+    env = _child_env(TRITON_CACHE_DIR=str(tmp_path))
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.hopper_asm", "--V", "50257"],
+        env=env,
+        cwd=measure.REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-1500:]
+    lines = out.stdout.splitlines()
+    header = [c.strip() for c in next(ln for ln in lines if ln.startswith("| kernel ")).split("|")]
+    rows = [dict(zip(header, (c.strip() for c in ln.split("|")))) for ln in lines]
+    kernels = ("fwd", "bwd", "grad_fwd_pass1", "grad_fwd_pass2")
+    rows = [r for r in rows if r.get("kernel") in kernels]
+    assert len(rows) == 8, out.stdout
+    for r in rows:
+        assert r["stack B"] == "0" and r["spills"] == "0", r
 
 
 def test_profile_ops_prints_the_timings_and_the_profiler_tables(capsys):

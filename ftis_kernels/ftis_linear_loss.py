@@ -297,7 +297,10 @@ def _ftis_linear_loss_bwd_impl(
     grad_hidden is summed over the ranks; grad_weight and grad_bias stay this shard's. A
     value-check record is read first (one synchronisation, before any GEMM is queued)."""
     needs = (need_hidden, need_weight, need_bias)
-    if record is not None:  # first: the host waits for the forward only, not for the GEMMs
+    # First: the host waits for the forward only, not for the GEMMs. Sharded, every rank holds
+    # the same record (made from the all-reduced statistics of the same rows), so all raise or
+    # none does, before the all-reduce below.
+    if record is not None:
         raise_on_faults(record)
     rows = chunks.masked_rows(hidden, mask)
     offsets = list(sample_offsets)

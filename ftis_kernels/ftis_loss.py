@@ -267,9 +267,9 @@ class _FTISLossGradInForward(torch.autograd.Function):
                 "ftis_loss: a second backward through a call whose gradient was written in its "
                 "forward; pass grad_in_forward=False to backpropagate through it more than once"
             )
-        ctx.dlogits = None  # the gradient is handed on: autograd may accumulate into it
         if ctx.check_in_backward:  # before the launch, as the three-pass backward
             raise_on_faults(ctx.record)
+        ctx.dlogits = None  # the gradient is handed on: autograd may accumulate into it
         grad = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.float()
         grad_finish(dlogits, ctx.coef, ctx.final_coef, grad, ctx.grad_scale)
         return (None, dlogits.detach()) + (None,) * (ctx.n_inputs - 1)
@@ -310,9 +310,9 @@ def ftis_loss(
         options: an `FTISOptions` (e.g. `FTISOptions.preset("gspo")`); None = the defaults.
         value_check: where the values of the inputs and the logits are checked (the kernels
             check them on the device in any case; this says where the host reads the verdict,
-            one synchronisation): "backward" (default) after the backward's launch, or in the
-            call when no backward will follow (no gradient recorded); "call" in the call;
-            "deferred" never by the op: metrics["value_faults"] holds the verdict and
+            one synchronisation): "backward" (default) before the backward launches anything,
+            or in the call when no backward will follow (no gradient recorded); "call" in the
+            call; "deferred" never by the op: metrics["value_faults"] holds the verdict and
             `ftis_kernels.raise_on_bad_values(metrics)` raises the same error (for CUDA graphs,
             or a step that reads the host anyway).
         **option_keywords: any field of `FTISOptions` (is_mode, filter, loss_type, ratio_level,

@@ -45,7 +45,7 @@ LOGITS_SHAPES = (
     (2, 16, 32, "contiguous"),  # sizes and strides divisible by 16
     (2, 3, 37, "causal"),  # logits[:, :-1] of (2, 4, 37): strides (148, 37, 1)
     (2, 3, 5, "vocabulary_strided"),  # a (V, B, T) tensor seen as (B, T, V): vocabulary stride 6
-    (1, 2, 4099, "contiguous"),  # more than one block of the largest size (MAX_BLOCK_V)
+    (1, 2, 4099, "contiguous"),  # more than one block of MAX_BLOCK_V (one of the grad kernel's)
 )
 # (V, H, chunk_size): chunks of logits (c, V) with c and V equal to 1, divisible by 16, neither.
 LINEAR_SHAPES = ((1, 1, 1), (32, 16, 16), (37, 5, 7))

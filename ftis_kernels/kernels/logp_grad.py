@@ -306,12 +306,17 @@ def grad_meta(V: int, itemsize: int) -> dict:
     a 297 KB bf16 row (151,936 logits). Programs of 32 warps fill it with the same 64 warps in 2
     programs: d up to 190 KB, about 2/3 of the row (`python -m bench.hopper_asm` prints the
     programs per SM from the compiled kernel, `bench.tune_rows` times the alternatives). A full
-    block gives each of the 1,024 threads 32 bytes (16,384 bf16 or 8,192 fp32 logits), at most
-    MAX_GRAD_BLOCK_V; VEC is the forward kernel's (`logp_lse.FWD_VEC`), so that a row within one
-    block of both kernels' sizes is summed in the same order by both."""
-    block_v = min(1 << (V - 1).bit_length(), GRAD_WARPS * 32 * 32 // itemsize, MAX_GRAD_BLOCK_V)
+    block gives each of the 1,024 threads 32 bytes (16,384 bf16 or 8,192 fp32 logits), or 16
+    bytes of 16-bit logits when V is not a multiple of 16: Triton then cannot prove its rows 16-
+    byte aligned, loads element by element, and at 32 bytes a thread spills (64 registers is the
+    most 1,024 threads can have). At most MAX_GRAD_BLOCK_V. VEC is the forward kernel's
+    (`logp_lse.FWD_VEC`): under the interpreter, at equal block sizes, both kernels sum a row in
+    the same order (on a GPU their warps may combine the lanes in another order)."""
+    per_thread = 32 if V % 16 == 0 or itemsize >= 4 else 16
+    block_v = min(1 << (V - 1).bit_length(), GRAD_WARPS * 32 * per_thread // itemsize)
+    block_v = min(block_v, MAX_GRAD_BLOCK_V)
     vec = min(FWD_VEC, block_v)
-    warps = max(4, min(GRAD_WARPS, block_v * itemsize // (32 * 32)))
+    warps = max(4, min(GRAD_WARPS, block_v * itemsize // (32 * per_thread)))
     return dict(BLOCK_V=block_v, VEC=vec, LANES=block_v // vec, num_warps=warps)
 
 
