@@ -55,10 +55,11 @@ BWD_CONFIGS = (
 # The others trade rows in flight (L2 hits of the second read) against programs per SM.
 GRAD_CONFIGS = (
     None,
-    (4096, 8, 8, None),
-    (8192, 8, 16, None),
-    (16384, 8, 32, None),
-    (8192, 4, 16, None),
+    (4096, 8, 8, None),  # the forward's configuration: 8 programs an SM
+    (8192, 8, 16, None),  # 4 an SM (bf16)
+    (4096, 8, 16, None),  # fp32: 2 programs of 16 warps an SM
+    (8192, 8, 32, None),  # bf16: 16 bytes a thread
+    (16384, 8, 32, None),  # fp32: 64 bytes a thread
     (8192, 4, 32, None),
     (4096, 4, 8, None),
     (16384, 16, 32, None),
