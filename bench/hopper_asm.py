@@ -19,6 +19,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -127,14 +128,16 @@ def _hot_loop(lines: list[str], rank: int = 0, count: int = 1) -> list[str]:
     return loops[rank] if rank < len(loops) else []
 
 
-def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
+def _h200_launch(kernel: str, dtype: str, V: int, width: Optional[int] = None) -> tuple:
     """(the kernel, its arguments by name, before its `triton.heuristics`) as `logp_lse.py`
-    launches it in the benchmark's workload: contiguous (16, 1024, V) logits, int64 tokens, a
-    mask, the entropy in the forward and no entropy bonus in the backward. Pointers are CPU
-    stand-ins: Triton reads only their dtype and alignment."""
+    launches it in the benchmark's workload: contiguous (16, 1024, V) logits (with `width`, the
+    first V logits of rows `width` wide: a vocabulary sliced to the tokenizer's size), int64
+    tokens, a mask, the entropy in the forward and no entropy bonus in the backward. Pointers
+    are CPU stand-ins: Triton reads only their dtype and alignment."""
     from ftis_kernels.kernels import logp_lse as K
 
     T = 1024
+    W = V if width is None else width
     x, f32 = sm90.pointer(getattr(torch, dtype)), sm90.pointer(torch.float32)
     tokens = sm90.pointer(torch.int64)
     block_v = K._block_v(V)
@@ -144,8 +147,8 @@ def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
         temperature=1.0,
         T=T,
         V=V,
-        stride_lb=T * V,
-        stride_lt=V,
+        stride_lb=T * W,
+        stride_lt=W,
         stride_lv=1,
         stride_tb=T,
         stride_tt=1,
@@ -161,7 +164,7 @@ def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
 
         # The default F-TIS work of the benchmark: TIS, the grpo reduction, no old log-probs.
         rows = dict(gen_ptr=f32, old_ptr=None, ref_ptr=None, adv_ptr=f32, counts_ptr=f32)
-        rows.update(dlogits_ptr=x, coef_ptr=f32, stride_db=T * V, stride_dt=V, stride_dv=1)
+        rows.update(dlogits_ptr=x, coef_ptr=f32, stride_db=T * W, stride_dt=W, stride_dv=1)
         rows.update(stride_gb=T, stride_gt=1, stride_ob=0, stride_ot=0, stride_rb=0, stride_rt=0)
         rows.update(stride_adv=1, n_samples=16, length=T)
         scalars = dict(is_cap=2.0, is_cap_min=0.0, lo=0.8, hi=1.2, clip_high=0.2, delta=1e30)
@@ -173,14 +176,14 @@ def _h200_launch(kernel: str, dtype: str, V: int) -> tuple:
         return G._logp_grad_fwd_kernel, args
     rows = dict(row_max_ptr=f32, log_sum_ptr=f32, coef_ptr=f32, entropy_ptr=None)
     rows.update(scales_ptr=f32, grad_ptr=f32)
-    grad = dict(dlogits_ptr=x, entropy_coef_ptr=None, stride_db=T * V, stride_dt=V, stride_dv=1)
+    grad = dict(dlogits_ptr=x, entropy_coef_ptr=None, stride_db=T * W, stride_dt=W, stride_dv=1)
     return K._logits_bwd_kernel, {**common, **rows, **grad, **K.bwd_meta(block_v)}
 
 
-def loop_stats(kernel: str, dtype: str, V: int) -> LoopStats:
+def loop_stats(kernel: str, dtype: str, V: int, width: Optional[int] = None) -> LoopStats:
     """Compile one kernel for sm_90 as the H200 benchmark launches it, with the specialisations
     Triton makes at that launch (`bench/sm90.py`), and read its vocabulary loop."""
-    fn, kwargs = sm90.through_heuristics(*_h200_launch(kernel, dtype, V))
+    fn, kwargs = sm90.through_heuristics(*_h200_launch(kernel, dtype, V, width))
     block_v, num_warps = kwargs["BLOCK_V"], kwargs["num_warps"]
     compiled = sm90.compile_sm90(fn, (), kwargs)
     lines, usage = _sass(compiled)
@@ -218,9 +221,19 @@ def main(argv=None) -> None:
         prog="python -m bench.hopper_asm", description=__doc__.splitlines()[0]
     )
     ap.add_argument("--V", type=int, default=151936)
+    ap.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="rows this many logits wide, of which the first V are read (a sliced vocabulary)",
+    )
     ap.add_argument("--dtypes", default="bfloat16,float32")
     args = ap.parse_args(argv)
-    print(f"V={args.V}; each kernel's BLOCK_V and warps as it launches (MAX_BLOCK_V={MAX_BLOCK_V})")
+    rows = f" of rows {args.width} wide" if args.width else ""
+    print(
+        f"V={args.V}{rows}; each kernel's BLOCK_V and warps as it launches "
+        f"(MAX_BLOCK_V={MAX_BLOCK_V})"
+    )
     print(
         "| kernel | dtype | BLOCK_V | warps | regs | smem B | stack B | spills | programs / SM "
         "| loop instr / logit "
@@ -231,7 +244,7 @@ def main(argv=None) -> None:
     print("|---" * 17 + "|")
     for kernel in ("fwd", "bwd", "grad_fwd_pass1", "grad_fwd_pass2"):
         for dtype in args.dtypes.split(","):
-            s = loop_stats(kernel, dtype, args.V)
+            s = loop_stats(kernel, dtype, args.V, args.width)
             size = getattr(torch, dtype).itemsize
             # Bytes from memory per logit: pass 2 re-reads its row from L2, so it moves the
             # gradient's write only, but its loop runs in the same time budget as pass 1's.

@@ -221,13 +221,19 @@ def test_vocabulary_of_one_token(device):
     assert torch.count_nonzero(metrics["logp"]) == 0 and torch.count_nonzero(grad) == 0
 
 
-@pytest.mark.parametrize("layout", ["vocab_slice", "transposed", "time_stride"])
-def test_non_contiguous_logits(layout, device):
+@pytest.mark.parametrize("grad_in_forward", [None, False], ids=["default", "three_pass"])
+@pytest.mark.parametrize("layout", ["vocab_slice", "tokenizer_slice", "transposed", "time_stride"])
+def test_non_contiguous_logits(layout, grad_in_forward, device):
+    """Views give the contiguous copy's results bit for bit. tokenizer_slice: a vocabulary cut to
+    the tokenizer's size out of a 16-aligned output, whose row loops take their last partial
+    block apart (`logp_lse.tail_apart`)."""
     case = make_case(3, 4, 97, seed=11, device=device)
-    if layout == "vocab_slice":
-        big = torch.randn(3, 4, 130, device=device)
+    if layout in ("vocab_slice", "tokenizer_slice"):
+        big = torch.randn(3, 4, 130 if layout == "vocab_slice" else 112, device=device)
         big[..., :97] = case.logits
         view = big[..., :97]
+        stride = dict(zip(("stride_lb", "stride_lt", "stride_lv"), view.stride()))
+        assert logp_lse.tail_apart(dict(V=97, **stride)) == (layout == "tokenizer_slice")
     elif layout == "transposed":
         view = case.logits.transpose(0, 1).contiguous().transpose(0, 1)
     else:
@@ -236,12 +242,13 @@ def test_non_contiguous_logits(layout, device):
         view = big[:, ::2]
     assert not view.is_contiguous()
     for impl in implementations(device):
-        want = run_op(case, impl)
+        want = run_op(case, impl, grad_in_forward=grad_in_forward)
         x = view.detach().requires_grad_()
         with backend(impl):
-            loss, _ = ftis_loss(x, *case.inputs)
+            loss, metrics = ftis_loss(x, *case.inputs, grad_in_forward=grad_in_forward)
             (grad,) = torch.autograd.grad(loss, x)
         assert torch.equal(loss, want[0]) and torch.equal(grad, want[2])
+        assert torch.equal(metrics["entropy"], want[1]["entropy"])
 
 
 def test_int32_tokens_give_the_int64_result(device):

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftis_kernels.kernels.logp_lse import FWD_VEC, _block_v, row_pass
+from ftis_kernels.kernels.logp_lse import FWD_VEC, _block_v, row_pass, tail_apart
 from ftis_kernels.kernels.loss_terms import token_coef
 from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
 
@@ -66,12 +66,36 @@ def _mask_counts_kernel(
     tl.store(counts_ptr + b, tl.sum(n, axis=0))
 
 
+@triton.jit
+def _grad_block(
+    row_ptr, drow_ptr, offs, read_end, write_end, stride_lv, stride_dv,
+    inv_t, row_max, log_sum, c,
+):  # fmt: skip
+    """One block of pass 2: -c p_v at offs below write_end, from the logits below read_end (-inf
+    past it: a zero written). Its reads are the row's last and its writes are not read here
+    again: both leave L2 first."""
+    x = tl.load(
+        row_ptr + offs.to(tl.int64) * stride_lv,
+        mask=offs < read_end,
+        other=-float("inf"),
+        eviction_policy="evict_first",
+    )
+    p = tl.exp((x.to(tl.float32) * inv_t - row_max) - log_sum)
+    tl.store(
+        drow_ptr + offs.to(tl.int64) * stride_dv,
+        (p * -c).to(drow_ptr.dtype.element_ty),
+        mask=offs < write_end,
+        eviction_policy="evict_first",
+    )
+
+
 @triton.heuristics(
     {
         "HAS_MASK": lambda args: args["mask_ptr"] is not None,
         "HAS_OLD": lambda args: args["old_ptr"] is not None,
         "HAS_REF": lambda args: args["ref_ptr"] is not None,
         "HAS_COUNTS": lambda args: args["counts_ptr"] is not None,
+        "TAIL_APART": tail_apart,
     }
 )
 @triton.jit(do_not_specialize=["T", "n_samples", "length"])
@@ -142,6 +166,7 @@ def _logp_grad_fwd_kernel(
     BLOCK_V: tl.constexpr,
     VEC: tl.constexpr,
     LANES: tl.constexpr,
+    TAIL_APART: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // T
@@ -156,7 +181,7 @@ def _logp_grad_fwd_kernel(
     inv_t = tl.math.div_rn(1.0, temperature)
     # Pass 1, the forward row kernel's: row statistics, log pi_theta(token), entropy.
     logp, row_max, log_sum, entropy, x_token = row_pass(
-        row_ptr, token, active, V, stride_lv, temperature, True, BLOCK_V, VEC, LANES
+        row_ptr, token, active, V, stride_lv, temperature, True, BLOCK_V, VEC, LANES, TAIL_APART
     )
     tl.store(logp_ptr + row, logp)
     tl.store(row_max_ptr + row, row_max)
@@ -219,22 +244,24 @@ def _logp_grad_fwd_kernel(
     tl.debug_barrier()
     lane = tl.arange(0, LANES)
     offs_in = lane[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    # The last partial block apart where V is not a multiple of 16 (`logp_lse.tail_apart`): the
+    # whole blocks then keep masks Triton can see are uniform.
     n_blocks = tl.cdiv(V, BLOCK_V)
+    v_loop = V
+    if TAIL_APART:
+        n_blocks = V // BLOCK_V
+        v_loop = n_blocks * BLOCK_V
+        if v_loop < V:
+            _grad_block(
+                row_ptr, drow_ptr, v_loop + offs_in, v_read, V, stride_lv, stride_dv,
+                inv_t, row_max, log_sum, c,
+            )  # fmt: skip
+    read_end = tl.where(c != 0.0, v_loop, 0)
     for i in range(0, n_blocks):
-        offs = (n_blocks - 1 - i) * BLOCK_V + offs_in
-        x = tl.load(
-            row_ptr + offs.to(tl.int64) * stride_lv,
-            mask=offs < v_read,
-            other=-float("inf"),
-            eviction_policy="evict_first",
-        )
-        p = tl.exp((x.to(tl.float32) * inv_t - row_max) - log_sum)
-        tl.store(
-            drow_ptr + offs.to(tl.int64) * stride_dv,
-            (p * -c).to(dlogits_ptr.dtype.element_ty),
-            mask=offs < V,
-            eviction_policy="evict_first",
-        )
+        _grad_block(
+            row_ptr, drow_ptr, (n_blocks - 1 - i) * BLOCK_V + offs_in, read_end, v_loop,
+            stride_lv, stride_dv, inv_t, row_max, log_sum, c,
+        )  # fmt: skip
     # The loop's store of the token's element, by another thread, lands before this one.
     tl.debug_barrier()
     p_token = tl.exp((x_token.to(tl.float32) * inv_t - row_max) - log_sum)
@@ -307,9 +334,10 @@ def grad_meta(V: int, itemsize: int) -> dict:
     programs: d up to 190 KB, about 2/3 of the row (`python -m bench.hopper_asm` prints the
     programs per SM from the compiled kernel, `bench.tune_rows` times the alternatives). A full
     block gives each of the 1,024 threads 32 bytes (16,384 bf16 or 8,192 fp32 logits), or 16
-    bytes of 16-bit logits when V is not a multiple of 16: Triton then cannot prove its rows 16-
-    byte aligned, loads element by element, and at 32 bytes a thread spills (64 registers is the
-    most 1,024 threads can have). At most MAX_GRAD_BLOCK_V. VEC is the forward kernel's
+    bytes of 16-bit logits when V is not a multiple of 16: rows whose stride is V then load
+    logit by logit and at 32 bytes a thread spill (64 registers is the most 1,024 threads can
+    have); a sliced vocabulary's aligned rows would hold 52 registers, one program an SM, and at
+    16 bytes hold 32, two. At most MAX_GRAD_BLOCK_V. VEC is the forward kernel's
     (`logp_lse.FWD_VEC`): under the interpreter, at equal block sizes, both kernels sum a row in
     the same order (on a GPU their warps may combine the lanes in another order)."""
     per_thread = 32 if V % 16 == 0 or itemsize >= 4 else 16

@@ -62,19 +62,59 @@ def _block_v(V: int) -> int:
     return min(1 << (V - 1).bit_length(), MAX_BLOCK_V)  # the next power of 2, at most the cap
 
 
+def tail_apart(args: dict) -> bool:
+    """Whether a row kernel's loops take the last partial block apart (its launch arguments):
+    when V is not a multiple of 16 but the rows are 16-byte aligned and contiguous (a vocabulary
+    sliced to the tokenizer's size, `logits[..., :n]`). The mask `offs < V` is then not uniform
+    over 16 bytes, and Triton would load every block logit by logit: 13.9 bf16 forward
+    instructions a logit instead of 11.5 (`bench/hopper_asm.py`). Rows that are not aligned load
+    logit by logit anyway, and the split only costs them registers. Triton already compiles
+    these classes of V and strides apart, so this costs no binary."""
+    return (
+        args["V"] % 16 != 0
+        and args["stride_lv"] == 1
+        and args["stride_lt"] % 16 == 0
+        and args["stride_lb"] % 16 == 0
+    )
+
+
 def _num_warps(block_v: int) -> int:
     return 4 if block_v <= 1024 else (8 if block_v <= 4096 else 16)
+
+
+@triton.jit
+def _lanes_update(x, m, s, u, k, WITH_ENTROPY: tl.constexpr):
+    """One block of logits x (LANES, VEC) fp32 into each lane's running (m, s, u) (`row_stats`)."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    # A lane with nothing summed yet has no past to rescale (its max may be the sentinel, whose
+    # product by k would overflow).
+    shift = tl.where(s > 0, (m - m_new) * k, 0.0)
+    alpha = tl.exp2(shift)
+    # (x - m) k, not x k - m k: the difference is exact near the max (Sterbenz), where the digits
+    # matter, so that |logits| = 1e8 keep the digits of log_softmax. A lane that has seen only
+    # -inf keeps the finite sentinel: -inf - NEG_BIG = -inf, 2^-inf = 0.
+    d = (x - m_new[:, None]) * k
+    e = tl.exp2(d)
+    if WITH_ENTROPY:
+        # max(d, -200): exact wherever e > 0 (2^-150 underflows), and e * d = 0, not 0 * -inf,
+        # at a -inf logit.
+        u = alpha * (u + shift * s) + tl.sum(e * tl.maximum(d, -200.0), axis=1)
+    s = s * alpha + tl.sum(e, axis=1)
+    return m_new, s, u
 
 
 @triton.jit
 def row_stats(
     row_ptr, v_end, V, stride_lv, inv_t,
     WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
+    TAIL_APART: tl.constexpr,
 ):  # fmt: skip
     """One streaming pass over logits row_ptr[0 : v_end] (v_end = V for a live row, 0 for a masked
     one): (m, s, u) with m = max_v x_v / tau (rounded as x * inv_t rounds the max element),
     s = sum_v 2^((x_v - max) k) and u = sum_v 2^((x_v - max) k) (x_v - max) k (base-2 units, the
-    entropy's sum; 0 without WITH_ENTROPY), k = inv_t / ln 2."""
+    entropy's sum; 0 without WITH_ENTROPY), k = inv_t / ln 2. TAIL_APART (`tail_apart`): the
+    whole blocks first, under a mask Triton can see is uniform over each, then the last partial
+    block; the same blocks in the same order, so the same results."""
     # The exponentials in base 2: e^(x / tau - m / tau) = 2^((x - m) k), one MUFU.EX2 a logit.
     # The block is (LANES, VEC), VEC contiguous logits in one thread: each lane keeps its own
     # running max, sum and entropy sum, rescaled once per VEC logits, and the lanes are combined
@@ -86,26 +126,23 @@ def row_stats(
     m = tl.full([LANES], NEG_BIG, dtype=tl.float32)  # each lane's running max of the raw logits
     s = tl.zeros([LANES], dtype=tl.float32)  # sum of 2^(x k - m k)
     u = tl.zeros([LANES], dtype=tl.float32)  # sum of 2^(x k - m k) (x k - m k): base-2 units
-    for v0 in range(0, v_end, BLOCK_V):
-        offs = v0 + offs_in
-        x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
-        x = x.to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        # A lane with nothing summed yet has no past to rescale (its max may be the sentinel,
-        # whose product by k would overflow).
-        shift = tl.where(s > 0, (m - m_new) * k, 0.0)
-        alpha = tl.exp2(shift)
-        # (x - m) k, not x k - m k: the difference is exact near the max (Sterbenz), where the
-        # digits matter, so that |logits| = 1e8 keep the digits of log_softmax. A lane that has
-        # seen only -inf keeps the finite sentinel: -inf - NEG_BIG = -inf, 2^-inf = 0.
-        d = (x - m_new[:, None]) * k
-        e = tl.exp2(d)
-        if WITH_ENTROPY:
-            # max(d, -200): exact wherever e > 0 (2^-150 underflows), and e * d = 0, not 0 * -inf,
-            # at a -inf logit.
-            u = alpha * (u + shift * s) + tl.sum(e * tl.maximum(d, -200.0), axis=1)
-        s = s * alpha + tl.sum(e, axis=1)
-        m = m_new
+    if TAIL_APART:
+        v_full = (v_end // BLOCK_V) * BLOCK_V
+        for v0 in range(0, v_full, BLOCK_V):
+            offs = v0 + offs_in
+            x = tl.load(
+                row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_full, other=-float("inf")
+            )
+            m, s, u = _lanes_update(x.to(tl.float32), m, s, u, k, WITH_ENTROPY)
+        if v_full < v_end:
+            offs = v_full + offs_in
+            x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
+            m, s, u = _lanes_update(x.to(tl.float32), m, s, u, k, WITH_ENTROPY)
+    else:
+        for v0 in range(0, v_end, BLOCK_V):
+            offs = v0 + offs_in
+            x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < V, other=-float("inf"))
+            m, s, u = _lanes_update(x.to(tl.float32), m, s, u, k, WITH_ENTROPY)
     m_row = tl.max(m, axis=0)
     shift = tl.where(s > 0, (m - m_row) * k, 0.0)
     alpha = tl.exp2(shift)
@@ -119,6 +156,7 @@ def row_stats(
 def row_pass(
     row_ptr, token, active, V, stride_lv, temperature,
     WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, LANES: tl.constexpr,
+    TAIL_APART: tl.constexpr,
 ):  # fmt: skip
     """The forward pass over one row (`row_stats`) and what it gives: (logp, row_max, log_sum,
     entropy, x_token), fp32 but x_token (the taken token's logit as stored), each 0 for a row
@@ -128,7 +166,9 @@ def row_pass(
     inv_t = tl.math.div_rn(1.0, temperature)
     # A masked row runs no iteration: its logits may be anything, even nan, and are never read.
     v_end = tl.where(active, V, 0)
-    m, s, u = row_stats(row_ptr, v_end, V, stride_lv, inv_t, WITH_ENTROPY, BLOCK_V, VEC, LANES)
+    m, s, u = row_stats(
+        row_ptr, v_end, V, stride_lv, inv_t, WITH_ENTROPY, BLOCK_V, VEC, LANES, TAIL_APART
+    )
     # A bad token id is refused by the caller after the forward: until then it reads nothing.
     token_ok = (token >= 0) & (token < V)
     x_token = tl.load(row_ptr + token * stride_lv, mask=active & token_ok, other=0.0)
@@ -144,6 +184,7 @@ def row_pass(
     {
         "HAS_MASK": lambda args: args["mask_ptr"] is not None,
         "WITH_ENTROPY": lambda args: args["entropy_ptr"] is not None,
+        "TAIL_APART": tail_apart,
     }
 )
 @triton.jit(do_not_specialize=["T"])
@@ -175,6 +216,7 @@ def _logp_lse_fwd_kernel(
     BLOCK_V: tl.constexpr,
     VEC: tl.constexpr,  # logits a thread holds contiguously (16 bytes of bf16)
     LANES: tl.constexpr,  # BLOCK_V // VEC
+    TAIL_APART: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // T
@@ -187,8 +229,9 @@ def _logp_lse_fwd_kernel(
     row_ptr = logits_ptr + b * stride_lb + t * stride_lt
     token = tl.load(tokens_ptr + b * stride_tb + t * stride_tt).to(tl.int64)
     logp, row_max, log_sum, entropy, x_token = row_pass(
-        row_ptr, token, active, V, stride_lv, temperature, WITH_ENTROPY, BLOCK_V, VEC, LANES
-    )
+        row_ptr, token, active, V, stride_lv, temperature, WITH_ENTROPY, BLOCK_V, VEC, LANES,
+        TAIL_APART,
+    )  # fmt: skip
     tl.store(logp_ptr + row, logp)
     tl.store(row_max_ptr + row, row_max)
     tl.store(log_sum_ptr + row, log_sum)
@@ -243,11 +286,34 @@ def logp_lse_fwd(
     return logp, row_max, log_sum, entropy
 
 
+@triton.jit
+def _bwd_block(
+    row_ptr, drow_ptr, offs, read_end, write_end, stride_lv, stride_dv,
+    inv_t, row_max, log_sum, coef, ecoef, entropy, HAS_ENTROPY_GRAD: tl.constexpr,
+):  # fmt: skip
+    """One block of the backward row loop: -coef p_v (and the entropy's term) at offs below
+    write_end, from the logits below read_end (-inf past it: p = 0, a zero written)."""
+    x = tl.load(row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < read_end, other=-float("inf"))
+    log_p = (x.to(tl.float32) * inv_t - row_max) - log_sum
+    p = tl.exp(log_p)
+    grad = p * -coef
+    if HAS_ENTROPY_GRAD:
+        # dH/dlogit_v = -p_v (log p_v + H); p_v = 0 adds 0 * 0, not 0 * -inf (no lane forms a
+        # nan, even one discarded afterwards).
+        grad -= ecoef * p * tl.where(p > 0, log_p + entropy, 0.0)
+    tl.store(
+        drow_ptr + offs.to(tl.int64) * stride_dv,
+        grad.to(drow_ptr.dtype.element_ty),
+        mask=offs < write_end,
+    )
+
+
 @triton.heuristics(
     {
         "HAS_ENTROPY_GRAD": lambda args: args["entropy_coef_ptr"] is not None,
         "HAS_SCALES": lambda args: args["scales_ptr"] is not None,
         "HAS_GRAD": lambda args: args["grad_ptr"] is not None,
+        "TAIL_APART": tail_apart,
     }
 )
 @triton.jit(do_not_specialize=["T"])
@@ -282,6 +348,7 @@ def _logits_bwd_kernel(
     HAS_SCALES: tl.constexpr,
     HAS_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    TAIL_APART: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // T
@@ -318,23 +385,24 @@ def _logits_bwd_kernel(
     x_token = tl.load(row_ptr + token * stride_lv, mask=live & token_ok, other=-float("inf"))
     # Every thread holds it before any thread's store can overwrite it (in place).
     tl.debug_barrier()
-    for v0 in range(0, V, BLOCK_V):
+    # The whole blocks under masks Triton can see are uniform, then the last partial one (as
+    # `row_stats`); else every block under the same masks.
+    v_loop = V
+    if TAIL_APART:
+        v_loop = (V // BLOCK_V) * BLOCK_V
+    for v0 in range(0, v_loop, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(
-            row_ptr + offs.to(tl.int64) * stride_lv, mask=offs < v_read, other=-float("inf")
-        )
-        log_p = (x.to(tl.float32) * inv_t - row_max) - log_sum
-        p = tl.exp(log_p)
-        grad = p * -coef
-        if HAS_ENTROPY_GRAD:
-            # dH/dlogit_v = -p_v (log p_v + H); p_v = 0 adds 0 * 0, not 0 * -inf (no lane forms
-            # a nan, even one discarded afterwards).
-            grad -= ecoef * p * tl.where(p > 0, log_p + entropy, 0.0)
-        tl.store(
-            drow_ptr + offs.to(tl.int64) * stride_dv,
-            grad.to(dlogits_ptr.dtype.element_ty),
-            mask=offs < V,
-        )
+        _bwd_block(
+            row_ptr, drow_ptr, offs, tl.where(live, v_loop, 0), v_loop, stride_lv, stride_dv,
+            inv_t, row_max, log_sum, coef, ecoef, entropy, HAS_ENTROPY_GRAD,
+        )  # fmt: skip
+    if TAIL_APART:
+        if v_loop < V:
+            offs = v_loop + tl.arange(0, BLOCK_V)
+            _bwd_block(
+                row_ptr, drow_ptr, offs, v_read, V, stride_lv, stride_dv,
+                inv_t, row_max, log_sum, coef, ecoef, entropy, HAS_ENTROPY_GRAD,
+            )  # fmt: skip
     # The loop's store of the token's element, by another thread, lands before this one.
     tl.debug_barrier()
     log_p = (x_token.to(tl.float32) * inv_t - row_max) - log_sum
