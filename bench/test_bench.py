@@ -389,22 +389,9 @@ def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
     with it in the loop). The gradient-in-forward kernel's two loops together stay near 24, 74%
     of the issue rate its read and write at the copy roofline need, and the half-rows its
     resident programs hold awaiting their second read fit in the H200's L2."""
-    env = _child_env(TRITON_CACHE_DIR=str(tmp_path))
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.hopper_asm", "--dtypes", "bfloat16"],
-        env=env,
-        cwd=measure.REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-1500:]
-    lines = out.stdout.splitlines()
-    header = [c.strip() for c in next(ln for ln in lines if ln.startswith("| kernel ")).split("|")]
-    rows = [ln.split("|") for ln in lines if ln.startswith(f"| {kernel} ")]
+    rows = [r for r in _hopper_table(tmp_path, "--dtypes", "bfloat16") if r["kernel"] == kernel]
     assert len(rows) == 1
-    row = {name: cell.strip() for name, cell in zip(header, rows[0])}
+    row = rows[0]
     instructions = float(row["loop instr / logit"])
     mufu_per_logit, barriers = float(row["MUFU / logit"]), int(row["barriers / iter"])
     assert int(row["16 B loads / iter"]) >= 1
@@ -438,23 +425,25 @@ def _hopper_table(tmp_path, *args: str) -> list[dict]:
     header = [c.strip() for c in next(ln for ln in lines if ln.startswith("| kernel ")).split("|")]
     rows = [dict(zip(header, (c.strip() for c in ln.split("|")))) for ln in lines]
     kernels = ("fwd", "bwd", "grad_fwd_pass1", "grad_fwd_pass2")
-    rows = [r for r in rows if r.get("kernel") in kernels]
-    assert len(rows) == 8, out.stdout
-    return rows
+    return [r for r in rows if r.get("kernel") in kernels]
 
 
 def test_row_kernels_do_not_spill_at_a_vocabulary_not_divisible_by_16(tmp_path):
     """GPT-2's 50,257: Triton cannot prove the rows 16-byte aligned and loads logit by logit;
     no kernel may then spill registers to local memory (the gradient-in-forward kernel did at
     32 bytes a thread with 1,024 threads, whose registers cap at 64)."""
-    for r in _hopper_table(tmp_path, "--V", "50257"):
+    rows = _hopper_table(tmp_path, "--V", "50257")
+    assert len(rows) == 8
+    for r in rows:
         assert r["stack B"] == "0" and r["spills"] == "0", r
 
 
 def test_a_vocabulary_sliced_to_the_tokenizer_keeps_16_byte_loads(tmp_path):
     """The first 151,665 logits of 151,936-wide rows (aligned rows, V not a multiple of 16):
     every row loop still loads 16 bytes at a time (it took the last partial block apart)."""
-    for r in _hopper_table(tmp_path, "--V", "151665", "--width", "151936"):
+    rows = _hopper_table(tmp_path, "--V", "151665", "--width", "151936")
+    assert len(rows) == 8
+    for r in rows:
         assert int(r["16 B loads / iter"]) >= 1 and r["spills"] == "0", r
 
 

@@ -304,7 +304,9 @@ def test_the_pilot_report_freezes_g_only_on_the_complete_pilot(tmp_path):
         _report(tmp_path, rows)
 
 
-def test_the_confirmatory_section_reports_each_family_member_and_the_estimate(tmp_path):
+def _confirm_report(tmp_path, g: str, seeds):
+    """(plan, rows, the report's text) of 16 synthetic confirmatory seeds, F-TIS 2 points above
+    TIS at the family nodes, frozen at g with `seeds` (None: underpowered)."""
     import json
 
     plan = fe.load_plan()
@@ -312,27 +314,21 @@ def test_the_confirmatory_section_reports_each_family_member_and_the_estimate(tm
     res = tmp_path / "results"
     res.mkdir()
     (res / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (res / "frozen.json").write_text(json.dumps(dict(frozen="sum20", seeds=16)))
+    (res / "frozen.json").write_text(json.dumps(dict(frozen=g, seeds=seeds)))
     out = tmp_path / "t.md"
     assert fe.main(["--results", str(res), "--out", str(out)]) == 0
-    text = out.read_text()
+    return plan, rows, out.read_text()
+
+
+def test_the_confirmatory_section_reports_each_family_member_and_the_estimate(tmp_path):
+    plan, rows, text = _confirm_report(tmp_path, "sum20", 16)
     assert "### The confirmatory test (g = sum20; seeds 300-315)" in text
     assert "| F-stale | +0.0199 |" in text and "reproduced 16" in text
     assert "E-add-expert (estimate)" in text
 
 
 def test_an_underpowered_plan_reports_intervals_what_they_rule_out_and_no_verdict(tmp_path):
-    import json
-
-    plan = fe.load_plan()
-    rows = _arm_rows(plan, range(300, 316), {"tis": (0, 0), "f-tis-frozen": (0.02, 0.2)})
-    res = tmp_path / "results"
-    res.mkdir()
-    (res / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (res / "frozen.json").write_text(json.dumps(dict(frozen="mean1", seeds=None)))
-    out = tmp_path / "t.md"
-    assert fe.main(["--results", str(res), "--out", str(out)]) == 0
-    text = out.read_text()
+    plan, rows, text = _confirm_report(tmp_path, "mean1", None)
     assert "### The confirmatory estimates (g = mean1; seeds 300-315, 16 of 96;" in text
     assert "reproduced" not in text and "inconclusive" not in text
     line = next(x for x in text.splitlines() if x.startswith("| F-stale |"))
