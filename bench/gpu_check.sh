@@ -105,7 +105,7 @@ else
   # The library and its peers on the same work; the references (eager and compiled PyTorch,
   # tens of seconds a case at these sizes) were measured in the baseline beside this file's
   # results, and BENCH_ARGS="--impls ..." brings them back.
-  BENCH_DEFAULT=(--device cuda --impls ftis_loss,ftis_loss_3pass,ftis_loss_inplace,ftis_loss_filter,trl_eager,liger_triton,liger_triton_inplace,ftis_linear_loss,trl_fused)
+  BENCH_DEFAULT=(--device cuda --impls ftis_loss,ftis_loss_3pass,ftis_loss_inplace,ftis_loss_filter,trl_eager,liger_triton,liger_triton_inplace,ftis_linear_loss,ftis_linear_loss_wacc,trl_fused)
   # The gradient-in-forward kernel's configurations only: the forward's and the backward's were
   # timed on the H200 before (bench/results/h200-2026-12-04-glue/tune.json).
   TUNE_ARGS=(--device cuda --budget-s 60 --kernels grad); CHUNKS_LIMIT=60

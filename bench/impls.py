@@ -25,6 +25,9 @@ linear family (inputs: hidden (B, T, H), lm-head weight (V, H); gradients to bot
   ftis_loss_inplace    the same with the gradient written over the logits' buffer (on Triton in
                        the forward: grad_in_forward=True; fwd+bwd only)
   ftis_linear_loss     `ftis_kernels.ftis_linear_loss` (never materialises the logits)
+  ftis_linear_loss_wacc the same with grad_weight_accumulation="weight": grad_weight summed in
+                       the weight's dtype, as Liger's fused linear cross-entropy does by default
+                       (no fp32 (V, H) accumulator; fwd+bwd only)
   trl_eager            hidden @ weight.T, then TRL's GRPO loss code as in the logits family: the
                        materialised `selective_log_softmax` path (TRL before 1.16)
   trl_fused            TRL 1.16's fused lm-head (`ChunkedLogProbFunction`, what `add_fused_lm_head`
@@ -62,6 +65,7 @@ LINEAR_IMPLS = (
     "ftis_loss",
     "ftis_loss_inplace",
     "ftis_linear_loss",
+    "ftis_linear_loss_wacc",
     "trl_eager",
     "trl_fused",
     "liger_chunked",
@@ -69,7 +73,7 @@ LINEAR_IMPLS = (
 IMPLS = {"logits": LOGITS_IMPLS, "linear": LINEAR_IMPLS}
 MODES = ("fwd", "fwd+bwd")
 # Only meaningful with a backward: they differ from their base implementation there alone.
-BACKWARD_ONLY = ("ftis_loss_inplace", "liger_triton_inplace")
+BACKWARD_ONLY = ("ftis_loss_inplace", "liger_triton_inplace", "ftis_linear_loss_wacc")
 
 
 @dataclass
@@ -107,7 +111,7 @@ def unavailable(name: str, family: str, mode: str, device: torch.device) -> Opti
     if name not in IMPLS[family]:
         return f"not an implementation of the {family} family"
     if mode == "fwd" and name in BACKWARD_ONLY:
-        return "in-place variant: differs only in the backward"
+        return "a variant that differs only in the backward"
     if name.startswith("liger"):
         if liger_version() is None:
             return "liger-kernel not installed (pip install liger-kernel)"
@@ -120,7 +124,7 @@ def unavailable(name: str, family: str, mode: str, device: torch.device) -> Opti
         return "trl not installed (pip install trl)"
     if name == "trl_fused" and trl_fused_lm_head() is None:
         return "trl without its fused lm-head (trl >= 1.16)"
-    if name == "ftis_linear_loss" and _ftis_linear_loss() is None:
+    if name.startswith("ftis_linear_loss") and _ftis_linear_loss() is None:
         return "ftis_kernels.ftis_linear_loss not importable"
     return None
 
@@ -338,10 +342,15 @@ def prepare(name: str, case: Case, inputs: dict, mode: str) -> Prepared:
                 None,
                 opts,
             )
-        if name == "ftis_linear_loss":
+        if name in ("ftis_linear_loss", "ftis_linear_loss_wacc"):
             fll = _ftis_linear_loss()
+            acc = "weight" if name == "ftis_linear_loss_wacc" else "fp32"
             return Prepared(
-                lambda: _finish(fll(h, wt, tok, gen, adv, mask, **opts)[0], leaves, mode),
+                lambda: _finish(
+                    fll(h, wt, tok, gen, adv, mask, grad_weight_accumulation=acc, **opts)[0],
+                    leaves,
+                    mode,
+                ),
                 None,
                 opts,
             )

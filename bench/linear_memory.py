@@ -5,6 +5,8 @@ shape (V = 151,936, H = 1536), B * T tokens in samples of T = 1024, every token 
 and no filter (every row carries a gradient: the worst case for the chunked op):
 
 - "ftis_linear_loss": this library's chunked op, the logits never exist.
+- "ftis_linear_loss_wacc": the same with grad_weight_accumulation="weight" (grad_weight summed in
+  the weight's dtype: for bf16/fp16 no fp32 (V, H) accumulator).
 - "ftis_loss": logits = hidden @ weight.T materialised once, then the fused row op.
 - "reference": logits materialised, then `ref.ref_ftis_loss` (plain PyTorch, fp32 log-softmax,
   autograd): what a GRPO trainer without fused kernels does.
@@ -71,7 +73,14 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-IMPLS = ("ftis_linear_loss", "ftis_loss", "reference", "trl_fused", "trl_selective")
+IMPLS = (
+    "ftis_linear_loss",
+    "ftis_linear_loss_wacc",
+    "ftis_loss",
+    "reference",
+    "trl_fused",
+    "trl_selective",
+)
 TRL_IMPLS = ("ftis_linear_loss", "trl_fused", "trl_selective")
 VOCAB, HIDDEN, SEQ = 151_936, 1536, 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,9 +125,16 @@ def _loss(impl: str, inputs, chunk_size: Optional[int]) -> torch.Tensor:
     from ref.ftis import ref_ftis_loss
 
     hidden, weight, tokens, gen_logprobs, advantages = inputs
-    if impl == "ftis_linear_loss":
+    if impl in ("ftis_linear_loss", "ftis_linear_loss_wacc"):
         loss, _ = ftis_linear_loss(
-            hidden, weight, tokens, gen_logprobs, advantages, filter=None, chunk_size=chunk_size
+            hidden,
+            weight,
+            tokens,
+            gen_logprobs,
+            advantages,
+            filter=None,
+            chunk_size=chunk_size,
+            grad_weight_accumulation="weight" if impl.endswith("_wacc") else "fp32",
         )
     elif impl == "ftis_loss":
         loss, _ = ftis_loss(hidden @ weight.t(), tokens, gen_logprobs, advantages, filter=None)
@@ -639,7 +655,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     parser.add_argument("--tokens", default="1024,2048,4096,8192,16384")
-    parser.add_argument("--impls", default=",".join(IMPLS))
+    # By default not the variant that differs from ftis_linear_loss in bf16/fp16 only.
+    default = ",".join(i for i in IMPLS if i != "ftis_linear_loss_wacc")
+    parser.add_argument("--impls", default=default)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot-only", action="store_true")

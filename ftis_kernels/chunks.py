@@ -14,7 +14,8 @@ cuBLAS on GPU, oneDNN/MKL on CPU) and the row passes of `kernels/` read them. Th
   coefficients, and the chunk's logits become their gradient at once.
 Per chunk: the logits' matmul, the row pass, (the per-sample pass,) the backward row pass in place,
 then the two matmuls of the gradients: grad_hidden written into its rows, grad_weight accumulated
-in fp32 by the matmul itself (`_accumulate_grad_weight`).
+by the matmul itself (`_accumulate_grad_weight`): in fp32 by default, or in the weight's dtype
+(`GRAD_WEIGHT_ACCUMULATIONS`).
 
 Masked rows are computed like the others (a chunk's size is never read back from the device); the
 hidden states there are zeroed once per call (`masked_rows`), so whatever they held reaches no
@@ -40,9 +41,15 @@ AUTO_CHUNK_ELEMENTS = 1 << 27
 # of 151,936): chunks of whole samples let the forward compute the gradients (6 N H V FLOPs).
 AUTO_SAMPLE_CHUNK_ELEMENTS = 1 << 28
 
-# Vocabulary rows per fp32 partial product of grad_weight where no GEMM accumulates a bf16/fp16
-# product into fp32 (the CPU; 8192 x H x 4 bytes: 48 MiB at H = 1536).
+# Vocabulary rows per GEMM of grad_weight where a bf16/fp16 GEMM neither accumulates into fp32 nor
+# sums in place (the CPU; its fp32 scratch is 8192 x H x 4 bytes: 48 MiB at H = 1536).
 GRAD_WEIGHT_BLOCK_V = 8192
+
+# Where grad_weight is summed over the chunks: "fp32" (a (V, H) fp32 accumulator, converted to the
+# weight's dtype at the end) or "weight" (the weight's dtype: no accumulator beside the returned
+# gradient, half the accumulator's traffic per chunk in bf16/fp16, and one rounding to that dtype
+# per chunk; each chunk's product is still summed in fp32 inside the matmul).
+GRAD_WEIGHT_ACCUMULATIONS = ("fp32", "weight")
 
 
 def auto_chunk_size(V: int, longest: int = 0) -> int:
@@ -141,15 +148,18 @@ def linear_logp_lse(
     return stats  # type: ignore[return-value]
 
 
-def new_grads(rows, weight, needs) -> tuple[Optional[torch.Tensor], ...]:
-    """grad_hidden (rows' shape and dtype, every row written by a chunk), grad_weight and
-    grad_bias (fp32 accumulators, zeroed), each None unless flagged in needs = (hidden, weight,
-    bias)."""
+def new_grads(
+    rows, weight, needs, accumulation: str = "fp32"
+) -> tuple[Optional[torch.Tensor], ...]:
+    """grad_hidden (rows' shape and dtype, every row written by a chunk), grad_weight (an
+    accumulator, zeroed: fp32, or the weight's dtype with accumulation="weight") and grad_bias
+    (fp32, zeroed), each None unless flagged in needs = (hidden, weight, bias)."""
     need_h, need_w, need_b = needs
     f32, dev = torch.float32, weight.device
+    w_dtype = weight.dtype if accumulation == "weight" else f32
     return (
         torch.empty_like(rows) if need_h else None,
-        torch.zeros(weight.shape, dtype=f32, device=dev) if need_w else None,
+        torch.zeros(weight.shape, dtype=w_dtype, device=dev) if need_w else None,
         torch.zeros(weight.shape[0], dtype=f32, device=dev) if need_b else None,
     )
 
@@ -165,18 +175,23 @@ def finish_grads(grads, weight) -> tuple[Optional[torch.Tensor], ...]:
 
 
 def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
-    """acc (V, H) fp32 += dlogits.T @ h, with fp32 accumulation across chunks, in the matmul."""
-    if dlogits.dtype == torch.float32:
-        acc.addmm_(dlogits.t(), h)
-    elif dlogits.is_cuda:
-        # cuBLAS: a half-precision GEMM whose C (and D) is the fp32 accumulator, beta = 1.
-        torch.addmm(acc, dlogits.t(), h, out_dtype=torch.float32, out=acc)
-    else:
-        # CPU half-precision GEMMs return their dtype: upcast a block of vocabulary at a time.
-        h32 = h.float()
-        for v0 in range(0, acc.shape[0], GRAD_WEIGHT_BLOCK_V):
-            block = slice(v0, v0 + GRAD_WEIGHT_BLOCK_V)
-            acc[block].addmm_(dlogits[:, block].t().float(), h32)
+    """acc (V, H) += dlogits.T @ h in the matmul: acc fp32 (fp32 accumulation across chunks) or
+    in dlogits' dtype (the product summed in fp32, the sum rounded to that dtype)."""
+    if dlogits.dtype == torch.float32 or dlogits.is_cuda:
+        if dlogits.dtype == acc.dtype:
+            acc.addmm_(dlogits.t(), h)
+        else:
+            # cuBLAS: a half-precision GEMM whose C (and D) is the fp32 accumulator, beta = 1.
+            torch.addmm(acc, dlogits.t(), h, out_dtype=torch.float32, out=acc)
+        return
+    # CPU, half precision: a GEMM there returns its inputs' dtype and sums through an fp32 copy of
+    # its whole output, so a block of vocabulary at a time: an fp32 partial product added to the
+    # fp32 accumulator, or the block's own GEMM on the half-precision sum.
+    h32 = h.float() if acc.dtype == torch.float32 else h
+    for v0 in range(0, acc.shape[0], GRAD_WEIGHT_BLOCK_V):
+        block = slice(v0, v0 + GRAD_WEIGHT_BLOCK_V)
+        rows = dlogits[:, block].t()
+        acc[block].addmm_(rows.float() if acc.dtype == torch.float32 else rows, h32)
 
 
 def _chunk_grads(logits, rows, weight, tokens, per_row, temperature, backend, r0, r1, grads):
@@ -218,17 +233,20 @@ def linear_grads(
     chunks: list[tuple[int, int]],
     backend: str,
     needs: tuple[bool, bool, bool],
+    accumulation: str = "fp32",
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward pass (the gradients in the backward order): rows (R, H), tokens (R,), per_row as
     `_chunk_grads` takes it (per-row tensors (R,)); needs = which of (hidden, weight, bias) want a
-    grad. Per chunk: the logits again, the backward row pass in place, the gradients' matmuls.
+    grad; accumulation: where grad_weight is summed (`GRAD_WEIGHT_ACCUMULATIONS`). Per chunk:
+    the logits again, the backward row pass in place, the gradients' matmuls.
 
     With dlogits[r, v] = coef[r] * (1[v == token[r]] - p[r, v]) - entropy_coef[r] * p[r, v] *
     (log p[r, v] + entropy[r]), p = softmax(logits / temperature) (`kernels/logp_lse.py`):
     grad_hidden = dlogits @ weight (rows' dtype, (R, H)), grad_weight = dlogits.T @ rows and
-    grad_bias = sum_r dlogits[r] (fp32 accumulation, returned in the weight's dtype).
+    grad_bias = sum_r dlogits[r] (grad_bias in fp32, grad_weight as `accumulation` says; both
+    returned in the weight's dtype).
     """
-    grads = new_grads(rows, weight, needs)
+    grads = new_grads(rows, weight, needs, accumulation)
     if any(needs):
         for r0, r1 in chunks:
             logits = _chunk_logits(rows[r0:r1], weight, bias)
@@ -248,6 +266,7 @@ def linear_loss_and_grads(
     temperature: float,
     backend: str,
     needs: tuple[bool, bool, bool],
+    accumulation: str = "fp32",
 ) -> tuple[tuple[torch.Tensor, ...], tuple[Optional[torch.Tensor], ...]]:
     """The forward pass and the gradients in one (the forward order). rows (R, H), tokens and
     mask (R,); chunks: (s0, s1, r0, r1) chunks of whole samples; coefficients(stats, s0, s1)
@@ -261,7 +280,7 @@ def linear_loss_and_grads(
     # Zeros on the PyTorch path: its per-sample part reads every sample, filled in or not yet.
     new = torch.empty if backend == "triton" else torch.zeros
     stats = tuple(new(rows.shape[0], dtype=torch.float32, device=rows.device) for _ in range(4))
-    grads = new_grads(rows, weight, needs)
+    grads = new_grads(rows, weight, needs, accumulation)
     for s0, s1, r0, r1 in chunks:
         logits = _chunk_logits(rows[r0:r1], weight, bias)
         _rows_forward(logits, tokens, mask, temperature, backend, stats, r0, r1)

@@ -631,11 +631,120 @@ def test_forward_order_backward_allocates_nothing_of_the_gradients_size():
     assert int(proc.stdout.split()[-1]) < grad_weight_kib // 4
 
 
+_ACCUMULATOR_PEAK = """
+import sys
+import torch
+from ftis_kernels import ftis_linear_loss
+
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+g = torch.Generator().manual_seed(0)
+bf16 = torch.bfloat16
+hidden = torch.randn(2, 8, 512, generator=g).to(bf16).requires_grad_()
+weight = (torch.randn(32768, 512, generator=g) * 0.05).to(bf16).requires_grad_()  # 32 MiB
+rows = (torch.randint(0, 32768, (2, 8), generator=g), -torch.rand(2, 8, generator=g), torch.ones(2))
+for _ in range(2):
+    hidden.grad = weight.grad = None
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS")
+    loss, _ = ftis_linear_loss(hidden, weight, *rows, grad_weight_accumulation=sys.argv[1])
+    loss.backward()
+print(kib("VmHWM") - before)
+"""
+
+
+def test_grad_weight_accumulated_in_the_weights_dtype_needs_no_fp32_copy_of_it():
+    """bf16 fp32-accumulated: a (V, H) fp32 accumulator (64 MiB here) beside the bf16 gradient
+    (32 MiB); accumulated in bf16: the gradient and one vocabulary block's GEMM scratch (the CPU's
+    half-precision GEMM sums through an fp32 copy of its output: 16 MiB a block of 8192 rows).
+    Resident-set high-water marks of fresh processes, as above."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    peaks = {}
+    for accumulation in chunks_module.GRAD_WEIGHT_ACCUMULATIONS:
+        proc = subprocess.run(
+            [sys.executable, "-c", _ACCUMULATOR_PEAK, accumulation],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        peaks[accumulation] = int(proc.stdout.split()[-1]) / 1024  # MiB
+    grad_weight_mib, accumulator_mib, block_mib = 32, 64, 16
+    # fp32: the accumulator and the gradient converted from it, alive together at the end.
+    assert peaks["fp32"] >= accumulator_mib + 0.75 * grad_weight_mib, peaks
+    assert peaks["weight"] <= grad_weight_mib + 1.5 * block_mib, peaks
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None, "Auto"])
 def test_bad_grad_in_forward_is_refused_naming_it(value):
     case = make_case(2, 3, 20, H=4, seed=25)
     with pytest.raises(ValueError, match="^grad_in_forward: expected 'auto', True or False"):
         run_linear(case, torch.float32, "torch", grad_in_forward=value)
+
+
+def _abs_chunk_products(case) -> torch.Tensor:
+    """(V, H) sum over rows of |dloss/dlogits[r, v] * hidden[r, h]| in float64: a bound on every
+    partial sum of grad_weight over chunks of rows."""
+    h, w = case.hidden.double().cpu(), case.weight.double().cpu()
+    z = h @ w.T + (0.0 if case.bias is None else case.bias.double().cpu())
+    z.requires_grad_()
+    rows = [x.cpu() if isinstance(x, torch.Tensor) else x for x in case.inputs]
+    loss, _ = ref_ftis_loss(z, *rows, compute_dtype=torch.float64)
+    (g,) = torch.autograd.grad(loss, z)
+    return g.abs().flatten(0, 1).T @ h.abs().flatten(0, 1)
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_weight_accumulated_in_the_weights_dtype_rounds_once_per_chunk(
+    dtype, grad_in_forward, device
+):
+    """grad_weight_accumulation="weight": no fp32 (V, H) accumulator; the loss, the metrics,
+    grad_hidden and grad_bias are those of "fp32" bit for bit, and grad_weight differs from it by
+    at most one rounding per chunk (and one at the end) of the sum of the chunks' |products|."""
+    B, T, V, H = 4, 3, 40, 8
+    case = make_case(B, T, V, H=H, seed=31, exact=False, device=device)
+    n_chunks = B  # chunk_size = T: one sample a chunk
+    bound = (n_chunks + 1) * torch.finfo(dtype).eps * _abs_chunk_products(case)
+    original = chunks_module.new_grads
+
+    def new_grads(*args, **kwargs):
+        grads = original(*args, **kwargs)
+        made.append(grads[1].dtype)
+        return grads
+
+    for impl in implementations(device):
+        made: list[torch.dtype] = []
+
+        kw = dict(chunk_size=T, grad_in_forward=grad_in_forward)
+        loss, metrics, grads = run_linear(case, dtype, impl, **kw)
+        with mock.patch.object(chunks_module, "new_grads", new_grads):
+            got = run_linear(case, dtype, impl, grad_weight_accumulation="weight", **kw)
+        assert made == [dtype]  # the accumulator is the gradient's own dtype
+        assert torch.equal(got[0], loss)
+        for name in metrics:
+            assert torch.equal(got[1][name], metrics[name]), name
+        assert torch.equal(got[2]["hidden"], grads["hidden"])
+        assert torch.equal(got[2]["bias"], grads["bias"])
+        assert got[2]["weight"].dtype == dtype
+        if dtype == torch.float32:
+            assert torch.equal(got[2]["weight"], grads["weight"])
+        diff = (got[2]["weight"].double().cpu() - grads["weight"].double().cpu()).abs()
+        assert bool((diff <= bound + 1e-12).all()), float((diff - bound).max())
+
+
+@pytest.mark.parametrize("value", ["bf16", None, "Weight", 32])
+def test_bad_grad_weight_accumulation_is_refused_naming_it(value):
+    case = make_case(2, 3, 20, H=4, seed=25)
+    with pytest.raises(ValueError, match="^grad_weight_accumulation: expected one of"):
+        run_linear(case, torch.float32, "torch", grad_weight_accumulation=value)
 
 
 # --- torch.library registration ---------------------------------------------------------------
@@ -677,9 +786,9 @@ def test_custom_ops_pass_opcheck(device):
             3,  # chunk_size: whole samples
             backend,
         )  # fmt: skip
-        for grad_in_forward in (False, True):
-            torch.library.opcheck(fwd, (*fwd_args, grad_in_forward, *needs))
-        outputs = dict(zip(custom_op.OUTPUT_NAMES, fwd(*fwd_args, False, *needs)))
+        for grad_in_forward, accumulation in ((False, "fp32"), (True, "fp32"), (True, "weight")):
+            torch.library.opcheck(fwd, (*fwd_args, grad_in_forward, *needs, accumulation))
+        outputs = dict(zip(custom_op.OUTPUT_NAMES, fwd(*fwd_args, False, *needs, "fp32")))
         names = ("row_max", "log_sum", "coef", "entropy", "entropy_coef")
         stats = tuple(outputs[name].reshape(-1) for name in names)
         scales = outputs["scalars"][-2:] if backend == "triton" else None
@@ -690,8 +799,10 @@ def test_custom_ops_pass_opcheck(device):
             hidden, mask, weight, bias, tokens.reshape(-1), *stats, scales, grad,
             outputs["record"], [], 1.0, 2, backend, True, True, True,
         )  # fmt: skip
-        torch.library.opcheck(torch.ops.ftis_kernels.ftis_linear_loss_bwd.default, bwd_args)
-        grads = fwd(*fwd_args, True, *needs)[-3:]
+        bwd = torch.ops.ftis_kernels.ftis_linear_loss_bwd.default
+        torch.library.opcheck(bwd, bwd_args)
+        torch.library.opcheck(bwd, (*bwd_args, None, "weight"))
+        grads = fwd(*fwd_args, True, *needs, "fp32")[-3:]
         scale = torch.ops.ftis_kernels.ftis_linear_loss_scale_.default
         for factor in (1.0, 0.5):
             args = (*(g.clone() for g in grads), torch.tensor(factor, device=device), None)
