@@ -25,9 +25,10 @@ linear family (inputs: hidden (B, T, H), lm-head weight (V, H); gradients to bot
   ftis_loss_inplace    the same with the gradient written over the logits' buffer (on Triton in
                        the forward: grad_in_forward=True; fwd+bwd only)
   ftis_linear_loss     `ftis_kernels.ftis_linear_loss` (never materialises the logits)
-  ftis_linear_loss_wacc the same with grad_weight_accumulation="weight": grad_weight summed in
-                       the weight's dtype, as Liger's fused linear cross-entropy does by default
-                       (no fp32 (V, H) accumulator; fwd+bwd only)
+  ftis_linear_loss_wacc
+                       the same with grad_weight_accumulation="weight": grad_weight summed in
+                       the weight's dtype, as Liger's chunked losses do across their chunks (no
+                       fp32 (V, H) accumulator; fwd+bwd only)
   trl_eager            hidden @ weight.T, then TRL's GRPO loss code as in the logits family: the
                        materialised `selective_log_softmax` path (TRL before 1.16)
   trl_fused            TRL 1.16's fused lm-head (`ChunkedLogProbFunction`, what `add_fused_lm_head`

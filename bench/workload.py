@@ -99,6 +99,7 @@ _NO_COMPILE = (
     "liger_triton",
     "liger_triton_inplace",
     "ftis_linear_loss",
+    "ftis_linear_loss_wacc",
     "trl_eager",
     "trl_fused",
     "liger_chunked",

@@ -187,11 +187,11 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.T
     # CPU, half precision: a GEMM there returns its inputs' dtype and sums through an fp32 copy of
     # its whole output, so a block of vocabulary at a time: an fp32 partial product added to the
     # fp32 accumulator, or the block's own GEMM on the half-precision sum.
-    h32 = h.float() if acc.dtype == torch.float32 else h
+    h_mm = h.float() if acc.dtype == torch.float32 else h
     for v0 in range(0, acc.shape[0], GRAD_WEIGHT_BLOCK_V):
         block = slice(v0, v0 + GRAD_WEIGHT_BLOCK_V)
         rows = dlogits[:, block].t()
-        acc[block].addmm_(rows.float() if acc.dtype == torch.float32 else rows, h32)
+        acc[block].addmm_(rows.float() if acc.dtype == torch.float32 else rows, h_mm)
 
 
 def _chunk_grads(logits, rows, weight, tokens, per_row, temperature, backend, r0, r1, grads):

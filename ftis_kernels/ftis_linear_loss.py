@@ -514,6 +514,7 @@ def _check_grad_in_forward(grad_in_forward: object, blocker: Optional[str]) -> b
 
 
 def _check_grad_weight_accumulation(value: object) -> str:
+    """The option's value, one of `chunks.GRAD_WEIGHT_ACCUMULATIONS` (a ValueError naming it)."""
     if not (isinstance(value, str) and value in chunks.GRAD_WEIGHT_ACCUMULATIONS):
         raise ValueError(
             f"grad_weight_accumulation: expected one of {chunks.GRAD_WEIGHT_ACCUMULATIONS}, "
@@ -590,13 +591,13 @@ def ftis_linear_loss(
             call read the host 0 times.
         grad_weight_accumulation: where grad_weight is summed over the chunks. "fp32" (default):
             in a (V, H) fp32 accumulator, returned in the weight's dtype. "weight": in the
-            weight's dtype, as Liger's fused linear cross-entropy does by default: for bf16/fp16
+            weight's dtype, as Liger's chunked losses do across their chunks: for bf16/fp16
             no accumulator beside the gradient (4 V H bytes less memory: 2.3 GiB at V = 151,936,
             H = 4096, half the bf16 logits of 16k tokens) and half the bytes moved per chunk for
             the sum, for one rounding to that dtype per chunk (each chunk's product is summed in
-            fp32 inside the matmul): after n chunks grad_weight may differ from "fp32" by about
-            n + 1 units in the last place of the sum of the chunks' |products|. The same as
-            "fp32" for fp32 weights.
+            fp32 inside the matmul): after n chunks grad_weight may differ from "fp32" by n + 1
+            roundings of the sum of the chunks' |products|. The same as "fp32" for fp32
+            weights.
 
     The logits of a chunk are computed in the hidden dtype, as the model's lm-head would; the
     row passes and the reductions accumulate in fp32. Hidden states at masked positions are never
