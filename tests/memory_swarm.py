@@ -5,9 +5,9 @@ collectors when one arrives. `MemoryTransport` is one peer's view of it, with th
 round loop relies on from `swarm.HivemindTransport`: no barrier, `gather` of this peer alone, a
 `collect` that returns the payloads of rounds within `max_staleness` not collected before and
 waits at most `timeout_s` for the live peers' payloads of this round, a peer whose fingerprints
-differ refused as "incompatible", and `latest_round`. A peer is live from its `publish` until it
-closes; a peer that stops without closing (a killed process) stays live, so its peers wait for it
-at most `timeout_s` per collect.
+differ refused as "incompatible", `latest_round` and `swarm_round`. A peer is live from its
+`publish` until it closes; a peer that stops without closing (a killed process) stays live, so
+its peers wait for it at most `timeout_s` per collect.
 """
 
 from __future__ import annotations
@@ -87,6 +87,17 @@ class MemoryTransport:
     def latest_round(self) -> Optional[int]:
         with self.swarm.changed:
             return max((r for r, _ in self.swarm.records), default=None)
+
+    def swarm_round(self) -> Optional[int]:
+        """The lower median of the other live peers' newest rounds (the hivemind transport's
+        rule, read from the records instead of the replies)."""
+        with self.swarm.changed:
+            newest: dict[str, int] = {}
+            for r, peer in self.swarm.records:
+                if peer != self.peer_id and peer in self.swarm.live:
+                    newest[peer] = max(r, newest.get(peer, r))
+        rounds = sorted(newest.values())
+        return rounds[(len(rounds) - 1) // 2] if rounds else None
 
     def close(self) -> None:
         with self.swarm.changed:

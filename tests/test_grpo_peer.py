@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,12 +62,26 @@ def _connect(swarm: MemorySwarm, peer_id: str, seen: dict):
     return connect
 
 
-def _run_peers(cfgs, swarm, seen, *, start_after=None) -> dict[str, int]:
+def _run_peers(cfgs, swarm, seen, *, start_after=None, gate=None) -> dict[str, int]:
     """Run `run_peer` for each (peer id, cfg) in a thread; `start_after`: (peer id, a predicate
-    the others must meet first). Returns {peer id: exit code}."""
+    the others must meet first); `gate`: a file the peers wait for after their warm-up (the
+    local swarm's start, `START_ENV` set by the caller), made once every peer is ready, so that
+    their first rounds start together however long each warm-up took. Returns {peer id: exit
+    code}."""
     from ftis_kernels.grpo.peer import run_peer
+    from ftis_kernels.grpo.process import READY_FILE
 
     codes: dict[str, int] = {}
+    if gate is not None:
+        ready_files = [Path(cfg.out) / READY_FILE for _, cfg in cfgs]
+
+        def open_gate():
+            deadline = time.monotonic() + TIMEOUT_S
+            while not all(f.exists() for f in ready_files) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            gate.touch()
+
+        threading.Thread(target=open_gate, daemon=True).start()
 
     def one(peer_id, cfg):
         codes[peer_id] = run_peer(cfg, _connect(swarm, peer_id, seen))
@@ -128,13 +143,18 @@ def test_three_peers_train_on_each_others_samples_with_their_staleness(tmp_path,
     assert [(c[0], c[-1]) for c in cells] == [(str(k), pid) for k, pid in enumerate(ids)]
 
 
-def test_a_malformed_peers_records_are_dropped_over_a_swarm_transport(tmp_path, torch_kernels):
-    swarm, seen = MemorySwarm(), {}
+def test_a_malformed_peers_records_are_dropped_over_a_swarm_transport(
+    tmp_path, torch_kernels, monkeypatch
+):
+    from ftis_kernels.grpo.process import START_ENV
+
+    swarm, seen, gate = MemorySwarm(), {}, tmp_path / "start"
+    monkeypatch.setenv(START_ENV, str(gate))  # both start their rounds together
     cfgs = [
         ("QmGood", _peer_cfg(tmp_path, "QmGood", rounds=2)),
         ("QmBad", _peer_cfg(tmp_path, "QmBad", hostile="malformed", rounds=2)),
     ]
-    assert _run_peers(cfgs, swarm, seen) == {"QmGood": 0, "QmBad": 0}
+    assert _run_peers(cfgs, swarm, seen, gate=gate) == {"QmGood": 0, "QmBad": 0}
     log = _rows(tmp_path / "QmGood", "received.jsonl")
     from_bad = [r for r in log if r["sender"] == source_of("QmBad")]
     assert from_bad and all(r["dropped"] is not None for r in from_bad)
@@ -167,6 +187,46 @@ def test_a_late_peer_joins_at_the_swarms_round_and_a_resumed_one_continues(tmp_p
     # The late peer's round 3, which the early one may have trained on before it stopped, is
     # not taken after the resume, though within max_staleness of round 4.
     assert rows[4]["samples_received"] == 0
+
+
+def test_a_peer_left_behind_skips_to_the_swarms_round(tmp_path, torch_kernels):
+    """A peer whose first round is far behind its peers' (its join read the swarm's round
+    before a slow start) skips to their round after it, or they would never take its samples;
+    the evaluation and checkpoint due in the rounds it skipped come at the next round it runs."""
+    from ftis_kernels.grpo import checkpoint
+
+    swarm = MemorySwarm()
+
+    class Behind(MemoryTransport):
+        def latest_round(self):
+            # Meanwhile a compatible peer published rounds 0-5 (without samples) and is live.
+            ahead = MemoryTransport(self.swarm, "QmAhead", self.fingerprints)
+            for r in range(6):
+                ahead.publish(r, b"")
+            return 0
+
+    def connect(out, fingerprints, max_payload_bytes):
+        return Behind(swarm, "QmBehind", fingerprints)
+
+    from ftis_kernels.grpo.peer import run_peer
+
+    cfg = _peer_cfg(
+        tmp_path,
+        "QmBehind",
+        rounds=8,
+        eval_every=2,
+        eval_start=False,
+        ckpt_every=4,
+        collect_timeout_s=0.5,
+    )
+    assert run_peer(cfg, connect) == 0
+    rows = _rows(tmp_path / "QmBehind")
+    # Round 0, then round 1 would be 4 rounds behind (max_staleness 1): on at the swarm's 5.
+    assert [r["round"] for r in rows] == [0, 5, 6, 7]
+    # Round 5 evaluates in place of rounds 2 and 4, skipped; 6 and 7 as always.
+    assert [r["acc_id"] is not None for r in rows] == [False, True, True, True]
+    # The last two checkpoints kept: after round 5 (for round 4's, skipped) and at the end.
+    assert checkpoint.node_rounds(tmp_path / "QmBehind" / "ckpt", 0) == [8, 6]
 
 
 def test_exchange_over_a_swarm_transport_records_staleness_and_refuses_incompatible_peers():

@@ -40,8 +40,9 @@ def test_two_peers_across_namespaces_with_delay_and_loss():
 def test_the_driver_across_namespaces_with_a_killed_peer_and_a_late_joiner(tmp_path):
     """Three `ftis-grpo peer` processes (F-TIS), each in its own namespace behind the delaying
     switch: peers 0 and 1 start their rounds together, peer 2 once peer 0 has done two; peer 1
-    is killed with SIGKILL after its second round. The survivors finish every round, each
-    training on the other's samples (and peer 0 on peer 1's before the kill)."""
+    is killed with SIGKILL after its second round. The survivors finish every round (the late
+    joiner skipping rounds where it fell behind), each training on the other's samples (and peer
+    0 on peer 1's before the kill)."""
     import json
     import os
     import signal
@@ -53,7 +54,6 @@ def test_the_driver_across_namespaces_with_a_killed_peer_and_a_late_joiner(tmp_p
     from ftis_kernels.grpo.transport import source_of
     from tests.test_swarm_peers import ROOT, _env, _finish, _peer_config, _rows, _wait
 
-    # 20 rounds: the late joiner has more than a few rounds to reach peer 0 on a loaded machine.
     rounds, gates = 20, [tmp_path / "start", tmp_path / "start", tmp_path / "start-late"]
     ns = Namespaces(f"fd{os.getpid() % 10000}", 3)
     ports = [f"{ns.tag}h{i}" for i in range(3)]
@@ -103,7 +103,8 @@ def test_the_driver_across_namespaces_with_a_killed_peer_and_a_late_joiner(tmp_p
     ids = [json.loads((tmp_path / f"p{k}" / "peer.json").read_text())["peer_id"] for k in range(3)]
     r0, r2 = _rows(tmp_path / "p0"), _rows(tmp_path / "p2")
     assert [r["round"] for r in r0] == list(range(rounds))
-    assert r2[0]["round"] >= 1 and [r["round"] for r in r2] == list(range(r2[0]["round"], rounds))
+    got = [r["round"] for r in r2]  # skipping rounds wherever it fell behind peer 0
+    assert got[0] >= 1 and got == sorted(set(got)) and got[-1] == rounds - 1, got
     assert {r["mode"] for r in r0 + r2} == {"f-tis"}
     assert {r["peer"] for r in r0} == {ids[0]} and {r["peer"] for r in r2} == {ids[2]}
 
@@ -115,13 +116,10 @@ def test_the_driver_across_namespaces_with_a_killed_peer_and_a_late_joiner(tmp_p
     assert senders(0) <= {source_of(ids[1]), source_of(ids[2])}, logs[0]
     assert source_of(ids[1]) in senders(0), logs[0]
     assert source_of(ids[0]) in senders(2), logs[2]
+    # Peer 0 stopped waiting for the late joiner at round 0 (it counts as live from its
+    # announcement) and only probes it since: a late joiner that starts more than max_staleness
+    # rounds behind reaches peer 0's window only by skipping to its round.
+    assert source_of(ids[2]) in senders(0), (logs[0], logs[2])
     assert all(r["dropped"] == 0 for r in r0 + r2)
-    if source_of(ids[2]) not in senders(0):
-        # Known limitation (docs/swarms.md, "What is tested"): peer 0 stops waiting for the
-        # late joiner at round 0 (it counts as live from its announcement, before its first
-        # round) and from then on only probes it; a late joiner that publishes its first round
-        # more than max_staleness rounds behind peer 0 then runs as fast as peer 0 and never
-        # catches up, so peer 0 never takes its samples. Seen on loaded machines.
-        pytest.xfail("peer 0 never took the late joiner's samples: it stayed too far behind")
     print("peer 0's round seconds:", [round(r["seconds"], 2) for r in r0])
     print("peer 2's round seconds:", [round(r["seconds"], 2) for r in r2])

@@ -170,8 +170,10 @@ def test_sigkill_a_late_joiner_and_a_resumed_peer(tmp_path):
 
     r0, r2 = _rows(tmp_path / "p0"), _rows(tmp_path / "p2")
     assert [r["round"] for r in r0] == list(range(rounds))
-    # The late joiner started at the swarm's round, not at 0, and trained on its peers' samples.
-    assert r2[0]["round"] >= 1 and [r["round"] for r in r2] == list(range(r2[0]["round"], rounds))
+    # The late joiner started at the swarm's round, not at 0, and trained on its peers' samples
+    # (skipping rounds wherever it fell more than max_staleness behind them).
+    got = [r["round"] for r in r2]
+    assert got[0] >= 1 and got == sorted(set(got)) and got[-1] == rounds - 1, got
     assert sum(r["samples_received"] for r in r2) > 0
     # No round of peer 0 waited for the dead peer more than collect_timeout_s (plus the work).
     work = sorted(r["seconds"] for r in r0)[len(r0) // 2]

@@ -1,8 +1,8 @@
 """The hivemind transport on loopback: peers exchange a round's payloads over their streams,
 with the staleness window, the dedupe, the wait bound, the refusals (forged announcements charged
 to their signer, untrusted, size, incompatible), a hostile peer's replies and pulls, the DHT read
-again when a newcomer pulls, the identity kept across a restart, the start errors and the late
-joiner's round."""
+again when a newcomer pulls, the identity kept across a restart, the start errors, the late
+joiner's round and the swarm's round a peer left behind skips to."""
 
 from __future__ import annotations
 
@@ -340,6 +340,29 @@ def test_a_late_joiner_learns_the_round(swarm):
         a.publish(r, b"x")
     late = swarm("late", joins=b)
     assert late.latest_round() == 2
+
+
+def test_the_swarms_round_is_what_the_peers_replies_said(swarm):
+    a = swarm("a")
+    b, c = swarm("b", joins=a), swarm("c", joins=a)
+    assert c.swarm_round() is None  # no collect yet: nobody was heard from
+    for r in range(6):
+        a.publish(r, b"a")
+    b.publish(0, b"b")
+    # c, behind at round 0, takes what it asks for; the replies say a is at 5, b at 0.
+    incoming, _ = c.collect(0, max_staleness=0, timeout_s=5.0)
+    assert payloads(incoming) == sorted([(a.peer_id, 0, b"a"), (b.peer_id, 0, b"b")])
+    # The lower median of the others' rounds: one peer far ahead alone cannot move it...
+    assert c.swarm_round() == 0
+    # ...but two can; and one that cannot be reached any more no longer counts.
+    for r in range(1, 5):
+        b.publish(r, b"b")
+    c.collect(1, max_staleness=0, timeout_s=5.0)
+    assert c.swarm_round() == 4
+    a.close()
+    b.publish(5, b"b")
+    c.collect(2, max_staleness=0, timeout_s=2.0)
+    assert c.swarm_round() == 5  # b alone: a's stream is gone
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,7 @@ class Node:
         self._prompt_cache: dict[int, list[int]] = {}
         self.last_received: list[Sample] = []
         self.start = 0  # the first round this process runs (`run`)
+        self.ran_before: Optional[int] = None  # the round this process ran before the current
 
     # -- set-up -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -390,10 +391,17 @@ class Node:
 
     def evaluates(self, round_: int) -> bool:
         """Whether round `round_` starts with an evaluation: every `eval_every` rounds (round 0
-        only with `eval_start`) and the last round."""
-        cfg = self.cfg
-        skipped = round_ == 0 and not cfg.eval_start
-        return (round_ % cfg.eval_every == 0 and not skipped) or round_ == cfg.rounds - 1
+        only with `eval_start`) and the last round. After rounds skipped to catch up with a
+        swarm (`run`'s `advance`), the round run next evaluates in place of a multiple of
+        `eval_every` skipped."""
+        cfg, every = self.cfg, self.cfg.eval_every
+        if round_ == cfg.rounds - 1:
+            return True
+        since = round_ if self.ran_before is None else self.ran_before + 1
+        due = -(-since // every) * every  # the first multiple of eval_every from `since` on
+        if due == 0 and not cfg.eval_start:
+            due = every
+        return due <= round_
 
     def max_staleness(self, round_: int) -> int:
         """How old the peers' samples this round trains on may be: `max_staleness`, but after a
@@ -537,9 +545,16 @@ class Node:
             f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}"
         )
 
-    def run(self, join: Optional[Callable[[], int]] = None) -> None:
+    def run(
+        self,
+        join: Optional[Callable[[], int]] = None,
+        advance: Optional[Callable[[int], int]] = None,
+    ) -> None:
         """The run to `cfg.rounds`, from the checkpoint (--resume), the round `join()` gives once
-        warmed up (a peer joining a running swarm), or 0; node 0 writes the outputs."""
+        warmed up (a peer joining a running swarm), or 0; node 0 writes the outputs. After each
+        round, `advance(next)` may move the next round forward (a swarm peer that fell behind
+        its peers catching up: the rounds between are skipped, their checkpoints and
+        evaluations due taken at the next round run)."""
         cfg = self.cfg
         metrics_path = self.out / "metrics.jsonl"
         previous = []
@@ -562,7 +577,8 @@ class Node:
             if cfg.progress:
                 bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=start)
         skips_in_row = [0] * self.world
-        for round_ in range(start, cfg.rounds):
+        round_, saved = start, start
+        while round_ < cfg.rounds:
             self.transport.barrier(f"the start barrier of round {round_}")
             metrics = self.run_round(round_)
             rows = self.gather_rows(round_, metrics)
@@ -588,8 +604,15 @@ class Node:
                 self.transport.barrier("the stop barrier")
                 raise
             completed = round_ + 1
-            if completed % cfg.ckpt_every == 0 or completed == cfg.rounds:
+            # Every ckpt_every rounds, or at the first round run past a multiple skipped.
+            if completed // cfg.ckpt_every > saved // cfg.ckpt_every or completed == cfg.rounds:
                 self.save(completed)
+                saved = completed
+            self.ran_before, round_ = round_, completed
+            if advance is not None and completed < cfg.rounds:
+                round_ = min(max(completed, advance(completed)), cfg.rounds - 1)
+                if bar is not None and round_ > completed:
+                    bar.update(round_ - completed)
         if bar is not None:
             bar.close()
         if self.rank == 0:

@@ -11,7 +11,9 @@ samples under (round, peer), collect the peers' samples of rounds within `max_st
 yet (waiting at most `collect_timeout_s` for the live peers' samples of this round), train,
 checkpoint. No barrier: a peer that dies costs the others at most `collect_timeout_s` once. A
 fresh peer joins at the swarm's latest round (`latest_round`, after its warm-up), a `--resume`d one
-continues from its own checkpoint with the identity key kept in `--out` (`peer.key`). Each peer
+continues from its own checkpoint with the identity key kept in `--out` (`peer.key`); a peer that
+finds itself more than `max_staleness` rounds behind the others (`swarm_round`) skips to their
+round, or they would never take its samples. Each peer
 writes its own metrics.jsonl, curves.png and summary.txt; `ftis-grpo report DIR...` merges them.
 """
 
@@ -90,6 +92,11 @@ class SwarmTransport(Transport, Protocol):
 
     def latest_round(self) -> Optional[int]:
         """The highest round any live peer has published (None: no peer has)."""
+        ...
+
+    def swarm_round(self) -> Optional[int]:
+        """The round the other live peers are at, as this peer's last collect heard it, asking
+        nobody (None: none was heard from)."""
         ...
 
 
@@ -234,7 +241,22 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
                 )
             return latest or 0
 
-        node.run(join_round)
+        def catch_up(next_round: int) -> int:
+            # A peer more than max_staleness rounds behind the others (a slow first round, a
+            # slower model, a resume from an old checkpoint) would train on samples they never
+            # take, as long as it keeps their pace: it skips to their round instead.
+            swarm = transport.swarm_round()
+            if swarm is None or swarm - next_round <= cfg.max_staleness:
+                return next_round
+            log.info(
+                "peer %s: %d rounds behind the swarm (at round %d); skipping to it",
+                transport.peer_id,
+                swarm - next_round,
+                swarm,
+            )
+            return swarm
+
+        node.run(join_round, catch_up)
         return 0
     except SwarmError as exc:
         log.error("peer %s: lost the swarm %s; stopping", transport.peer_id, exc)

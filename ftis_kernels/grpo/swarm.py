@@ -21,9 +21,10 @@ or sends can make a receiver raise.
 
 There is no barrier. A peer that let a round pass (it sent nothing for it in time) is probed
 without waiting from then on, until it sends a current round again; one that cannot be reached
-is asked again after `_MEMBERS_REFRESH_S`. The DHT is read again at a collect after that long too,
-or when a peer it does not know has pulled from this one (a new peer), or when a peer's reply
-says that its fingerprints changed.
+is asked again after `_MEMBERS_REFRESH_S`. The DHT is read again at a collect after that long
+too, or when a peer it does not know has pulled from this one (a new peer), or when a peer's
+reply says that its fingerprints changed. Each reply says the newest round its peer published:
+`swarm_round` is where the others are, so that a peer left behind can skip to it.
 """
 
 from __future__ import annotations
@@ -176,6 +177,8 @@ class HivemindTransport:
         # two of that peer, not the rest of a short run.
         self._gone: dict[str, tuple[float, float]] = {}
         self._reported: set[tuple[str, str]] = set()  # (peer, why) of refused peers
+        # peer -> (the newest round its last reply reported, when): `swarm_round`
+        self._newest: dict[str, tuple[int, float]] = {}
         self._closed = False
         self._streams = None
         self._dht = DHT(
@@ -366,6 +369,20 @@ class HivemindTransport:
             rounds.append(self._published)
         return sorted(rounds)[(len(rounds) - 1) // 2] if rounds else None
 
+    def swarm_round(self) -> Optional[int]:
+        """The round the swarm is at as this peer's collects last heard it, with no call of its
+        own: the lower median of the newest rounds that the live, compatible, trusted peers
+        reported in their replies of the last `_MEMBERS_REFRESH_S` (this peer left out, and
+        those unreachable since), None when none replied. As with `latest_round`, one peer that
+        claims a far round cannot move it when two others replied."""
+        now, live = time.monotonic(), self._live()
+        rounds = sorted(
+            r
+            for peer, (r, at) in self._newest.items()
+            if peer in live and r >= 0 and now - at <= _MEMBERS_REFRESH_S
+        )
+        return rounds[(len(rounds) - 1) // 2] if rounds else None
+
     def collect(
         self, round_: int, *, max_staleness: int, timeout_s: float
     ) -> tuple[list[Incoming], list[Rejection]]:
@@ -404,6 +421,7 @@ class HivemindTransport:
                 want, wait_s = asks[peer]
                 if reply.error is not None:
                     done.add(peer)
+                    self._newest.pop(peer, None)
                     if reply.error != "timeout":
                         pause = self._gone.get(peer, (0.0, _GONE_FIRST_S / 2))[1]
                         pause = min(2 * pause, _MEMBERS_REFRESH_S)
@@ -419,6 +437,7 @@ class HivemindTransport:
                 if reply.digest != self._members[peer].digest:
                     held[peer] = reply  # it changed its fingerprints since we read them
                     continue
+                self._newest[peer] = (reply.newest, time.monotonic())
                 if not self._take(peer, reply, want, round_, incoming, rejected):
                     # A reply against the protocol, or an early one without a round asked
                     # for (a long poll is held until one is there): not asked again now.
