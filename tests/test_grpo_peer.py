@@ -214,19 +214,67 @@ def test_a_peer_left_behind_skips_to_the_swarms_round(tmp_path, torch_kernels):
         tmp_path,
         "QmBehind",
         rounds=8,
-        eval_every=2,
+        eval_every=4,
         eval_start=False,
         ckpt_every=4,
         collect_timeout_s=0.5,
     )
     assert run_peer(cfg, connect) == 0
     rows = _rows(tmp_path / "QmBehind")
-    # Round 0, then round 1 would be 4 rounds behind (max_staleness 1): on at the swarm's 5.
-    assert [r["round"] for r in rows] == [0, 5, 6, 7]
-    # Round 5 evaluates in place of rounds 2 and 4, skipped; 6 and 7 as always.
-    assert [r["acc_id"] is not None for r in rows] == [False, True, True, True]
-    # The last two checkpoints kept: after round 5 (for round 4's, skipped) and at the end.
-    assert checkpoint.node_rounds(tmp_path / "QmBehind" / "ckpt", 0) == [8, 6]
+    # Round 0 heard the swarm at round 5: on at 6, where the swarm is when its samples come out.
+    assert [r["round"] for r in rows] == [0, 6, 7]
+    # Round 6 evaluates in place of round 4, skipped; round 7, the last, as always.
+    assert [r["acc_id"] is not None for r in rows] == [False, True, True]
+    # The last two checkpoints kept: after round 6 (for round 4's, skipped) and at the end.
+    assert checkpoint.node_rounds(tmp_path / "QmBehind" / "ckpt", 0) == [8, 7]
+
+
+def _taken_share(lag: float, max_staleness: int, skip: bool, jitter: float = 0.0):
+    """A model of two peers at one pace under the hivemind transport's rules, after the peer
+    ahead stopped waiting for the other: the one ahead publishes round k at time k (+ up to
+    `jitter`) and at once
+    takes the other's rounds in [k - max_staleness, k] published by then (each once); the other
+    starts `lag` rounds behind, publishes and hears the newest round of the one ahead, then
+    (with `skip`) moves on by `catch_up_round`. Returns (the share of its rounds taken, how many
+    rounds it skipped)."""
+    import random
+
+    from ftis_kernels.grpo.peer import catch_up_round
+
+    rng = random.Random(0)
+    ahead = [k + rng.uniform(0, jitter) for k in range(80)]  # one pace, each round's own delay
+    j, n, published, skipped = 0, 0, {}, 0
+    while n < 50:
+        published[n] = t = lag + j + rng.uniform(0, jitter)
+        swarm = max(k for k, at in enumerate(ahead) if at <= t)
+        nxt = catch_up_round(swarm, n + 1, max_staleness) if skip else n + 1
+        skipped += nxt - (n + 1)
+        n, j = nxt, j + 1
+    taken = set()
+    for k, at in enumerate(ahead):
+        taken |= {r for r, p in published.items() if k - max_staleness <= r <= k and p <= at}
+    return len(taken) / len(published), skipped
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2, 3])
+def test_a_peer_behind_skips_into_its_peers_reach_and_only_then(max_staleness):
+    for lag in (max_staleness + 0.25, max_staleness + 1.5, max_staleness + 4.75):
+        for jitter in (0.0, 0.2):
+            # Without skipping, a peer further behind than max_staleness is never taken...
+            assert _taken_share(lag, max_staleness, skip=False, jitter=jitter)[0] == 0
+            # ...with it, its rounds are (all but those before its skip).
+            share, skipped = _taken_share(lag, max_staleness, skip=True, jitter=jitter)
+            assert share >= 0.9 and skipped >= 1, (lag, jitter, share)
+    # Within reach it skips nothing: every round is taken as it is.
+    for lag in (0.25, max_staleness - 0.25):
+        assert _taken_share(lag, max_staleness, skip=True) == (1.0, 0)
+    # The rule at its edges: nobody heard from, a peer at or ahead of the swarm, the threshold.
+    from ftis_kernels.grpo.peer import catch_up_round
+
+    assert catch_up_round(None, 7, max_staleness) == 7
+    assert catch_up_round(9, 12, max_staleness) == 12
+    assert catch_up_round(5 + max_staleness, 7, max_staleness) == 7
+    assert catch_up_round(6 + max_staleness, 7, max_staleness) == 7 + max_staleness
 
 
 def test_exchange_over_a_swarm_transport_records_staleness_and_refuses_incompatible_peers():

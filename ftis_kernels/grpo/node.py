@@ -540,7 +540,7 @@ class Node:
         )
         raise Diverged(
             f"node {worst} ({self.cfg.node(worst).name}) skipped its optimizer step "
-            f"{n} rounds in a row (rounds {last - n + 1}-{last}: non-finite loss or "
+            f"{n} rounds in a row (the last in round {last}: non-finite loss or "
             f"gradient, see its warnings); stopping the swarm, the training diverges"
             f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}"
         )

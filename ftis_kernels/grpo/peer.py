@@ -242,19 +242,18 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             return latest or 0
 
         def catch_up(next_round: int) -> int:
-            # A peer more than max_staleness rounds behind the others (a slow first round, a
-            # slower model, a resume from an old checkpoint) would train on samples they never
-            # take, as long as it keeps their pace: it skips to their round instead.
             swarm = transport.swarm_round()
-            if swarm is None or swarm - next_round <= cfg.max_staleness:
-                return next_round
-            log.info(
-                "peer %s: %d rounds behind the swarm (at round %d); skipping to it",
-                transport.peer_id,
-                swarm - next_round,
-                swarm,
-            )
-            return swarm
+            target = catch_up_round(swarm, next_round, cfg.max_staleness)
+            if target > next_round:
+                log.info(
+                    "peer %s: the others are at round %s, out of reach of its round %d; "
+                    "skipping to round %d",
+                    transport.peer_id,
+                    swarm,
+                    next_round,
+                    target,
+                )
+            return target
 
         node.run(join_round, catch_up)
         return 0
@@ -282,6 +281,19 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
         transport.close()
         _HELD.clear()
         lock.release()
+
+
+def catch_up_round(swarm: Optional[int], next_round: int, max_staleness: int) -> int:
+    """The round a peer runs after its last (`next_round - 1`): `next_round`, or a later one
+    when it fell behind. `swarm` is the round the others were in at its last collect (the newest
+    they had published; None: it heard from none); when its next round's samples come out they
+    are one round on, at `swarm + 1`. Once they stop waiting for it, they take only samples of
+    rounds within `max_staleness` of their own: a peer `max(max_staleness, 1)` or more rounds
+    behind them that keeps their pace stays out of their reach for good, so it goes to
+    `swarm + 1` instead."""
+    if swarm is None or swarm + 1 - next_round < max(max_staleness, 1):
+        return next_round
+    return swarm + 1
 
 
 def wait_for_start(out: Path, timeout_s: float) -> None:

@@ -450,6 +450,7 @@ class HivemindTransport:
                 live = self._live()
                 for peer, reply in held.items():
                     if peer in live and reply.digest == live[peer].digest:
+                        self._newest[peer] = (reply.newest, time.monotonic())
                         self._take(peer, reply, asks[peer][0], round_, incoming, rejected)
                     else:
                         done.add(peer)
