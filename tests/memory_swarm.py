@@ -5,9 +5,9 @@ collectors when one arrives. `MemoryTransport` is one peer's view of it, with th
 round loop relies on from `swarm.HivemindTransport`: no barrier, `gather` of this peer alone, a
 `collect` that returns the payloads of rounds within `max_staleness` not collected before and
 waits at most `timeout_s` for the live peers' payloads of this round, a peer whose fingerprints
-differ refused as "incompatible", `latest_round` and `swarm_round`. A peer is live from its
-`publish` until it closes; a peer that stops without closing (a killed process) stays live, so
-its peers wait for it at most `timeout_s` per collect.
+differ refused as "incompatible", `latest_round`, `swarm_round` and `waited_by`. A peer is live
+from its `publish` until it closes; a peer that stops without closing (a killed process) stays
+live, so its peers wait for it at most `timeout_s` per collect.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class MemorySwarm:
         self.changed = threading.Condition()
         self.records: dict[tuple[int, str], tuple[bytes, dict[str, str]]] = {}
         self.live: set[str] = set()
+        self.polls: dict[tuple[str, str], float] = {}  # (waiter, waited for) -> when, last
 
 
 class MemoryTransport:
@@ -59,6 +60,9 @@ class MemoryTransport:
     ) -> tuple[list[Incoming], list[Rejection]]:
         t0 = time.monotonic()
         with self.swarm.changed:
+            waited_for = self.swarm.live - {self.peer_id}
+            for peer in waited_for:
+                self.swarm.polls[self.peer_id, peer] = t0
 
             def others_in() -> bool:
                 return all(
@@ -69,6 +73,8 @@ class MemoryTransport:
 
             self.swarm.changed.wait_for(others_in, timeout=timeout_s)
             records = dict(self.swarm.records)
+            for peer in waited_for:
+                self.swarm.polls[self.peer_id, peer] = time.monotonic()
         self.waits.append(time.monotonic() - t0)
         incoming, rejected = [], []
         for (r, peer), (payload, prints) in sorted(records.items()):
@@ -98,6 +104,15 @@ class MemoryTransport:
                     newest[peer] = max(r, newest.get(peer, r))
         rounds = sorted(newest.values())
         return rounds[(len(rounds) - 1) // 2] if rounds else None
+
+    def waited_by(self, since: float) -> set[str]:
+        """The live peers whose collect waited for this one at or after `since`."""
+        with self.swarm.changed:
+            return {
+                waiter
+                for (waiter, peer), at in self.swarm.polls.items()
+                if peer == self.peer_id and at >= since and waiter in self.swarm.live
+            }
 
     def close(self) -> None:
         with self.swarm.changed:

@@ -230,13 +230,12 @@ def test_a_peer_left_behind_skips_to_the_swarms_round(tmp_path, torch_kernels):
 
 
 def _taken_share(lag: float, max_staleness: int, skip: bool, jitter: float = 0.0):
-    """A model of two peers at one pace under the hivemind transport's rules, after the peer
-    ahead stopped waiting for the other: the one ahead publishes round k at time k (+ up to
-    `jitter`) and at once
-    takes the other's rounds in [k - max_staleness, k] published by then (each once); the other
-    starts `lag` rounds behind, publishes and hears the newest round of the one ahead, then
-    (with `skip`) moves on by `catch_up_round`. Returns (the share of its rounds taken, how many
-    rounds it skipped)."""
+    """A model of two peers at one pace under the hivemind transport's rules, after the peer ahead
+    stopped waiting for the other (`waited` False): the one ahead publishes round k at time
+    k (+ up to `jitter`) and at once takes the other's rounds in [k - max_staleness, k]
+    published by then (each once); the other starts `lag` rounds behind, publishes and hears
+    the newest round of the one ahead, then (with `skip`) moves on by `catch_up_round`.
+    Returns (the share of its rounds taken, how many rounds it skipped)."""
     import random
 
     from ftis_kernels.grpo.peer import catch_up_round
@@ -275,6 +274,8 @@ def test_a_peer_behind_skips_into_its_peers_reach_and_only_then(max_staleness):
     assert catch_up_round(9, 12, max_staleness) == 12
     assert catch_up_round(5 + max_staleness, 7, max_staleness) == 7
     assert catch_up_round(6 + max_staleness, 7, max_staleness) == 7 + max_staleness
+    # A peer that some peer waits for is within its reach, however far the rounds say it is.
+    assert catch_up_round(60, 7, max_staleness, waited=True) == 7
 
 
 def test_exchange_over_a_swarm_transport_records_staleness_and_refuses_incompatible_peers():

@@ -365,6 +365,24 @@ def test_the_swarms_round_is_what_the_peers_replies_said(swarm):
     assert c.swarm_round() == 5  # b alone: a's stream is gone
 
 
+def test_a_peer_knows_which_peers_wait_for_it(swarm):
+    a = swarm("a")
+    b = swarm("b", joins=a)
+    a.publish(0, b"a")
+    b.collect(0, max_staleness=0, timeout_s=5.0)  # b reads who is in the swarm
+    b.publish(0, b"b")
+    since = time.monotonic()
+    a.collect(0, max_staleness=0, timeout_s=5.0)  # a long poll of b's round 0, answered at once
+    assert b.waited_by(since) == {a.peer_id}
+    # b lets round 1 pass: a waits for it once, then only probes it (no long poll).
+    a.publish(1, b"a")
+    a.collect(1, max_staleness=0, timeout_s=1.0)
+    since = time.monotonic()
+    a.publish(2, b"a")
+    a.collect(2, max_staleness=0, timeout_s=5.0)
+    assert b.waited_by(since) == set()
+
+
 @pytest.mark.parametrize(
     "overrides, flag, message",
     [

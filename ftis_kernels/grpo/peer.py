@@ -99,6 +99,11 @@ class SwarmTransport(Transport, Protocol):
         nobody (None: none was heard from)."""
         ...
 
+    def waited_by(self, since: float) -> set[str]:
+        """The live peers that waited for this peer's samples at or after `since`
+        (`time.monotonic()`)."""
+        ...
+
 
 # (out, fingerprints, max_payload_bytes) -> a started transport; ConfigError naming the flag when
 # it cannot start.
@@ -227,8 +232,11 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             slots=PEER_SLOTS,
         )
 
+        round_began = [time.monotonic()]  # when the round now running began (about)
+
         def join_round() -> int:
             wait_for_start(out, cfg.setup_timeout_s)
+            round_began[0] = time.monotonic()  # polls during the warm-up are not of its rounds
             latest = transport.latest_round()
             if latest is not None and latest >= cfg.rounds:
                 raise SystemExit(
@@ -242,12 +250,14 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             return latest or 0
 
         def catch_up(next_round: int) -> int:
+            began, round_began[0] = round_began[0], time.monotonic()
             swarm = transport.swarm_round()
-            target = catch_up_round(swarm, next_round, cfg.max_staleness)
+            waited = bool(transport.waited_by(began))
+            target = catch_up_round(swarm, next_round, cfg.max_staleness, waited)
             if target > next_round:
                 log.info(
-                    "peer %s: the others are at round %s, out of reach of its round %d; "
-                    "skipping to round %d",
+                    "peer %s: the others are at round %s and none waits for it: its round %d "
+                    "is out of their reach, skipping to round %d",
                     transport.peer_id,
                     swarm,
                     next_round,
@@ -283,15 +293,19 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
         lock.release()
 
 
-def catch_up_round(swarm: Optional[int], next_round: int, max_staleness: int) -> int:
+def catch_up_round(
+    swarm: Optional[int], next_round: int, max_staleness: int, waited: bool = False
+) -> int:
     """The round a peer runs after its last (`next_round - 1`): `next_round`, or a later one
     when it fell behind. `swarm` is the round the others were in at its last collect (the newest
-    they had published; None: it heard from none); when its next round's samples come out they
-    are one round on, at `swarm + 1`. Once they stop waiting for it, they take only samples of
-    rounds within `max_staleness` of their own: a peer `max(max_staleness, 1)` or more rounds
-    behind them that keeps their pace stays out of their reach for good, so it goes to
-    `swarm + 1` instead."""
-    if swarm is None or swarm + 1 - next_round < max(max_staleness, 1):
+    they had published; None: it heard from none); `waited`: some peer waited for its samples
+    during its last round. A peer waited for is within that peer's reach whatever the rounds
+    say (replies crossing a slow link can show the others a round ahead), and a skip would make
+    it miss the round that peer waits for: it does not skip. Otherwise the others take only its
+    samples of rounds within `max_staleness` of theirs, and they are at `swarm + 1` by the time
+    its next round's samples come out: from `max(max_staleness, 1)` rounds behind that on, a
+    peer keeping their pace would never be taken, and it goes to `swarm + 1` instead."""
+    if waited or swarm is None or swarm + 1 - next_round < max(max_staleness, 1):
         return next_round
     return swarm + 1
 

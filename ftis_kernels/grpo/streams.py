@@ -148,6 +148,9 @@ class Streams:
         self.newest = -1
         self.known: set[str] = set()  # peers the transport knows (others knock)
         self._knocked: set[str] = set()
+        self._polled: dict[
+            str, float
+        ] = {}  # known peer -> when a long poll of it last came or went
         self._lock = threading.Lock()
         maddr = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
         self._loop = asyncio.new_event_loop()
@@ -197,6 +200,8 @@ class Streams:
             else 0.0
         )
         deadline = time.monotonic() + wait
+        if wait > 0:
+            self._note_poll(remote)
         async with self._changed:
             while asked and not any(r in self._kept for r in asked):
                 left = deadline - time.monotonic()
@@ -207,6 +212,8 @@ class Streams:
                 except asyncio.TimeoutError:
                     break
             rounds = self.serve(asked)
+        if wait > 0:
+            self._note_poll(remote)
         offer = self.Offer(newest=self.newest, digest=self.digest_of())
         size = 0
         for r, payload, signature in rounds:
@@ -219,6 +226,17 @@ class Streams:
     def serve(self, asked: list[int]) -> list[tuple[int, bytes, bytes]]:
         """[(round, payload, signature)] of the `asked` rounds this peer keeps, oldest first."""
         return [(r, *self._kept[r][:2]) for r in asked if r in self._kept]
+
+    def _note_poll(self, remote: str) -> None:
+        with self._lock:
+            if remote in self.known:
+                self._polled[remote] = time.monotonic()
+
+    def polled_since(self, since: float) -> set[str]:
+        """The known peers whose long poll (a pull that waits: they wait for this peer's round)
+        came in or was answered at `time.monotonic()` >= `since`."""
+        with self._lock:
+            return {peer for peer, at in self._polled.items() if at >= since}
 
     def knocked(self) -> set[str]:
         """The peers not in `known` that pulled from this one since the last call."""

@@ -24,7 +24,8 @@ without waiting from then on, until it sends a current round again; one that can
 is asked again after `_MEMBERS_REFRESH_S`. The DHT is read again at a collect after that long
 too, or when a peer it does not know has pulled from this one (a new peer), or when a peer's
 reply says that its fingerprints changed. Each reply says the newest round its peer published:
-`swarm_round` is where the others are, so that a peer left behind can skip to it.
+`swarm_round` is where the others are, and `waited_by` the peers that still wait for this one,
+so that a peer left behind can tell when to skip ahead.
 """
 
 from __future__ import annotations
@@ -382,6 +383,12 @@ class HivemindTransport:
             if peer in live and r >= 0 and now - at <= _MEMBERS_REFRESH_S
         )
         return rounds[(len(rounds) - 1) // 2] if rounds else None
+
+    def waited_by(self, since: float) -> set[str]:
+        """The live, compatible, trusted peers that waited for this peer's samples (a long poll
+        of its stream) at or after `since` (`time.monotonic()`): those that still take its
+        current rounds, whatever round they are in."""
+        return self._streams.polled_since(since) & set(self._live())
 
     def collect(
         self, round_: int, *, max_staleness: int, timeout_s: float
