@@ -105,13 +105,20 @@ class MemoryTransport:
         rounds = sorted(newest.values())
         return rounds[(len(rounds) - 1) // 2] if rounds else None
 
-    def waited_by(self, since: float) -> set[str]:
-        """The live peers whose collect waited for this one at or after `since`."""
+    def waited_by(self, since: float, from_round: int = 0) -> set[str]:
+        """The live peers whose collect waited for this one at or after `since`, with a round
+        published at `from_round` or later."""
         with self.swarm.changed:
+            newest: dict[str, int] = {}
+            for r, peer in self.swarm.records:
+                newest[peer] = max(r, newest.get(peer, r))
             return {
                 waiter
                 for (waiter, peer), at in self.swarm.polls.items()
-                if peer == self.peer_id and at >= since and waiter in self.swarm.live
+                if peer == self.peer_id
+                and at >= since
+                and waiter in self.swarm.live
+                and newest.get(waiter, -1) >= from_round
             }
 
     def close(self) -> None:

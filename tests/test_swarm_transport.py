@@ -7,7 +7,9 @@ joiner's round and the swarm's round a peer left behind skips to."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import threading
 import time
 
 import pytest
@@ -369,17 +371,29 @@ def test_a_peer_knows_which_peers_wait_for_it(swarm):
     a = swarm("a")
     b = swarm("b", joins=a)
     a.publish(0, b"a")
-    b.collect(0, max_staleness=0, timeout_s=5.0)  # b reads who is in the swarm
-    b.publish(0, b"b")
+    b.collect(0, max_staleness=0, timeout_s=5.0)  # b reads who is in the swarm, hears a at 0
     since = time.monotonic()
-    a.collect(0, max_staleness=0, timeout_s=5.0)  # a long poll of b's round 0, answered at once
-    assert b.waited_by(since) == {a.peer_id}
-    # b lets round 1 pass: a waits for it once, then only probes it (no long poll).
     a.publish(1, b"a")
-    a.collect(1, max_staleness=0, timeout_s=1.0)
+    waiting = threading.Thread(
+        target=a.collect, args=(1,), kwargs=dict(max_staleness=0, timeout_s=10.0)
+    )
+    waiting.start()
+    # a's long poll of b's round 1 is held: a waits for b now, whatever the time asked about.
+    deadline = time.monotonic() + 5.0
+    while b.waited_by(math.inf) != {a.peer_id} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert b.waited_by(math.inf) == {a.peer_id}
+    b.publish(1, b"b")
+    waiting.join(10.0)
+    # Answered with a round since `since`; a at round 0 or later by its last reply to b.
+    assert b.waited_by(since) == {a.peer_id} and b.waited_by(since, from_round=1) == set()
+    # b lets round 2 pass: a's long poll runs out empty (a peer about to stop waiting), then a
+    # only probes b (no wait): neither counts.
     since = time.monotonic()
     a.publish(2, b"a")
-    a.collect(2, max_staleness=0, timeout_s=5.0)
+    a.collect(2, max_staleness=0, timeout_s=1.0)
+    a.publish(3, b"a")
+    a.collect(3, max_staleness=0, timeout_s=5.0)
     assert b.waited_by(since) == set()
 
 

@@ -133,6 +133,7 @@ class Node:
         self.last_received: list[Sample] = []
         self.start = 0  # the first round this process runs (`run`)
         self.ran_before: Optional[int] = None  # the round this process ran before the current
+        self.round_began = math.inf  # when the current round began (time.monotonic())
 
     # -- set-up -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -579,6 +580,7 @@ class Node:
         skips_in_row = [0] * self.world
         round_, saved = start, start
         while round_ < cfg.rounds:
+            self.round_began = time.monotonic()
             self.transport.barrier(f"the start barrier of round {round_}")
             metrics = self.run_round(round_)
             rows = self.gather_rows(round_, metrics)

@@ -12,8 +12,9 @@ yet (waiting at most `collect_timeout_s` for the live peers' samples of this rou
 checkpoint. No barrier: a peer that dies costs the others at most `collect_timeout_s` once. A
 fresh peer joins at the swarm's latest round (`latest_round`, after its warm-up), a `--resume`d one
 continues from its own checkpoint with the identity key kept in `--out` (`peer.key`); a peer that
-finds itself more than `max_staleness` rounds behind the others (`swarm_round`) skips to their
-round, or they would never take its samples. Each peer
+fell out of the others' reach (`catch_up_round`: `max(max_staleness, 1)` or more rounds behind
+`swarm_round` + 1, and no peer near that round waits for it) skips to `swarm_round` + 1, or they
+would never take its samples. Each peer
 writes its own metrics.jsonl, curves.png and summary.txt; `ftis-grpo report DIR...` merges them.
 """
 
@@ -99,9 +100,9 @@ class SwarmTransport(Transport, Protocol):
         nobody (None: none was heard from)."""
         ...
 
-    def waited_by(self, since: float) -> set[str]:
-        """The live peers that waited for this peer's samples at or after `since`
-        (`time.monotonic()`)."""
+    def waited_by(self, since: float, from_round: int = 0) -> set[str]:
+        """The live peers that wait for this peer's samples (a wait held now or answered at or
+        after `since`, a `time.monotonic()`), at round `from_round` or later."""
         ...
 
 
@@ -232,11 +233,8 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             slots=PEER_SLOTS,
         )
 
-        round_began = [time.monotonic()]  # when the round now running began (about)
-
         def join_round() -> int:
             wait_for_start(out, cfg.setup_timeout_s)
-            round_began[0] = time.monotonic()  # polls during the warm-up are not of its rounds
             latest = transport.latest_round()
             if latest is not None and latest >= cfg.rounds:
                 raise SystemExit(
@@ -250,9 +248,12 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             return latest or 0
 
         def catch_up(next_round: int) -> int:
-            began, round_began[0] = round_began[0], time.monotonic()
+            # Waited for: by a peer near the swarm's round during the round just run (peers as
+            # far behind as this one, waiting for each other, do not hold it back).
             swarm = transport.swarm_round()
-            waited = bool(transport.waited_by(began))
+            waited = swarm is not None and bool(
+                transport.waited_by(node.round_began, swarm - cfg.max_staleness - 1)
+            )
             target = catch_up_round(swarm, next_round, cfg.max_staleness, waited)
             if target > next_round:
                 log.info(

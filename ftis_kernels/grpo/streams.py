@@ -148,9 +148,10 @@ class Streams:
         self.newest = -1
         self.known: set[str] = set()  # peers the transport knows (others knock)
         self._knocked: set[str] = set()
-        self._polled: dict[
-            str, float
-        ] = {}  # known peer -> when a long poll of it last came or went
+        # Long polls of known peers (they wait for this peer's round): when one was last answered
+        # with a round, and how many are held now.
+        self._polled: dict[str, float] = {}
+        self._holding: dict[str, int] = {}
         self._lock = threading.Lock()
         maddr = dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
         self._loop = asyncio.new_event_loop()
@@ -200,20 +201,21 @@ class Streams:
             else 0.0
         )
         deadline = time.monotonic() + wait
-        if wait > 0:
-            self._note_poll(remote)
-        async with self._changed:
-            while asked and not any(r in self._kept for r in asked):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-            rounds = self.serve(asked)
-        if wait > 0:
-            self._note_poll(remote)
+        held, rounds = wait > 0 and self._poll_begins(remote), []
+        try:
+            async with self._changed:
+                while asked and not any(r in self._kept for r in asked):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), left)
+                    except asyncio.TimeoutError:
+                        break
+                rounds = self.serve(asked)
+        finally:
+            if held:
+                self._poll_ends(remote, bool(rounds))
         offer = self.Offer(newest=self.newest, digest=self.digest_of())
         size = 0
         for r, payload, signature in rounds:
@@ -227,16 +229,28 @@ class Streams:
         """[(round, payload, signature)] of the `asked` rounds this peer keeps, oldest first."""
         return [(r, *self._kept[r][:2]) for r in asked if r in self._kept]
 
-    def _note_poll(self, remote: str) -> None:
+    def _poll_begins(self, remote: str) -> bool:
         with self._lock:
-            if remote in self.known:
+            if remote not in self.known:
+                return False
+            self._holding[remote] = self._holding.get(remote, 0) + 1
+            return True
+
+    def _poll_ends(self, remote: str, answered: bool) -> None:
+        with self._lock:
+            left = self._holding.pop(remote, 1) - 1
+            if left > 0:
+                self._holding[remote] = left
+            if answered:
                 self._polled[remote] = time.monotonic()
 
     def polled_since(self, since: float) -> set[str]:
-        """The known peers whose long poll (a pull that waits: they wait for this peer's round)
-        came in or was answered at `time.monotonic()` >= `since`."""
+        """The known peers that wait for this peer's rounds: a long poll of theirs (a pull that
+        waits) is held now, or was answered with a round at `time.monotonic()` >= `since` (one
+        that ran out empty is a peer about to stop waiting)."""
         with self._lock:
-            return {peer for peer, at in self._polled.items() if at >= since}
+            answered = {peer for peer, at in self._polled.items() if at >= since}
+            return answered | set(self._holding)
 
     def knocked(self) -> set[str]:
         """The peers not in `known` that pulled from this one since the last call."""

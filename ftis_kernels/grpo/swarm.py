@@ -180,6 +180,7 @@ class HivemindTransport:
         self._reported: set[tuple[str, str]] = set()  # (peer, why) of refused peers
         # peer -> (the newest round its last reply reported, when): `swarm_round`
         self._newest: dict[str, tuple[int, float]] = {}
+        self._collect_began = math.inf  # when the last collect began
         self._closed = False
         self._streams = None
         self._dht = DHT(
@@ -371,29 +372,36 @@ class HivemindTransport:
         return sorted(rounds)[(len(rounds) - 1) // 2] if rounds else None
 
     def swarm_round(self) -> Optional[int]:
-        """The round the swarm is at as this peer's collects last heard it, with no call of its
+        """The round the swarm is at as this peer's last collect heard it, with no call of its
         own: the lower median of the newest rounds that the live, compatible, trusted peers
-        reported in their replies of the last `_MEMBERS_REFRESH_S` (this peer left out, and
-        those unreachable since), None when none replied. As with `latest_round`, one peer that
-        claims a far round cannot move it when two others replied."""
-        now, live = time.monotonic(), self._live()
+        reported in their replies to it (this peer left out, and those unreachable), None when
+        none replied. One peer that claims a far round cannot move it when two others replied;
+        in a swarm of two, the other's word is the swarm's round (as for `latest_round`)."""
+        live = self._live()
         rounds = sorted(
             r
             for peer, (r, at) in self._newest.items()
-            if peer in live and r >= 0 and now - at <= _MEMBERS_REFRESH_S
+            if peer in live and r >= 0 and at >= self._collect_began
         )
         return rounds[(len(rounds) - 1) // 2] if rounds else None
 
-    def waited_by(self, since: float) -> set[str]:
-        """The live, compatible, trusted peers that waited for this peer's samples (a long poll
-        of its stream) at or after `since` (`time.monotonic()`): those that still take its
-        current rounds, whatever round they are in."""
-        return self._streams.polled_since(since) & set(self._live())
+    def waited_by(self, since: float, from_round: int = 0) -> set[str]:
+        """The live, compatible, trusted peers that wait for this peer's samples (a long poll of
+        its stream held now, or answered with a round at or after `since`, a
+        `time.monotonic()`), at round `from_round` or later by their last reply: those that
+        still take its current rounds."""
+        live = self._live()
+        return {
+            peer
+            for peer in self._streams.polled_since(since)
+            if peer in live and self._newest.get(peer, (-1, 0.0))[0] >= from_round
+        }
 
     def collect(
         self, round_: int, *, max_staleness: int, timeout_s: float
     ) -> tuple[list[Incoming], list[Rejection]]:
-        deadline = time.monotonic() + timeout_s
+        self._collect_began = time.monotonic()
+        deadline = self._collect_began + timeout_s
         window = list(range(max(0, round_ - max_staleness), round_ + 1))
         incoming: list[Incoming] = []
         rejected: list[Rejection] = []
