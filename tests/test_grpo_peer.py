@@ -229,6 +229,20 @@ def test_a_peer_left_behind_skips_to_the_swarms_round(tmp_path, torch_kernels):
     assert checkpoint.node_rounds(tmp_path / "QmBehind" / "ckpt", 0) == [8, 7]
 
 
+def test_a_peer_resumed_far_behind_its_swarm_skips_before_its_first_round(tmp_path, torch_kernels):
+    swarm, seen = MemorySwarm(), {}
+    first = _peer_cfg(tmp_path, "QmBack", rounds=2, collect_timeout_s=0.5)
+    assert _run_peers([("QmBack", first)], swarm, seen) == {"QmBack": 0}
+    # Meanwhile the swarm went on: a compatible peer published rounds 0-9 (without samples).
+    ahead = MemoryTransport(swarm, "QmAhead", seen["QmBack"].fingerprints)
+    for r in range(10):
+        ahead.publish(r, b"")
+    resumed = _peer_cfg(tmp_path, "QmBack", rounds=13, resume=True, collect_timeout_s=0.5)
+    assert _run_peers([("QmBack", resumed)], swarm, seen) == {"QmBack": 0}
+    # Its checkpoint is of round 2; the swarm is at 9: it goes on at 10, not at 2.
+    assert [r["round"] for r in _rows(tmp_path / "QmBack")] == [0, 1, 10, 11, 12]
+
+
 def _taken_share(lag: float, max_staleness: int, skip: bool, jitter: float = 0.0):
     """A model of two peers at one pace under the hivemind transport's rules, after the peer ahead
     stopped waiting for the other (`waited` False): the one ahead publishes round k at time

@@ -553,9 +553,9 @@ class Node:
     ) -> None:
         """The run to `cfg.rounds`, from the checkpoint (--resume), the round `join()` gives once
         warmed up (a peer joining a running swarm), or 0; node 0 writes the outputs. After each
-        round, `advance(next)` may move the next round forward (a swarm peer that fell behind
-        its peers catching up: the rounds between are skipped, their checkpoints and
-        evaluations due taken at the next round run)."""
+        round, and before the first after a --resume, `advance(next)` may move the next round
+        forward (a swarm peer that fell behind its peers catching up: the rounds between are
+        skipped, their checkpoints and evaluations due taken at the next round run)."""
         cfg = self.cfg
         metrics_path = self.out / "metrics.jsonl"
         previous = []
@@ -579,6 +579,12 @@ class Node:
                 bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=start)
         skips_in_row = [0] * self.world
         round_, saved = start, start
+        if advance is not None and cfg.resume and start < cfg.rounds:
+            # A resumed peer's checkpoint may be far behind its swarm: catch up before the first
+            # round, not after a round nobody takes.
+            round_ = min(max(start, advance(start)), cfg.rounds - 1)
+            if bar is not None and round_ > start:
+                bar.update(round_ - start)
         while round_ < cfg.rounds:
             self.round_began = time.monotonic()
             self.transport.barrier(f"the start barrier of round {round_}")

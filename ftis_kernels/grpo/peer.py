@@ -11,7 +11,8 @@ samples under (round, peer), collect the peers' samples of rounds within `max_st
 yet (waiting at most `collect_timeout_s` for the live peers' samples of this round), train,
 checkpoint. No barrier: a peer that dies costs the others at most `collect_timeout_s` once. A
 fresh peer joins at the swarm's latest round (`latest_round`, after its warm-up), a `--resume`d one
-continues from its own checkpoint with the identity key kept in `--out` (`peer.key`); a peer that
+continues from its own checkpoint with the identity key kept in `--out` (`peer.key`), first
+skipping ahead as below when the swarm is out of its reach; a peer that
 fell out of the others' reach (`catch_up_round`: `max(max_staleness, 1)` or more rounds behind
 `swarm_round` + 1, and no peer near that round waits for it) skips to `swarm_round` + 1, or they
 would never take its samples. Each peer
@@ -248,12 +249,15 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             return latest or 0
 
         def catch_up(next_round: int) -> int:
-            # Waited for: by a peer near the swarm's round during the round just run (peers as
-            # far behind as this one, waiting for each other, do not hold it back).
-            swarm = transport.swarm_round()
-            waited = swarm is not None and bool(
-                transport.waited_by(node.round_began, swarm - cfg.max_staleness - 1)
-            )
+            if node.ran_before is None:  # resumed, before its first round: ask the peers
+                swarm, waited = transport.latest_round(), False
+            else:
+                # Waited for: by a peer near the swarm's round during the round just run (peers
+                # as far behind as this one, waiting for each other, do not hold it back).
+                swarm = transport.swarm_round()
+                waited = swarm is not None and bool(
+                    transport.waited_by(node.round_began, swarm - cfg.max_staleness - 1)
+                )
             target = catch_up_round(swarm, next_round, cfg.max_staleness, waited)
             if target > next_round:
                 log.info(
