@@ -231,16 +231,22 @@ def test_a_peer_left_behind_skips_to_the_swarms_round(tmp_path, torch_kernels):
 
 def test_a_peer_resumed_far_behind_its_swarm_skips_before_its_first_round(tmp_path, torch_kernels):
     swarm, seen = MemorySwarm(), {}
-    first = _peer_cfg(tmp_path, "QmBack", rounds=2, collect_timeout_s=0.5)
+    opts = dict(collect_timeout_s=0.5, eval_every=4, eval_start=False)
+    first = _peer_cfg(tmp_path, "QmBack", rounds=2, **opts)
     assert _run_peers([("QmBack", first)], swarm, seen) == {"QmBack": 0}
     # Meanwhile the swarm went on: a compatible peer published rounds 0-9 (without samples).
     ahead = MemoryTransport(swarm, "QmAhead", seen["QmBack"].fingerprints)
     for r in range(10):
         ahead.publish(r, b"")
-    resumed = _peer_cfg(tmp_path, "QmBack", rounds=13, resume=True, collect_timeout_s=0.5)
+    resumed = _peer_cfg(tmp_path, "QmBack", rounds=13, resume=True, **opts)
     assert _run_peers([("QmBack", resumed)], swarm, seen) == {"QmBack": 0}
-    # Its checkpoint is of round 2; the swarm is at 9: it goes on at 10, not at 2.
-    assert [r["round"] for r in _rows(tmp_path / "QmBack")] == [0, 1, 10, 11, 12]
+    # Its checkpoint is of round 2; the swarm is at 9: it goes on at 10, not at 2, evaluating
+    # there in place of rounds 4 and 8, skipped; its start is recorded at round 10.
+    rows = _rows(tmp_path / "QmBack")
+    assert [r["round"] for r in rows] == [0, 1, 10, 11, 12]
+    assert [r["acc_id"] is not None for r in rows[2:]] == [True, False, True]
+    starts = json.loads((tmp_path / "QmBack" / "environment.json").read_text())
+    assert [e["first_round"] for e in starts] == [0, 10]
 
 
 def _taken_share(lag: float, max_staleness: int, skip: bool, jitter: float = 0.0):

@@ -566,25 +566,26 @@ class Node:
                 raise SystemExit(f"--resume: {exc}") from None
         self.build()
         start = self.start = self.prepare(join)
+        round_ = start
+        if advance is not None and cfg.resume and start < cfg.rounds:
+            # A resumed peer's checkpoint may be far behind its swarm: catch up before the first
+            # round, not after a round nobody takes.
+            round_ = min(max(start, advance(start)), cfg.rounds - 1)
+            if round_ > start:
+                self.ran_before = start - 1  # rounds from `start` on skipped (`evaluates`)
         bar = None
         if self.rank == 0:
             kept = [r for r in previous if r["round"] < start]
             write_run_config(self.out, to_dict(cfg))
             self.environment = environment(self.world)
-            record_environment(self.out, self.environment, start)
+            record_environment(self.out, self.environment, round_, resumed_at=start)
             start_metrics(metrics_path, kept)
             if cfg.sample_log:
                 start_sample_log(self.out / SAMPLE_LOG, start if cfg.resume else None)
             if cfg.progress:
-                bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=start)
+                bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=round_)
         skips_in_row = [0] * self.world
-        round_, saved = start, start
-        if advance is not None and cfg.resume and start < cfg.rounds:
-            # A resumed peer's checkpoint may be far behind its swarm: catch up before the first
-            # round, not after a round nobody takes.
-            round_ = min(max(start, advance(start)), cfg.rounds - 1)
-            if bar is not None and round_ > start:
-                bar.update(round_ - start)
+        saved = start
         while round_ < cfg.rounds:
             self.round_began = time.monotonic()
             self.transport.barrier(f"the start barrier of round {round_}")

@@ -12,7 +12,7 @@ yet (waiting at most `collect_timeout_s` for the live peers' samples of this rou
 checkpoint. No barrier: a peer that dies costs the others at most `collect_timeout_s` once. A
 fresh peer joins at the swarm's latest round (`latest_round`, after its warm-up), a `--resume`d one
 continues from its own checkpoint with the identity key kept in `--out` (`peer.key`), first
-skipping ahead as below when the swarm is out of its reach; a peer that
+skipping ahead when the swarm (`latest_round`) is out of its reach; a peer that
 fell out of the others' reach (`catch_up_round`: `max(max_staleness, 1)` or more rounds behind
 `swarm_round` + 1, and no peer near that round waits for it) skips to `swarm_round` + 1, or they
 would never take its samples. Each peer
@@ -93,7 +93,8 @@ class SwarmTransport(Transport, Protocol):
     visible_maddrs: list[str]
 
     def latest_round(self) -> Optional[int]:
-        """The highest round any live peer has published (None: no peer has)."""
+        """The round the live peers are at, asking them (the hivemind transport: the lower
+        median of their newest rounds; None: no peer has published one)."""
         ...
 
     def swarm_round(self) -> Optional[int]:

@@ -90,14 +90,19 @@ def describe(env: dict[str, Any]) -> str:
     )
 
 
-def record_environment(out: Path, env: dict[str, Any], first_round: int) -> None:
+def record_environment(
+    out: Path, env: dict[str, Any], first_round: int, resumed_at: Optional[int] = None
+) -> None:
     """Add `env` to `environment.json`, a list with one entry per start of the run (a fresh run,
-    then each --resume), each with the first round it ran."""
+    then each --resume), each with the first round it ran. The entries of starts at or after
+    `resumed_at` (default: `first_round`; a resumed swarm peer may skip ahead of its checkpoint)
+    are dropped: their rounds were rolled back."""
     path = out / ENVIRONMENT
     starts = []
-    if first_round > 0 and path.exists():
+    keep_before = first_round if resumed_at is None else resumed_at
+    if keep_before > 0 and path.exists():
         try:
-            starts = [e for e in json.loads(path.read_text()) if e["first_round"] < first_round]
+            starts = [e for e in json.loads(path.read_text()) if e["first_round"] < keep_before]
         except (ValueError, TypeError, KeyError):
             starts = []
     starts.append({"first_round": first_round, **env})
