@@ -6,7 +6,8 @@
 #   check.log     every step's output          summary.txt  step exit codes + the results table
 #   results.json  the benchmark's records       extras.tar   plots, results.md, junit XML
 #   tune.json     bench/tune_rows.py's records  profile.txt  bench/profile_ops.py's output
-#   chunks.json   bench/linear_chunks.py's records (the lm-head op's chunk size)
+#   chunks.json   bench/linear_chunks.py's records (the lm-head op's chunk size, both ways of
+#                 summing its weight gradient)
 #
 #   here, where PyPI is reachable (once):  bash bench/gpu_check.sh --fetch-wheels   -> .whl/
 #   on the GPU machine (no network):       bash bench/gpu_check.sh        (carry .whl)
@@ -108,7 +109,7 @@ else
   BENCH_DEFAULT=(--device cuda --impls ftis_loss,ftis_loss_3pass,ftis_loss_inplace,ftis_loss_filter,trl_eager,liger_triton,liger_triton_inplace,ftis_linear_loss,ftis_linear_loss_wacc,trl_fused)
   # The gradient-in-forward kernel's configurations only: the forward's and the backward's were
   # timed on the H200 before (bench/results/h200-2026-12-04-glue/tune.json).
-  TUNE_ARGS=(--device cuda --budget-s 60 --kernels grad); CHUNKS_LIMIT=60
+  TUNE_ARGS=(--device cuda --budget-s 60 --kernels grad); CHUNKS_LIMIT=75
   CHUNKS_ARGS=(--device cuda --hidden 1536 4096 --sizes 2048 4096)
   PROFILE_ARGS=(--device cuda --reps 10 --linear-reps 4)
 fi

@@ -1,11 +1,13 @@
 """`ftis_linear_loss`'s chunk size, timed: `python -m bench.linear_chunks --out c.json` (a GPU).
 
 Forward + backward of the benchmark's linear case (`bench/workload.py`: B * T tokens in samples of
-1024, bf16, the TIS options) at each hidden size and each chunk size, in one process: the median
-time (CUDA events) and the peak memory above the inputs, beside the matmul roofline of the three
-GEMMs the op does (6 N H V flops at the bf16 rate measured in the same run). The default chunk
-(`chunks.auto_chunk_size`) is marked. On CPU (`--device cpu`) it checks the mechanics on a tiny
-shape; its times mean nothing.
+1024, bf16, the TIS options) at each hidden size, each chunk size and each way of summing the
+weight gradient over the chunks (`grad_weight_accumulation`: "fp32", the default, re-reads and
+re-writes a (V, H) fp32 accumulator per chunk; "weight" sums in the weight's dtype, half those
+bytes and no accumulator), in one process: the median time (CUDA events) and the peak memory above
+the inputs, beside the matmul roofline of the three GEMMs the op does (6 N H V flops at the bf16
+rate measured in the same run). The default chunk (`chunks.auto_chunk_size`) is marked. On CPU
+(`--device cpu`) it checks the mechanics on a tiny shape; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from bench.workload import TIS_OPTIONS, Case, make_inputs
 from ftis_kernels import chunks, ftis_linear_loss
 
 
-def sweep(tokens: int, V: int, H: int, sizes: list[int], device: torch.device, reps: int):
+def sweep(
+    tokens: int,
+    V: int,
+    H: int,
+    sizes: list[int],
+    device: torch.device,
+    reps: int,
+    accumulations: tuple[str, ...] = ("fp32",),
+):
     T = min(1024, tokens)
     case = Case("linear", tokens // T, T, V, "bfloat16", H=H)
     inputs = make_inputs(case, device)
@@ -31,10 +41,17 @@ def sweep(tokens: int, V: int, H: int, sizes: list[int], device: torch.device, r
     rows = [inputs[k] for k in ("tokens", "gen_logprobs", "advantages", "mask")]
     auto = chunks.auto_chunk_size(V, T)
     records = []
-    for size in [None, *sizes]:
+    for accumulation, size in [(a, s) for a in accumulations for s in [None, *sizes]]:
 
-        def step(size=size):
-            loss, _ = ftis_linear_loss(h, w, *rows, chunk_size=size, **TIS_OPTIONS)
+        def step(size=size, accumulation=accumulation):
+            loss, _ = ftis_linear_loss(
+                h,
+                w,
+                *rows,
+                chunk_size=size,
+                grad_weight_accumulation=accumulation,
+                **TIS_OPTIONS,
+            )
             torch.autograd.grad(loss, (h, w))
 
         ms = median_ms(step, device, reps, warmup=2)
@@ -52,6 +69,7 @@ def sweep(tokens: int, V: int, H: int, sizes: list[int], device: torch.device, r
             H=H,
             chunk_size=size or auto,
             default=size is None,
+            grad_weight_accumulation=accumulation,
             ms=ms,
             peak_extra_bytes=peak,
             logits_bf16_bytes=tokens * V * 2,
@@ -59,7 +77,8 @@ def sweep(tokens: int, V: int, H: int, sizes: list[int], device: torch.device, r
         records.append(rec)
         print(
             f"{tokens}x{V} H{H} chunk {rec['chunk_size']}{' (default)' if size is None else ''}"
-            f": {ms:.2f} ms, peak {'' if peak is None else f'{peak / 2**20:.0f} MiB'}",
+            f", weight gradient summed in {accumulation}: {ms:.2f} ms,"
+            f" peak {'' if peak is None else f'{peak / 2**20:.0f} MiB'}",
             flush=True,
         )
     return records
@@ -72,6 +91,13 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, nargs="+", default=[1536, 4096])
     ap.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument(
+        "--accumulation",
+        nargs="+",
+        choices=("fp32", "weight"),
+        default=["fp32", "weight"],
+        help="grad_weight_accumulation values to time (default: both)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -80,7 +106,9 @@ def main(argv=None) -> None:
     rate = measure.matmul_rate(device, torch.bfloat16)["TFLOPs"] if device.type == "cuda" else None
     records = []
     for H in args.hidden:
-        for rec in sweep(args.tokens, args.vocab, H, args.sizes, device, args.reps):
+        for rec in sweep(
+            args.tokens, args.vocab, H, args.sizes, device, args.reps, tuple(args.accumulation)
+        ):
             if rate:
                 rec["matmul_roofline_ms"] = 6 * rec["tokens"] * H * rec["V"] / rate / 1e9
                 rec["of_roofline"] = rec["matmul_roofline_ms"] / rec["ms"]

@@ -11,6 +11,10 @@ recorded (the kernel, each argument, the constexprs and num_warps), and a subpro
 interpreter compiles each distinct launch for sm_90 with the specialisation Triton's own binder
 gives it (`bench/sm90.py`), and each again with its sizes and strides past 2^31. Nothing here
 names a kernel: a new kernel, or a new argument of one, is covered as soon as an op launches it.
+
+SM90_PYTHON=/path/to/python compiles with that interpreter's Triton instead (the launches are still
+recorded with this one's): a virtual environment with the GPU machine's Triton checks, before a GPU
+is at hand, that the kernels compile there too.
 """
 
 from __future__ import annotations
@@ -136,7 +140,10 @@ def _sm90(launches: list[dict], tmp_path, *flags: str) -> tuple[subprocess.Compl
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-m", "bench.sm90", str(path), *flags, "--report", str(report_path)],
+        [
+            os.environ.get("SM90_PYTHON", sys.executable),
+            *("-m", "bench.sm90", str(path), *flags, "--report", str(report_path)),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
