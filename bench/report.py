@@ -1,4 +1,9 @@
-"""Markdown tables from a results.json: `python -m bench.report DIR/results.json`."""
+"""Markdown tables from a results.json: `python -m bench.report DIR/results.json`.
+
+After the tables, the speed and memory targets the library is held to on a GPU (`TARGETS`), each
+read from the same run's records: the measured ratio, the bound, met or not. A target whose
+records the run lacks (another device, a subset of implementations) says "not measured".
+"""
 
 from __future__ import annotations
 
@@ -39,6 +44,92 @@ def _ratio(r: dict, base: dict, key) -> str:
         return ""
     a, b = key(r), key(base)
     return f"{a / b:.2f}x" if b else ""
+
+
+# (family, case label, implementation, what is compared, bound). What is compared, all fwd+bwd
+# unless named: "/ IMPL" the time's ratio to IMPL's on the same case (at most the bound),
+# "roofline" the fraction of the roofline reached (at least the bound), "peak / logits" the extra
+# peak memory over the bf16 logits' size (at most), "fwd roofline" the forward's fraction.
+TARGETS = (
+    ("logits", "16kx151936 bf16", "ftis_loss", "/ liger_triton", 0.95),
+    ("logits", "16kx151936 bf16", "ftis_loss", "roofline", 0.85),
+    ("logits", "16kx151936 bf16", "ftis_loss_filter", "/ liger_triton", 0.95),
+    ("logits", "16kx151936 bf16", "ftis_loss_filter", "roofline", 0.85),
+    ("logits", "16kx151936 bf16", "ftis_loss_inplace", "/ liger_triton_inplace", 1.0),
+    ("logits", "16kx151936 bf16", "ftis_loss", "fwd roofline", 0.9),
+    ("logits", "1kx151936 bf16", "ftis_loss", "/ liger_triton", 1.2),
+    ("logits", "1kx151936 bf16", "ftis_loss_filter", "/ liger_triton", 1.2),
+    ("logits", "16kx151936 fp32", "ftis_loss", "/ liger_triton", 0.95),
+    ("logits", "16kx151936 fp32", "ftis_loss", "roofline", 0.85),
+    ("logits", "16kx151936 fp32", "ftis_loss_inplace", "/ liger_triton_inplace", 1.0),
+    *(
+        target
+        for label in ("16kx151936 bf16 H1536", "16kx151936 bf16 H4096")
+        for impl in ("ftis_linear_loss", "ftis_linear_loss_wacc")
+        for target in (
+            ("linear", label, impl, "roofline", 0.8),
+            ("linear", label, impl, "/ trl_fused", 1.0),
+            ("linear", label, impl, "/ ftis_loss", 1.0),
+            ("linear", label, impl, "peak / logits", 0.3),
+        )
+    ),
+)
+
+
+def _target_value(by: dict, family: str, label: str, impl: str, what: str):
+    """(measured value, baseline's name or None) of one target, or (None, why not)."""
+    mode = "fwd" if what == "fwd roofline" else "fwd+bwd"
+    r = by.get((family, label, impl), {}).get(mode)
+    if r is None or r["status"] != "ok":
+        return None, f"{impl} {mode} {'not run' if r is None else r['status']}"
+    if what.startswith("/ "):
+        other = what[2:]
+        b = by.get((family, label, other), {}).get("fwd+bwd")
+        if b is None or b["status"] != "ok":
+            return None, f"{other} {'not run' if b is None else b['status']}"
+        return r["time_ms"]["median"] / b["time_ms"]["median"], None
+    if what in ("roofline", "fwd roofline"):
+        return r.get("roofline_fraction"), None
+    if what == "peak / logits":
+        return r["peak_extra_bytes"] / r["logits_bytes"], None
+    raise ValueError(f"unknown target measure {what!r}")
+
+
+def targets(results: dict) -> str:
+    """The `TARGETS` table: each target's measured value, bound and verdict."""
+    by: dict = defaultdict(dict)
+    for r in results["records"]:
+        by[(r["case"]["family"], r["case"]["label"], r["impl"])][r["mode"]] = r
+    if not {(f, label) for f, label, *_ in TARGETS} & {(f, label) for f, label, _ in by}:
+        return "No target's case in this run: the targets are GPU shapes (`report.TARGETS`).\n"
+    lines = [
+        "### Targets (this run's records)",
+        "",
+        "| case | implementation | measure | value | bound | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    met = total = 0
+    for family, label, impl, what, bound in TARGETS:
+        value, why = _target_value(by, family, label, impl, what)
+        at_least = what in ("roofline", "fwd roofline")
+        bound_shown = f">= {100 * bound:.0f}%" if at_least else f"<= {bound:.2f}"
+        if value is None:
+            lines.append(f"| {label} | {impl} | {what} | not measured ({why}) | {bound_shown} | |")
+            continue
+        ok = value >= bound if at_least else value <= bound
+        met, total = met + ok, total + 1
+        shown = f"{100 * value:.1f}%" if at_least else f"{value:.3f}"
+        lines.append(
+            f"| {label} | {impl} | {what} | {shown} | {bound_shown} | {'yes' if ok else '**no**'} |"
+        )
+    lines += [
+        "",
+        f"Met {met} of the {total} targets measured ({len(TARGETS)} in all). In the linear "
+        "family `ftis_loss` is the materialised path (`hidden @ weight.T`, then `ftis_loss`); "
+        "`roofline` there is the three GEMMs' at the matmul rate measured in the run.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def markdown(results: dict) -> str:
@@ -115,4 +206,5 @@ def markdown(results: dict) -> str:
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        print(markdown(json.load(f)))
+        results = json.load(f)
+    print(markdown(results) + "\n" + targets(results))

@@ -1,11 +1,11 @@
 """Run the benchmark: `python -m bench.run --device cuda|cpu --out DIR`.
 
 Writes DIR/results.json (every record with its device, versions, commit and date), DIR/results.md
-(the tables) and DIR/<family>.png (drawn from the JSON by `bench.plot`). For each case x
-implementation x {fwd, fwd+bwd}: warm-up, one call for the peak memory, then timed repetitions,
-and the loss against the eager reference in fp32 (the implementations do the same work, or the
-comparison means nothing). The roofline ceilings (copy bandwidth, matmul rates) are measured at
-the start of the same run.
+(the tables, then the targets the run measured: `bench.report.targets`) and DIR/<family>.png
+(drawn from the JSON by `bench.plot`). For each case x implementation x {fwd, fwd+bwd}: warm-up,
+one call for the peak memory, then timed repetitions, and the loss against the eager reference in
+fp32 (the implementations do the same work, or the comparison means nothing). The roofline
+ceilings (copy bandwidth, matmul rates) are measured at the start of the same run.
 
 On CUDA everything runs in this process. On CPU each measurement runs in a fresh subprocess
 (`--worker`), which is what makes the resident-set peak honest (see `bench.measure`): the timed
@@ -306,7 +306,7 @@ def run(args) -> dict:
     results = save()
     from bench import plot, report
 
-    (out / "results.md").write_text(report.markdown(results))
+    (out / "results.md").write_text(report.markdown(results) + "\n" + report.targets(results))
     plot.plot_all(results, out)
     return results
 

@@ -473,3 +473,39 @@ def test_warm_up_advances_the_progress_bar_step_by_step_and_on_a_cache_hit(tmp_p
         assert ("loss" if attempt == "fresh" else "warm-up cache") in bar.postfix
         bar.close()
         assert "warm-up of node 0 (tiny-full)" in seen.getvalue()
+
+
+_FIRST_REGION = """
+import sys, torch
+from ftis_kernels.grpo.process import set_threads
+if sys.argv[1] == "set_threads":
+    set_threads(2)
+else:
+    torch.set_num_threads(2)
+x = torch.randn(21, 1000, generator=torch.Generator().manual_seed(0)) * 2
+a = x.exp()  # the second half on the second thread
+torch.set_num_threads(1)
+print(int(torch.equal(a, x.exp())))
+"""
+
+
+def test_a_nodes_threads_compute_exp_as_one_thread_does_from_its_first_region():
+    """The driver sets its threads with `set_threads`, so that its first parallel region is not
+    one its results depend on: there the second thread's `exp` was sometimes up to 1.5e-4 off
+    (`set_threads`' docstring). Ten fresh processes, each an exact match to one thread's result;
+    without the throwaway region (`plain` for `set_threads` below) 3 of 20 processes differed on
+    this 2-core machine, so a regression fails here about four times in five."""
+    import subprocess
+    import sys
+
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _FIRST_REGION, "set_threads"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for _ in range(10)
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert [r.stdout.split()[-1] for r in runs] == ["1"] * 10

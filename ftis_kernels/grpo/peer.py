@@ -45,6 +45,7 @@ from ftis_kernels.grpo.process import (
     START_ENV,
     STOP_SIGNALS,
     die_with_parent,
+    set_threads,
     threads_per_node,
 )
 from ftis_kernels.grpo.run_folder import OutLock, check_out, make_out
@@ -213,7 +214,7 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
         lock.release()
         raise
     try:
-        torch.set_num_threads(threads_per_node(cfg.threads, 1))
+        set_threads(threads_per_node(cfg.threads, 1))
         checkpoint.write_json_atomic(
             out / PEER_FILE,
             {"peer_id": transport.peer_id, "maddrs": list(transport.visible_maddrs)},

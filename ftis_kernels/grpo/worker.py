@@ -36,6 +36,7 @@ from ftis_kernels.grpo.process import (
     STOP_SIGNALS,
     leave,
     report_exit,
+    set_threads,
     setup_logging,
     threads_per_node,
 )
@@ -98,7 +99,7 @@ def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
     stop_on_signals(rank)
     watch_parent(rank)
     cfg.validate(world)
-    torch.set_num_threads(threads_per_node(cfg.threads, local_world))
+    set_threads(threads_per_node(cfg.threads, local_world))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
