@@ -3,7 +3,8 @@
 # kernels' test files (compiled kernels, no interpreter; in parallel with pytest-xdist where it is
 # installed), the row kernels' meta-parameters timed, the ops' profile, then the benchmark, inside
 # a time budget (default 540 s: a run fits in 10 minutes of device time), everything to $OUT:
-#   check.log     every step's output          summary.txt  step exit codes + the results table
+#   check.log     every step's output          summary.txt  step exit codes, the results and
+#                                                            targets tables (bench.report)
 #   results.json  the benchmark's records       extras.tar   plots, results.md, junit XML
 #   tune.json     bench/tune_rows.py's records  profile.txt  bench/profile_ops.py's output
 #   chunks.json   bench/linear_chunks.py's records (the lm-head op's chunk size, both ways of

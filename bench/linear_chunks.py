@@ -76,7 +76,8 @@ def sweep(
         )
         records.append(rec)
         print(
-            f"{tokens}x{V} H{H} chunk {rec['chunk_size']}{' (default)' if size is None else ''}"
+            f"{tokens}x{V} H{H} chunk {rec['chunk_size']}"
+            f"{' (default chunk)' if size is None else ''}"
             f", weight gradient summed in {accumulation}: {ms:.2f} ms,"
             f" peak {'' if peak is None else f'{peak / 2**20:.0f} MiB'}",
             flush=True,

@@ -61,6 +61,8 @@ TARGETS = (
     ("logits", "1kx151936 bf16", "ftis_loss_filter", "/ liger_triton", 1.2),
     ("logits", "16kx151936 fp32", "ftis_loss", "/ liger_triton", 0.95),
     ("logits", "16kx151936 fp32", "ftis_loss", "roofline", 0.85),
+    ("logits", "16kx151936 fp32", "ftis_loss_filter", "/ liger_triton", 0.95),
+    ("logits", "16kx151936 fp32", "ftis_loss_filter", "roofline", 0.85),
     ("logits", "16kx151936 fp32", "ftis_loss_inplace", "/ liger_triton_inplace", 1.0),
     *(
         target
@@ -77,7 +79,7 @@ TARGETS = (
 
 
 def _target_value(by: dict, family: str, label: str, impl: str, what: str):
-    """(measured value, baseline's name or None) of one target, or (None, why not)."""
+    """(the measured value, None), or (None, why it was not measured)."""
     mode = "fwd" if what == "fwd roofline" else "fwd+bwd"
     r = by.get((family, label, impl), {}).get(mode)
     if r is None or r["status"] != "ok":
@@ -89,9 +91,11 @@ def _target_value(by: dict, family: str, label: str, impl: str, what: str):
             return None, f"{other} {'not run' if b is None else b['status']}"
         return r["time_ms"]["median"] / b["time_ms"]["median"], None
     if what in ("roofline", "fwd roofline"):
-        return r.get("roofline_fraction"), None
+        frac = r.get("roofline_fraction")
+        return (frac, None) if frac is not None else (None, "no roofline in the record")
     if what == "peak / logits":
-        return r["peak_extra_bytes"] / r["logits_bytes"], None
+        over = r.get("peak_over_logits")
+        return (over, None) if over is not None else (None, "no peak in the record")
     raise ValueError(f"unknown target measure {what!r}")
 
 

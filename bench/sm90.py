@@ -146,9 +146,9 @@ def beyond_int32(fn: JITFunction, args: list, kwargs: dict) -> tuple[list, dict]
 def compile_launches(launches: list[dict]) -> dict:
     """Compile each distinct specialisation of the launches, and each again with its int
     arguments past 2^31 (`beyond_int32`). Returns {"compiled": [...], "failed": [...],
-    "classes": {kernel: sorted specialisation classes seen}}."""
+    "classes": {kernel: sorted specialisation classes seen}, "triton": the compiler's version}."""
     seen: set = set()
-    report: dict = {"compiled": [], "failed": [], "classes": {}}
+    report: dict = {"compiled": [], "failed": [], "classes": {}, "triton": triton.__version__}
     for launch in launches:
         fn = _kernel(launch["kernel"])
         args = [_value(a) for a in launch["args"]]

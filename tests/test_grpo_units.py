@@ -491,16 +491,24 @@ print(int(torch.equal(a, x.exp())))
 
 def test_a_nodes_threads_compute_exp_as_one_thread_does_from_its_first_region():
     """The driver sets its threads with `set_threads`, so that its first parallel region is not
-    one its results depend on: there the second thread's `exp` was sometimes up to 1.5e-4 off
-    (`set_threads`' docstring). Ten fresh processes, each an exact match to one thread's result;
-    without the throwaway region (`plain` for `set_threads` below) 3 of 20 processes differed on
-    this 2-core machine, so a regression fails here about four times in five."""
+    one its results depend on: on a torch build with MKL, the second thread's `exp` there was
+    sometimes up to 1.5e-4 off (`set_threads`' docstring). Ten fresh processes, each an exact
+    match to one thread's result. Run with `plain` instead of `set_threads`, the script differed
+    in 3 of 20 processes on this 2-core machine (2 to 6 of 30 in other runs), so a regression
+    fails here one time in two or more; on a build without the race it cannot fail."""
+    import os
     import subprocess
     import sys
 
+    from tests.test_grpo_run import ROOT
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     runs = [
         subprocess.run(
             [sys.executable, "-c", _FIRST_REGION, "set_threads"],
+            cwd=ROOT,
+            env=env,
             capture_output=True,
             text=True,
             timeout=120,

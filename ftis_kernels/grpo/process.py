@@ -58,13 +58,16 @@ def set_threads(threads: int) -> None:
     """Sets torch's intra-op threads for this process, and starts them before any result depends
     on them.
 
-    A fresh process's first parallel region can compute `exp` on the worker threads it starts
-    less accurately than every later region does. Measured with torch 2.13.0+cpu (an MKL build)
-    on 2 threads: in 2-6 of 30 fresh processes, the half of a (21, 1000) `x.exp()` that the second
-    thread took was up to 1.5e-4 off (relative), and a log-sum-exp over it 3e-5; after any earlier
-    parallel region, 30 of 30 were exact. A run that must be bit-identical when rerun (the
-    driver's studies) therefore runs one throwaway region first, large enough to be split over
-    every thread (torch's grain is 32,768 elements)."""
+    A fresh process's first parallel region can compute on the worker threads it starts less
+    accurately than every later region does. Measured with torch 2.13.0+cpu (an MKL build, which
+    hands float32 `exp` and `log` to MKL's vector library) on 2 threads, in fresh processes whose
+    first parallel region was a (21, 1000) `exp`: the half the second thread took was up to
+    1.5e-4 off (relative) in 2 to 6 of 30 processes, a log-sum-exp over it 3e-5; `log` in the
+    first region, 1 of 24 processes off. After one parallel `exp` region, 30 of 30 `exp` and 24
+    of 24 `log` were exact. A run that must be bit-identical when rerun (the driver's studies)
+    therefore runs such a region first and drops its result: 65,536 elements a thread, enough
+    for torch to split it over every thread (it splits `exp` by 2,048 elements, `sum` by
+    32,768)."""
     import torch
 
     torch.set_num_threads(threads)
