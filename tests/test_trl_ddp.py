@@ -67,14 +67,21 @@ def _trainer(model_dir: str, out: str, world: int, **engine):
     )
 
 
-def _close_process_group() -> None:
-    """Destroys the process group before the worker exits: left to the interpreter's exit, gloo's
-    threads were once torn down mid-flight ("terminate called without an active exception",
-    SIGABRT on one rank after its results were written)."""
+def _leave() -> None:
+    """Ends a worker once its results are written and every rank has them: destroys the process
+    group, then exits at once, before the worker's locals are freed. Left to the interpreter,
+    gloo's teardown hung or crashed after the work was done: once "terminate called without an
+    active exception" (SIGABRT on one rank); once a rank hung until the 300 s timeout, its main
+    thread holding the GIL while freeing the DDP model (its reducer held the group's last
+    reference, whose destructor joins gloo's threads) and gloo's thread waiting for the GIL to
+    free a finished all-gather's tensor."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _local_batch(trainer, world: int) -> dict:
@@ -104,7 +111,7 @@ def _worker(model_dir: str, out: str) -> None:
     if accelerator.is_main_process:
         torch.save({"loss": losses.mean(), "weights": updated}, out)
     accelerator.wait_for_everyone()
-    _close_process_group()
+    _leave()
 
 
 def _launch(P: int, model_dir: str, out: str) -> dict:
@@ -142,9 +149,4 @@ def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
-    # The results are written and the group destroyed: leave without the interpreter's teardown,
-    # where a rank once hung (CI, 300 s) on a native thread after its work was done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _worker(sys.argv[1], sys.argv[2])  # exits through _leave

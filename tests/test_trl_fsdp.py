@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_trl_ddp import LR, _close_process_group, _local_batch, _trainer
+from tests.test_trl_ddp import LR, _leave, _local_batch, _trainer
 
 SHARDED_MODES = ("fsdp2", "fsdp2-accelerate", "zero3")
 MODES = (*SHARDED_MODES, "zero2")  # ZeRO-2 keeps whole parameters and partitions the gradients
@@ -144,7 +144,7 @@ def _worker(mode: str, model_dir: str, out: str) -> None:
     if accelerator.is_main_process:
         torch.save(result, out)
     accelerator.wait_for_everyone()
-    _close_process_group()
+    _leave()
 
 
 def _launch(mode: str, model_dir: str, out: str) -> dict:
@@ -264,9 +264,4 @@ def test_a_lora_lm_head_under_zero3_is_refused_naming_ftis_op():
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:4])
-    # The results are written and the group destroyed: leave without the interpreter's teardown,
-    # where a rank once hung (CI, 300 s) on a native thread after its work was done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _worker(*sys.argv[1:4])  # exits through _leave
