@@ -51,28 +51,30 @@ def _ratio(r: dict, base: dict, key) -> str:
 # "roofline" the fraction of the roofline reached (at least the bound), "peak / logits" the extra
 # peak memory over the bf16 logits' size (at most), "fwd roofline" the forward's fraction.
 TARGETS = (
-    ("logits", "16kx151936 bf16", "ftis_loss", "/ liger_triton", 0.95),
-    ("logits", "16kx151936 bf16", "ftis_loss", "roofline", 0.85),
-    ("logits", "16kx151936 bf16", "ftis_loss_filter", "/ liger_triton", 0.95),
-    ("logits", "16kx151936 bf16", "ftis_loss_filter", "roofline", 0.85),
-    ("logits", "16kx151936 bf16", "ftis_loss_inplace", "/ liger_triton_inplace", 1.0),
-    ("logits", "16kx151936 bf16", "ftis_loss", "fwd roofline", 0.9),
-    ("logits", "1kx151936 bf16", "ftis_loss", "/ liger_triton", 1.2),
-    ("logits", "1kx151936 bf16", "ftis_loss_filter", "/ liger_triton", 1.2),
-    ("logits", "16kx151936 fp32", "ftis_loss", "/ liger_triton", 0.95),
-    ("logits", "16kx151936 fp32", "ftis_loss", "roofline", 0.85),
-    ("logits", "16kx151936 fp32", "ftis_loss_filter", "/ liger_triton", 0.95),
-    ("logits", "16kx151936 fp32", "ftis_loss_filter", "roofline", 0.85),
-    ("logits", "16kx151936 fp32", "ftis_loss_inplace", "/ liger_triton_inplace", 1.0),
     *(
-        target
+        ("logits", label, impl, what, bound)
+        for label in ("16kx151936 bf16", "16kx151936 fp32")
+        for impl in ("ftis_loss", "ftis_loss_filter")
+        for what, bound in (("/ liger_triton", 0.95), ("roofline", 0.85))
+    ),
+    *(
+        ("logits", label, "ftis_loss_inplace", "/ liger_triton_inplace", 1.0)
+        for label in ("16kx151936 bf16", "16kx151936 fp32")
+    ),
+    ("logits", "16kx151936 bf16", "ftis_loss", "fwd roofline", 0.9),
+    *(
+        ("logits", "1kx151936 bf16", impl, "/ liger_triton", 1.2)
+        for impl in ("ftis_loss", "ftis_loss_filter")
+    ),
+    *(
+        ("linear", label, impl, what, bound)
         for label in ("16kx151936 bf16 H1536", "16kx151936 bf16 H4096")
         for impl in ("ftis_linear_loss", "ftis_linear_loss_wacc")
-        for target in (
-            ("linear", label, impl, "roofline", 0.8),
-            ("linear", label, impl, "/ trl_fused", 1.0),
-            ("linear", label, impl, "/ ftis_loss", 1.0),
-            ("linear", label, impl, "peak / logits", 0.3),
+        for what, bound in (
+            ("roofline", 0.8),
+            ("/ trl_fused", 1.0),
+            ("/ ftis_loss", 1.0),
+            ("peak / logits", 0.3),
         )
     ),
 )
