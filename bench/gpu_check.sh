@@ -102,6 +102,7 @@ if [[ "$MODE" == cpu ]]; then
   CHUNKS_ARGS=(--device cpu --tokens 256 --vocab 2000 --hidden 64 --sizes 128 --reps 1)
   PROFILE_ARGS=(--device cpu --tokens 64 --vocab 1000 --hidden 64 --linear-tokens 64 --reps 2
                 --linear-reps 1)
+  HOST_ARGS=(--device cpu --rounds 2 --reps 5)
 else
   CUDA_LIMIT=80; KERNEL_LIMIT=140; TUNE_LIMIT=80; PROFILE_LIMIT=50
   # The library and its peers on the same work; the references (eager and compiled PyTorch,
@@ -113,6 +114,7 @@ else
   TUNE_ARGS=(--device cuda --budget-s 60 --kernels grad); CHUNKS_LIMIT=75
   CHUNKS_ARGS=(--device cuda --hidden 1536 4096 --sizes 2048 4096)
   PROFILE_ARGS=(--device cuda --reps 10 --linear-reps 4)
+  HOST_ARGS=(--device cuda --rounds 5 --reps 20)
 fi
 
 # The test files of the kernels and of what runs them on the GPU (compile, sharding): all their
@@ -156,6 +158,8 @@ fi
   "${CHUNKS_ARGS[@]}" --out "$OUT/chunks.json"
 step profile "$PROFILE_LIMIT" bash -c '"$0" -m bench.profile_ops "${@}" > "$OUT/profile.txt" 2>&1;
   rc=$?; cat "$OUT/profile.txt"; exit $rc' "$PY" "${PROFILE_ARGS[@]}"
+# The host's time a call beside the device's, ours and Liger's, at 1k tokens (bench/host_time.py).
+step host 60 "$PY" -m bench.host_time "${HOST_ARGS[@]}" --json "$OUT/host.json"
 
 # 6. The benchmark, in what is left (it writes results.json after every record, so a timeout
 #    still leaves the measured part). Its linear cases time ftis_linear_loss beside TRL 1.16's

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -595,23 +594,14 @@ def test_cpp_forward_rows_give_the_plain_functions_statistics(dtype):
     assert cpu_rows.fwd_rows(x, scale, False)[2] is None
 
 
-def test_host_time_reports_the_ops_python_alone():
+def test_host_time_reports_host_time_and_launches_beside_liger(tmp_path):
     """bench.host_time stubs the kernels' launches (in its own process: it patches Triton's
-    interpreter) and reports positive fwd+bwd and forward host times."""
+    interpreter) and reports each implementation's host time, its launches and host reads, and
+    its ratio to Liger's when Liger is installed."""
+    path = tmp_path / "host.json"
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.host_time",
-            "--B",
-            "2",
-            "--T",
-            "8",
-            "--V",
-            "50",
-            "--reps",
-            "5",
-        ],
+        [sys.executable, "-m", "bench.host_time", "--B", "2", "--T", "8", "--V", "50"]
+        + ["--rounds", "1", "--reps", "2", "--json", str(path)],
         cwd=measure.REPO,
         env=_child_env(),
         capture_output=True,
@@ -619,6 +609,18 @@ def test_host_time_reports_the_ops_python_alone():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    line = out.stdout.strip().splitlines()[-1]
-    times = [float(x) for x in re.findall(r"([0-9.]+) ms", line)]
-    assert len(times) == 2 and all(t > 0 for t in times), line
+    records = {(r["impl"], r["mode"]): r for r in json.loads(path.read_text())}
+    ours = records["ftis_loss", "fwd+bwd"]
+    assert ours["host_ms"] > 0 and ours["calls"] == 2
+    # The default: 4 Triton launches in the forward, 1 in the backward, the value check read once
+    # (the stub writes a record with no fault); the caller's incoming gradient is the 6th kernel.
+    assert (ours["triton_launches"], ours["kernels"], ours["host_reads"]) == (5, 6, 1)
+    assert records["ftis_loss", "fwd"]["host_reads"] == 0
+    assert records["ftis_loss_3pass", "fwd+bwd"]["triton_launches"] == 4
+    assert "skipped" in records["ftis_loss_inplace", "fwd"]
+    liger = records["liger_triton", "fwd+bwd"]
+    if liger_version() is None:
+        assert "skipped" in liger and ours["ratio"] is None
+    else:
+        assert liger["triton_launches"] == 2
+        assert ours["ratio"] == pytest.approx(ours["host_ms"] / liger["host_ms"])

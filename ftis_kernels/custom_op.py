@@ -6,7 +6,9 @@ graph-breaking on Triton launches and data-dependent Python. The public op resol
 `FTISOptions` (validated once, on construction); a custom op's schema takes tensors and plain
 scalars only, so `ForwardSignature.flatten` unpacks it, in `OPTION_NAMES` order, in the call of
 the op, and `ForwardSignature.bind` puts it back together once inside (`ForwardInputs.opt`)
-without validating it again. Nothing in between reads the options or derives them anew.
+without validating it again. Nothing in between reads the options or derives them anew. Eager
+calls skip both (`ForwardSignature.inputs` binds the public op's values directly, "eager
+calls" below).
 
 What is here, in the order a call meets it:
 - the prologue of the public ops: a packed input given as (N, D), the row tensors' checks
@@ -218,6 +220,14 @@ class ForwardSignature:
         o1 = o0 + len(OPTION_NAMES)
         return names, slice(r0, o0), slice(o0, o1), names[:r0] + names[o1:]
 
+    def inputs(
+        self, leading: tuple, rows: Rows, opt: FTISOptions, packing: tuple, trailing: tuple
+    ) -> ForwardInputs:
+        """The inputs `flatten` would pass, already bound as `bind` would give them back: what
+        an eager call hands its autograd.Function (`eager_function`), nothing unpacked."""
+        rest = self._layout[3]
+        return ForwardInputs(rows, opt, dict(zip(rest, (*leading, *packing, *trailing))))
+
     def bind(self, inputs: tuple) -> ForwardInputs:
         """The op's inputs as the fake implementation, the real one and setup_context receive them
         (positionally), put back together: the rows and the options once, the rest by name."""
@@ -372,6 +382,12 @@ def fake_forward_outputs(
     )
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """t out of the graph: itself when nothing records its gradient (an eager call's outputs
+    other than the loss, marked non-differentiable), else `t.detach()` (the custom op's)."""
+    return t.detach() if t.requires_grad else t
+
+
 def public_metrics(
     outputs: tuple, flat: Optional[int] = None, value_check: str = "backward"
 ) -> dict[str, torch.Tensor]:
@@ -380,9 +396,9 @@ def public_metrics(
     metrics are views of one vector: no kernel runs here. With value_check="deferred", the
     value-check record too, as "value_faults" (`ftis_kernels.raise_on_bad_values` reads it)."""
     named = dict(zip(OUTPUT_NAMES, outputs))
-    metrics = {name: named[name].detach() for name in (*PER_TOKEN_METRICS, *PER_SAMPLE_METRICS)}
-    scalars = named["scalars"].detach()
-    metrics.update({name: scalars[i] for i, name in enumerate(SCALAR_METRICS)})
+    metrics = {name: _detached(named[name]) for name in (*PER_TOKEN_METRICS, *PER_SAMPLE_METRICS)}
+    # One call for the views of the scalar metrics (not one indexing each).
+    metrics.update(zip(SCALAR_METRICS, _detached(named["scalars"]).unbind(0)))
     for name in PER_TOKEN_METRICS if flat is not None else ():
         metrics[name] = metrics[name].reshape(flat)
     if value_check == "deferred":
@@ -395,8 +411,10 @@ def public_metrics(
 # schema's defaults argument by argument, each lookup rebuilding the argument list (quadratic in
 # the ~45 parameters of a forward op: about 0.8 ms a call, profiled with cProfile on the CPU and
 # seen as the forward's CPU time in torch.profiler on an H200). Eager calls on plain tensors
-# take an autograd.Function running the same implementation, setup_context and backward; calls
-# being traced (torch.compile, export) or on tensor subclasses (FakeTensor, DTensor) take the op.
+# take an autograd.Function running the same implementation, setup and backward; calls being
+# traced (torch.compile, export) or on tensor subclasses (FakeTensor, DTensor) take the op. The
+# Function takes the op's differentiable tensors and the bound inputs (`ForwardSignature.inputs`):
+# nothing is flattened into ~45 arguments and bound again, and autograd sees a few inputs.
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -409,20 +427,34 @@ def traced(*tensors: Optional[torch.Tensor]) -> bool:
     return any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors)
 
 
-def eager_function(name: str, forward_impl, setup_context, backward) -> type:
-    """An autograd.Function doing what a forward custom op registered with `forward_impl`,
-    `setup_context` and `backward` does, the outputs after the first (the loss) non-differentiable;
-    its ctx.eager is True, so that the backward calls its own ops' implementations directly
+def register_autograd(op, signature: ForwardSignature, setup, backward) -> None:
+    """The custom op's autograd: `setup(ctx, args, n_inputs, output)` on its bound inputs, then
+    `backward(ctx, grad_loss, *_)` returning one gradient per input."""
+
+    def setup_context(ctx, inputs, output):
+        setup(ctx, signature.bind(inputs), len(inputs), output)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+def eager_function(name: str, forward, setup, backward) -> type:
+    """An autograd.Function doing what a forward custom op does, called as
+    `apply(*tensors, args)`: `tensors` the ones gradients flow to (the logits; hidden, weight,
+    bias), `args` the bound inputs (`ForwardSignature.inputs`, holding those tensors too).
+    `forward(args)` gives the op's outputs, `setup(ctx, args, n_inputs, outputs)` and
+    `backward` are the op's; the outputs after the first (the loss) are non-differentiable. Its
+    ctx.eager is True, so that the backward calls its own ops' implementations directly
     (`op_or_impl`)."""
 
-    def forward(ctx, *inputs):
-        outputs = forward_impl(*inputs)
-        setup_context(ctx, inputs, outputs)
+    def forward_(ctx, *inputs):
+        args = inputs[-1]
+        outputs = forward(args)
+        setup(ctx, args, len(inputs), outputs)
         ctx.eager = True
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
 
-    members = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    members = {"forward": staticmethod(forward_), "backward": staticmethod(backward)}
     return type(name, (torch.autograd.Function,), members)
 
 
@@ -434,14 +466,14 @@ def op_or_impl(ctx, op, impl):
 # --- the saved tensors ---------------------------------------------------------------------------
 
 
-def save_for_backward(ctx, args: ForwardInputs, inputs: tuple, output: tuple, *tensors) -> None:
+def save_for_backward(ctx, args: ForwardInputs, n_inputs: int, output: tuple, *tensors) -> None:
     """Saves `tensors`, then what the backward reads of the forward's outputs; keeps the
     temperature, the backend, whether the backward reads the value checks, and the number of
     inputs (the backward's tuple length)."""
     named = dict(zip(OUTPUT_NAMES, output))
     saved = ("row_max", "log_sum", "coef", "entropy", "entropy_coef", "scalars", "record")
     ctx.save_for_backward(*tensors, *(named[name] for name in saved))
-    ctx.temperature, ctx.backend, ctx.n_inputs = args.opt.temperature, args["backend"], len(inputs)
+    ctx.temperature, ctx.backend, ctx.n_inputs = args.opt.temperature, args["backend"], n_inputs
     ctx.entropy_grad = args.opt.entropy_coef > 0
     ctx.check_in_backward = args["value_check"] == "backward" and not args["check_now"]
 

@@ -139,11 +139,10 @@ def _pre_scales(opt, mask: Optional[torch.Tensor], rows: torch.Tensor) -> torch.
     return scales
 
 
-def _ftis_linear_loss_fwd_impl(*inputs):
+def _forward(args: custom_op.ForwardInputs) -> tuple:
     """The outputs of `custom_op.OUTPUT_NAMES`, then grad_hidden, grad_weight, grad_bias for an
     incoming gradient of 1 when grad_in_forward (those flagged need_*; an empty tensor for the
     others and in the backward order); grad_hidden as (B * T, H) rows."""
-    args = _FWD.bind(inputs)
     opt = args.opt
     hidden, weight, bias = args["hidden"], args["weight"], args["bias"]
     chunk_size, backend = args["chunk_size"], args["backend"]
@@ -242,6 +241,10 @@ def _ftis_linear_loss_fwd_impl(*inputs):
         args, shard.vocab, stats, logits_name="hidden", samples=samples
     )
     return (*outputs, *(hidden.new_empty(0) if g is None else g for g in grads))
+
+
+def _ftis_linear_loss_fwd_impl(*inputs):
+    return _forward(_FWD.bind(inputs))
 
 
 _ftis_linear_loss_fwd = torch.library.custom_op(
@@ -399,8 +402,7 @@ def _(grad_hidden, grad_weight, grad_bias, factor, record):
     return None
 
 
-def _setup_context(ctx, inputs, output):
-    args = _FWD.bind(inputs)
+def _setup(ctx, args: custom_op.ForwardInputs, n_inputs: int, output: tuple) -> None:
     tokens = custom_op.shard_tokens(args)
     ctx.grad_in_forward = args["grad_in_forward"]
     # The outputs other than the loss get no gradient: None, not a zero (V, H) grad_weight.
@@ -410,7 +412,7 @@ def _setup_context(ctx, inputs, output):
     B, T = tokens.shape
     tokens = tokens.reshape(B * T)
     tensors = (args["hidden"], args.rows.mask, args["weight"], args["bias"], tokens, *grads)
-    custom_op.save_for_backward(ctx, args, inputs, output[:n], *tensors)
+    custom_op.save_for_backward(ctx, args, n_inputs, output[:n], *tensors)
     ctx.chunk_size, ctx.group_name = args["chunk_size"], args["group_name"]
     ctx.grad_weight_accumulation = args["grad_weight_accumulation"]
     ctx.sample_offsets = list(args["sample_offsets"]) or [b * T for b in range(B + 1)]
@@ -468,10 +470,8 @@ def _backward(ctx, grad_loss, *_):
     return grads + (None,) * (ctx.n_inputs - len(grads))
 
 
-_ftis_linear_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
-_FTISLinearLoss = custom_op.eager_function(
-    "_FTISLinearLoss", _ftis_linear_loss_fwd_impl, _setup_context, _backward
-)
+custom_op.register_autograd(_ftis_linear_loss_fwd, _FWD, _setup, _backward)
+_FTISLinearLoss = custom_op.eager_function("_FTISLinearLoss", _forward, _setup, _backward)
 
 
 def _check_linear_inputs(
@@ -633,7 +633,9 @@ def ftis_linear_loss(
     offsets = [] if cu_seqlens is None else custom_op.segment_offsets(cu_seqlens)
     switches = (offsets, chunk, backend, in_forward, *needs, accumulation)
     lm_head = (hidden, weight, bias)
-    inputs = _FWD.flatten(lm_head, rows, opt, packing, switches)
-    traced = custom_op.traced(*lm_head, *rows, cu_seqlens)
-    outputs = _ftis_linear_loss_fwd(*inputs) if traced else _FTISLinearLoss.apply(*inputs)
+    parts = (lm_head, rows, opt, packing, switches)
+    if custom_op.traced(*lm_head, *rows, cu_seqlens):
+        outputs = _ftis_linear_loss_fwd(*_FWD.flatten(*parts))
+    else:
+        outputs = _FTISLinearLoss.apply(*lm_head, _FWD.inputs(*parts))
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)

@@ -60,10 +60,9 @@ _FWD = custom_op.ForwardSignature(
 )
 
 
-def _ftis_loss_fwd_impl(*inputs):
+def _forward(args: custom_op.ForwardInputs) -> tuple:
     """The outputs of `custom_op.OUTPUT_NAMES`: the row pass, then the per-sample part
     (`custom_op.finish_forward`). Three launches on Triton, unsharded."""
-    args = _FWD.bind(inputs)
     logits, backend = args["logits"], args["backend"]
     shard = custom_op.Shard.of(args, logits.device, logits.shape[-1])
     # The Triton row kernel reads a 0/1 mask as it is; the PyTorch path wants bool.
@@ -73,6 +72,10 @@ def _ftis_loss_fwd_impl(*inputs):
     if shard.group is not None:
         stats = shard.complete(stats, custom_op.completion_mask(args.rows.mask))
     return custom_op.finish_forward(args, shard.vocab, stats)
+
+
+def _ftis_loss_fwd_impl(*inputs):
+    return _forward(_FWD.bind(inputs))
 
 
 _ftis_loss_fwd = torch.library.custom_op(
@@ -153,12 +156,11 @@ _ftis_loss_bwd_inplace = torch.library.custom_op(
 )
 
 
-def _setup_context(ctx, inputs, output):
-    args = _FWD.bind(inputs)
+def _setup(ctx, args: custom_op.ForwardInputs, n_inputs: int, output: tuple) -> None:
     # The outputs other than the loss get no gradient: None, not zero tensors made for them.
     ctx.set_materialize_grads(False)
     custom_op.save_for_backward(
-        ctx, args, inputs, output, args["logits"], custom_op.shard_tokens(args)
+        ctx, args, n_inputs, output, args["logits"], custom_op.shard_tokens(args)
     )
     ctx.inplace_backward = args["inplace_backward"]
 
@@ -181,8 +183,8 @@ def _backward(ctx, grad_loss, *_):
     return (dlogits,) + (None,) * (ctx.n_inputs - 1)
 
 
-_ftis_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
-_FTISLoss = custom_op.eager_function("_FTISLoss", _ftis_loss_fwd_impl, _setup_context, _backward)
+custom_op.register_autograd(_ftis_loss_fwd, _FWD, _setup, _backward)
+_FTISLoss = custom_op.eager_function("_FTISLoss", _forward, _setup, _backward)
 
 
 # --- the gradient written in the forward (eager calls on the Triton backend) ---------------------
@@ -230,9 +232,8 @@ class _FTISLossGradInForward(torch.autograd.Function):
     the logits is saved. Eager Triton calls only (`ftis_loss` decides); backward runs once."""
 
     @staticmethod
-    def forward(ctx, grad_scale, *inputs):
-        args = _FWD.bind(inputs)
-        logits, opt, rows = args["logits"], args.opt, args.rows
+    def forward(ctx, grad_scale, logits, args):
+        opt, rows = args.opt, args.rows
         ctx.set_materialize_grads(False)  # the metrics get no gradient: no zeros made for them
         inplace = args["inplace_backward"]
         dlogits = logits if inplace else grad_buffer(logits)
@@ -247,7 +248,7 @@ class _FTISLossGradInForward(torch.autograd.Function):
         ctx.final_coef = named["coef"] if opt.filter is not None else None
         ctx.record = named["record"]
         ctx.check_in_backward = args["value_check"] == "backward" and not args["check_now"]
-        ctx.n_inputs, ctx.grad_scale = len(inputs), grad_scale
+        ctx.grad_scale = grad_scale
         if inplace:
             # The logits now hold their gradient: autograd is told, so that a graph node that
             # saved them for its own backward raises instead of reading the gradient.
@@ -260,7 +261,7 @@ class _FTISLossGradInForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         if grad_loss is None:  # a gradient through the metrics only: none reaches the logits
-            return (None,) * (ctx.n_inputs + 1)
+            return None, None, None
         dlogits = ctx.dlogits
         if dlogits is None:
             raise RuntimeError(
@@ -272,7 +273,7 @@ class _FTISLossGradInForward(torch.autograd.Function):
         ctx.dlogits = None  # the gradient is handed on: autograd may accumulate into it
         grad = grad_loss if grad_loss.dtype == torch.float32 else grad_loss.float()
         grad_finish(dlogits, ctx.coef, ctx.final_coef, grad, ctx.grad_scale)
-        return (None, dlogits.detach()) + (None,) * (ctx.n_inputs - 1)
+        return None, dlogits.detach(), None
 
 
 @with_option_keywords
@@ -399,16 +400,15 @@ def ftis_loss(
     shard = (vocab_start, group_name(process_group, vocab_start))
     checks = (value_check, check_now(value_check, logits))
     packing = (cu_seqlens, max_seqlen, *shard, *checks)
-    inputs = _FWD.flatten((logits,), rows, opt, packing, (inplace, backend))
-    traced = custom_op.traced(logits, *rows, cu_seqlens)
-    if traced:
-        outputs = _ftis_loss_fwd(*inputs)
+    parts = ((logits,), rows, opt, packing, (inplace, backend))
+    if custom_op.traced(logits, *rows, cu_seqlens):
+        outputs = _ftis_loss_fwd(*_FWD.flatten(*parts))
     elif _use_grad_in_forward(
         grad_in_forward, opt, logits, backend, inplace, cu_seqlens, shard, grad_scale is not None
     ):
-        outputs = _FTISLossGradInForward.apply(scale, *inputs)
+        outputs = _FTISLossGradInForward.apply(scale, logits, _FWD.inputs(*parts))
     else:
-        outputs = _FTISLoss.apply(*inputs)
+        outputs = _FTISLoss.apply(logits, _FWD.inputs(*parts))
     return outputs[0], custom_op.public_metrics(outputs, T if flat else None, value_check)
 
 

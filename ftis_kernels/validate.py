@@ -40,6 +40,10 @@ def _describe(x: object) -> str:
     return repr(x)
 
 
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
 def check_tensor(
     name: str,
     x: object,
@@ -50,11 +54,10 @@ def check_tensor(
     floating: bool = False,
 ) -> torch.Tensor:
     """Shape, dtype and device of one tensor argument."""
-    shape_txt = "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
     if not isinstance(x, torch.Tensor):
-        refuse(name, f"a tensor of shape {shape_txt}", _describe(x))
-    if tuple(x.shape) != shape:
-        refuse(name, f"shape {shape_txt}", _describe(x))
+        refuse(name, f"a tensor of shape {_shape_text(shape)}", _describe(x))
+    if x.shape != shape:
+        refuse(name, f"shape {_shape_text(shape)}", _describe(x))
     if dtypes is not None and x.dtype not in dtypes:
         refuse(name, f"dtype in {dtypes}", _describe(x))
     if floating and not x.is_floating_point():

@@ -1,14 +1,14 @@
 """What one call costs a GPU besides its bytes: kernel launches and host reads, counted on the CPU.
 
 On a GPU an op's time is its launches, its host synchronisations and its bytes; the first two
-are counted here, where every Triton launch (interpreted) and every aten op that would be a
-kernel on a GPU is visible: a TorchDispatchMode sees the aten ops (views, allocations and
-metadata are free on a GPU and are not counted), a wrapper counts the Triton launches, and a
-host read is an aten op that returns a Python scalar (`.item()`, `bool()`) or a `.tolist()`.
-The budgets are the ones the op is designed to: the default F-TIS `ftis_loss` forward and
-backward in at most 6 launches and 1 host read (none in the forward), and `ftis_linear_loss` at
-most its matmuls and 3 more launches per chunk, with no host read unless it checks its inputs
-in the backward. A change that brings small ops or synchronisations back fails here.
+are counted here (`bench/launch_counts.py`: every Triton launch, interpreted, and every aten op
+that would be a kernel on a GPU; views, allocations and metadata are free on a GPU and are not
+counted; a host read is an aten op that returns a Python scalar, `.item()`, `bool()`, or a
+`.tolist()`). The budgets are the ones the op is designed to: the default F-TIS `ftis_loss`
+forward and backward in at most 6 launches and 1 host read (none in the forward), and
+`ftis_linear_loss` at most its matmuls and 3 more launches per chunk, with no host read unless
+it checks its inputs in the backward. A change that brings small ops or synchronisations back
+fails here.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import pytest
 import torch
 
+from bench.launch_counts import FREE, HOST_READS, counting, cuda_profile, host_syncs, launches
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse
 from tests.cases import make_case
@@ -25,95 +26,6 @@ from tests.cases import make_case
 interpreted = pytest.mark.skipif(
     not logp_lse.INTERPRETED, reason="counts the Triton path's launches under the interpreter"
 )
-
-# Free on a GPU: no kernel runs (views, allocations, metadata).
-FREE = {
-    "aten::empty",
-    "aten::empty_like",
-    "aten::empty_strided",
-    "aten::new_empty",
-    "aten::new_empty_strided",
-    "aten::view",
-    "aten::_unsafe_view",
-    "aten::reshape",
-    "aten::select",
-    "aten::slice",
-    "aten::expand",
-    "aten::as_strided",
-    "aten::t",
-    "aten::transpose",
-    "aten::unsqueeze",
-    "aten::unbind",
-    "aten::squeeze",
-    "aten::detach",
-    "aten::detach_",
-    "aten::alias",
-    "aten::permute",
-    "aten::lift_fresh",
-    "aten::result_type",
-    "aten::contiguous",
-    "aten::resolve_conj",
-    "aten::resolve_neg",
-    "aten::set_",
-}
-MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::matmul", "aten::linear"}
-HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal"}
-
-
-class Work:
-    """What ran in a block: "kernels" (outermost aten ops that launch on a GPU), "matmuls" (of
-    them), "triton" (Triton launches), "reads" (host reads), and the kernels' names."""
-
-    def __init__(self):
-        self.counts = {"kernels": 0, "matmuls": 0, "reads": 0, "triton": 0}
-        self.ops: list[str] = []
-
-    def add(self, events) -> None:
-        for event in events:
-            if event.name in HOST_READS:
-                self.counts["reads"] += 1
-                continue
-            parent, nested = event.cpu_parent, False
-            while parent is not None:
-                # Inside an aten op, or the interpreter's own copies around a Triton launch.
-                nested |= parent.name.startswith("aten::") or parent.name == "triton launch"
-                parent = parent.cpu_parent
-            if event.name.startswith("aten::") and not nested and event.name not in FREE:
-                self.counts["kernels"] += 1
-                self.ops.append(event.name)
-                self.counts["matmuls"] += event.name in MATMULS
-
-
-@contextlib.contextmanager
-def counting():
-    """A Work whose counts cover the block, from the profiler's aten events (those inside the
-    custom ops too), a wrapper of the interpreted Triton kernels and of `.tolist()`."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    work = Work()
-    run, tolist = InterpretedFunction.run, torch.Tensor.tolist
-
-    def counted_run(self, *args, **kwargs):
-        work.counts["triton"] += 1
-        with torch.autograd.profiler.record_function("triton launch"):
-            return run(self, *args, **kwargs)
-
-    def counted_tolist(self):
-        work.counts["reads"] += 1
-        return tolist(self)
-
-    InterpretedFunction.run = counted_run
-    torch.Tensor.tolist = counted_tolist
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            yield work
-    finally:
-        InterpretedFunction.run, torch.Tensor.tolist = run, tolist
-    work.add(prof.events())
-
-
-def launches(work: Work) -> int:
-    return work.counts["triton"] + work.counts["kernels"]
 
 
 @interpreted
@@ -317,27 +229,6 @@ def test_linear_loss_checks_its_inputs_with_one_read_in_the_backward():
     assert work.counts["reads"] == 1
 
 
-def _cuda_profile(fn):
-    """torch.profiler's events of fn() followed by a device synchronize."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return prof.events()
-
-
-def _host_syncs(events) -> list[str]:
-    """The events that make the host wait for the device: stream or device synchronizes and
-    device-to-host copies."""
-    return sorted(
-        e.name
-        for e in events
-        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")
-        or ("cudaMemcpy" in e.name and "DtoH" in str(getattr(e, "input_shapes", "")))
-    )
-
-
 @pytest.mark.cuda
 def test_on_cuda_the_profiler_sees_the_same_budget():
     """The same budget from the CUDA profiler: kernels launched and host synchronisations of one
@@ -355,12 +246,12 @@ def test_on_cuda_the_profiler_sees_the_same_budget():
     for _ in range(2):  # compiled and warm
         step()
     torch.cuda.synchronize()
-    baseline = _host_syncs(_cuda_profile(lambda: None))
-    events = _cuda_profile(step)
+    baseline = host_syncs(cuda_profile(lambda: None))
+    events = cuda_profile(step)
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
     # 4 of the op, and the accumulation into logits.grad.
     assert len(kernels) <= 6, sorted(e.name for e in kernels)
-    syncs = _host_syncs(events)
+    syncs = host_syncs(events)
     # At most the backward's read of the value checks.
     assert len(syncs) - len(baseline) <= 1, (syncs, baseline)

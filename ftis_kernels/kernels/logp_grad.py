@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ftis_kernels.kernels.logp_lse import FWD_VEC, _block_v, row_pass, tail_apart
 from ftis_kernels.kernels.loss_terms import token_coef
-from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
+from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1, launch
 
 # Tokens one program of `_mask_counts_kernel` sums per step; samples the row kernel sums per
 # step for a batch-wide token count.
@@ -375,19 +375,23 @@ def logp_grad_fwd(
     """
     B, T, V = logits.shape
     f32, dev = torch.float32, logits.device
-    # One allocation for the five (on a GPU each is host time), each a contiguous (B, T) view
-    # starting 128 bytes aligned, as a fresh allocation would (Triton specialises on a
-    # pointer's 16-byte alignment: an unaligned view would compile another binary).
-    n = -(-(B * T) // 32) * 32
-    slab = torch.empty(5, n, dtype=f32, device=dev)
-    logp, row_max, log_sum, entropy, coef = (slab[i, : B * T].view(B, T) for i in range(5))
     mask, old = rows.mask, rows.old_logprobs
     ref = None if opt.beta == 0 else rows.ref_logprobs
+    with_counts = mask is not None and codes["REDUCTION"] in (0, 1)
+    # One allocation for the five (on a GPU each is host time) and the (B,) counts of a mask's
+    # tokens when the normaliser needs them, each a contiguous view starting 128 bytes aligned,
+    # as a fresh allocation would (Triton specialises on a pointer's 16-byte alignment: an
+    # unaligned view would compile another binary).
+    n = -(-(B * T) // 32) * 32
+    slab = torch.empty(5 + with_counts, n, dtype=f32, device=dev)
+    logp, row_max, log_sum, entropy, coef = slab[:5, : B * T].view(5, B, T).unbind(0)
     counts = None
-    if mask is not None and codes["REDUCTION"] in (0, 1):
-        counts = torch.empty(B, dtype=f32, device=dev)
+    if with_counts:
+        counts = slab[5, :B]
         _mask_counts_kernel[(B,)](mask, counts, T, *mask.stride(), BLOCK_T=BLOCK_T, num_warps=4)
-    _logp_grad_fwd_kernel[(B * T,)](
+    launch(
+        _logp_grad_fwd_kernel,
+        (B * T,),
         logits,
         out,
         rows.tokens,
@@ -447,7 +451,9 @@ def grad_finish(
     `logp_grad_fwd` returned them. Returns dlogits."""
     B, T, V = dlogits.shape
     block_v = _block_v(V)
-    _grad_finish_kernel[(B * T,)](
+    launch(
+        _grad_finish_kernel,
+        (B * T,),
         dlogits,
         coef,
         final_coef,

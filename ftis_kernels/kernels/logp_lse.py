@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ftis_kernels.kernels.tl_utils import NEG_BIG
+from ftis_kernels.kernels.tl_utils import NEG_BIG, launch
 
 # Largest vocabulary block one program holds in registers at once (the tests lower it to cover
 # the multi-block loop with small vocabularies).
@@ -267,7 +267,9 @@ def logp_lse_fwd(
         logp, row_max, log_sum, entropy = out
     block_v = _block_v(V)
     mask_strides = mask.stride() if mask is not None else (0, 0)
-    _logp_lse_fwd_kernel[(B * T,)](
+    launch(
+        _logp_lse_fwd_kernel,
+        (B * T,),
         logits,
         tokens,
         mask,
@@ -441,7 +443,9 @@ def logits_bwd(
     """
     B, T, V = logits.shape
     block_v = _block_v(V)
-    _logits_bwd_kernel[(B * T,)](
+    launch(
+        _logits_bwd_kernel,
+        (B * T,),
         logits,
         out,
         tokens,

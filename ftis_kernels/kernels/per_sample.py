@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ftis_kernels.kernels.loss_terms import is_weight, surrogate_and_grad
-from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1
+from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1, launch
 from ftis_kernels.options import loss_type
 from ftis_kernels.validate import Rows
 
@@ -570,7 +570,9 @@ def per_sample_fwd(
     if count == 0:
         return
     kind = loss_type(opt.loss_type)
-    _per_sample_kernel[(count,)](
+    launch(
+        _per_sample_kernel,
+        (count,),
         logp,
         entropy,
         row_max,

@@ -2,6 +2,7 @@
 
 import triton
 import triton.language as tl
+from triton.runtime.autotuner import Heuristics
 
 # Start value of a running maximum: the lowest finite fp32. Finite on purpose: with -inf, a row
 # whose first block is all -inf would compute exp(-inf - -inf) = nan when it rescales its running
@@ -27,3 +28,19 @@ def exp_m1_mx(x):
     """e^x - 1 - x >= 0, accurate for small |x|: the k3 estimator's and the k3 penalty's form."""
     series = x * x / 2 * (1 + x / 3 * (1 + x / 4 * (1 + x / 5 * (1 + x / 6 * (1 + x / 7)))))
     return tl.where(tl.abs(x) < SERIES_BELOW, series, (tl.exp(x) - 1.0) - x)
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), the values of the `triton.heuristics` around the kernel
+    computed from one dict of its arguments. Triton's own `Heuristics.run` builds that dict anew
+    for every value it computes: with our kernels' 30-60 arguments, host time at every launch
+    (`python -m bench.host_time`). Each value sees the ones before it, as there."""
+    named = None
+    while isinstance(kernel, Heuristics):
+        if named is None:
+            named = dict(zip(kernel.arg_names, args))
+            named.update(kwargs)
+        for name, value in kernel.values.items():
+            kwargs[name] = named[name] = value(named)
+        kernel = kernel.fn
+    kernel[grid](*args, **kwargs)
