@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One command for a machine with a CUDA GPU: environment, optional wheels, the CUDA tests and the
 # kernels' test files (compiled kernels, no interpreter; in parallel with pytest-xdist where it is
-# installed), the row kernels' meta-parameters timed, the ops' profile, then the benchmark, inside
-# a time budget (default 540 s: a run fits in 10 minutes of device time), everything to $OUT:
+# installed), the row kernels' meta-parameters timed, the ops' profile and host time, then the
+# benchmark, inside a time budget (default 540 s: a run fits in 10 minutes of device time),
+# everything to $OUT:
 #   check.log     every step's output          summary.txt  step exit codes, the results and
 #                                                            targets tables (bench.report)
 #   results.json  the benchmark's records       extras.tar   plots, results.md, junit XML
 #   tune.json     bench/tune_rows.py's records  profile.txt  bench/profile_ops.py's output
 #   chunks.json   bench/linear_chunks.py's records (the lm-head op's chunk size, both ways of
 #                 summing its weight gradient)
+#   host.json     bench/host_time.py's records (host time a call beside the device's, and Liger's)
 #
 #   here, where PyPI is reachable (once):  bash bench/gpu_check.sh --fetch-wheels   -> .whl/
 #   on the GPU machine (no network):       bash bench/gpu_check.sh        (carry .whl)
@@ -114,7 +116,7 @@ else
   TUNE_ARGS=(--device cuda --budget-s 60 --kernels grad); CHUNKS_LIMIT=75
   CHUNKS_ARGS=(--device cuda --hidden 1536 4096 --sizes 2048 4096)
   PROFILE_ARGS=(--device cuda --reps 10 --linear-reps 4)
-  HOST_ARGS=(--device cuda --rounds 5 --reps 20)
+  HOST_ARGS=(--device cuda --rounds 3 --reps 20)
 fi
 
 # The test files of the kernels and of what runs them on the GPU (compile, sharding): all their
@@ -159,7 +161,7 @@ fi
 step profile "$PROFILE_LIMIT" bash -c '"$0" -m bench.profile_ops "${@}" > "$OUT/profile.txt" 2>&1;
   rc=$?; cat "$OUT/profile.txt"; exit $rc' "$PY" "${PROFILE_ARGS[@]}"
 # The host's time a call beside the device's, ours and Liger's, at 1k tokens (bench/host_time.py).
-step host 60 "$PY" -m bench.host_time "${HOST_ARGS[@]}" --json "$OUT/host.json"
+step host 90 "$PY" -m bench.host_time "${HOST_ARGS[@]}" --json "$OUT/host.json"
 
 # 6. The benchmark, in what is left (it writes results.json after every record, so a timeout
 #    still leaves the measured part). Its linear cases time ftis_linear_loss beside TRL 1.16's

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from bench.impls import prepare, unavailable  # noqa: E402
-from bench.launch_counts import counting, cuda_profile, host_syncs  # noqa: E402
+from bench.launch_counts import counting, cuda_kernels, cuda_profile, host_syncs  # noqa: E402
 from bench.workload import Case, make_inputs  # noqa: E402
 from ftis_kernels.kernels.per_sample import N_CHECKS, RECORD_COLUMNS  # noqa: E402
 
@@ -83,17 +83,18 @@ class Launches:
         self._binders: dict = {}
         self._keys: dict = {}
 
-    def _binder(self, fn) -> Callable:
-        binder = self._binders.get(fn)
+    def _binder(self, kernel: InterpretedFunction) -> Callable:
+        binder = self._binders.get(kernel)
         if binder is None:
             from triton.compiler import make_backend
             from triton.runtime.jit import JITFunction, create_function_from_signature
 
             from bench.sm90 import TARGET
 
-            jit = JITFunction(fn)
+            # The same decorator arguments (do_not_specialize...) as the kernel compiled for a GPU.
+            jit = JITFunction(kernel.fn, **kernel.kwargs)
             binder = create_function_from_signature(jit.signature, jit.params, make_backend(TARGET))
-            self._binders[fn] = binder
+            self._binders[kernel] = binder
         return binder
 
     def install(self) -> None:
@@ -103,14 +104,24 @@ class Launches:
             self.launches += 1
             self.arguments += len(args) + len(kwargs)
             for a in args:
-                if isinstance(a, torch.Tensor) and a.shape == RECORD_SHAPE:
+                if (
+                    isinstance(a, torch.Tensor)
+                    and a.dtype == torch.float64
+                    and a.shape == RECORD_SHAPE
+                ):
                     a.numpy()[:] = 0  # not an aten op: nothing for `device_work` to count
             if self.mode == "binder":
                 kwargs.setdefault("debug", False)
-                _, specialization, options = self._binder(kernel.fn)(*args, **kwargs)
+                _, specialization, options = self._binder(kernel)(*args, **kwargs)
                 compute_cache_key(self._keys, specialization, options)
 
         InterpretedFunction.run = run  # type: ignore[method-assign]
+
+
+def _restored(prep) -> None:
+    """The inputs of an in-place implementation as they were (nothing for the others)."""
+    if prep.restore is not None:
+        prep.restore()
 
 
 def _prepared(name: str, case: Case, mode: str, device: torch.device):
@@ -127,8 +138,7 @@ def time_impls(preps: dict, rounds: int, reps: int, device: torch.device) -> dic
     for _ in range(rounds):
         for name, prep in preps.items():
             for _ in range(reps):
-                if prep.restore is not None:
-                    prep.restore()
+                _restored(prep)
                 if cuda:
                     torch.cuda.synchronize()
                     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -155,9 +165,7 @@ def device_work(run: Callable[[], object], cuda: bool) -> tuple[int, int]:
     torch.cuda.synchronize()
     baseline = len(host_syncs(cuda_profile(lambda: None)))
     events = cuda_profile(run)
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
-    return len(kernels), len(host_syncs(events)) - baseline
+    return len(cuda_kernels(events)), len(host_syncs(events)) - baseline
 
 
 def triton_launches(run: Callable[[], object]) -> tuple[int, int]:
@@ -180,6 +188,20 @@ def triton_launches(run: Callable[[], object]) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+def _print_rows(records: list[dict]) -> None:
+    for r in records:
+        if "skipped" in r:
+            print(f"| {r['impl']} | {r['mode']} | ({r['skipped']}) | | | | | |", flush=True)
+            continue
+        ratio = f"{r['ratio']:.2f}x {r['vs']}" if r["ratio"] is not None else "-"
+        dev = f"{r['device_ms']:.3f}" if "device_ms" in r else "-"
+        print(
+            f"| {r['impl']} | {r['mode']} | {r['host_ms']:.3f} | {dev} | {r['kernels']} "
+            f"({r['triton_launches']}) | {r['launch_arguments']} | {r['host_reads']} | {ratio} |",
+            flush=True,
+        )
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -200,6 +222,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         raise SystemExit("--device cuda must be on the command line (it decides the interpreter)")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here")
+    from ftis_kernels.kernels.logp_lse import INTERPRETED
+
+    if cuda and INTERPRETED:
+        raise SystemExit("--device cuda with TRITON_INTERPRET=1: the kernels would not compile")
     V = args.V if args.V is not None else (151936 if cuda else 1000)
     stub = None
     if not cuda:
@@ -209,7 +235,18 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     shape = {"B": args.B, "T": args.T, "V": V, "dtype": args.dtype}
     model = "compiled" if cuda else args.launch
     records: list[dict] = []
+    where = "kernels compiled" if cuda else f"kernels stubbed (launch model: {args.launch})"
+    print(
+        f"host time a call, {where}, B={args.B} T={args.T} V={V} {args.dtype}, "
+        f"median of {args.rounds} x {args.reps}"
+    )
+    print(
+        "| impl | mode | host ms | device ms | kernels (Triton) | Triton launch arguments | "
+        "host reads | host vs Liger |"
+    )
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     for mode in ("fwd+bwd", "fwd"):
+        first = len(records)
         preps, skipped = {}, {}
         for name in args.impls:
             why = unavailable(name, "logits", mode, device)
@@ -220,19 +257,16 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         counts = {}
         for name, prep in preps.items():
             for _ in range(5):  # warm: compiled kernels, the options' cache, the allocator
-                if prep.restore is not None:
-                    prep.restore()
+                _restored(prep)
                 prep.run()
-            if prep.restore is not None:
-                prep.restore()
+            _restored(prep)
             if cuda:
                 counts[name] = triton_launches(prep.run)
             else:
                 stub.launches = stub.arguments = 0
                 prep.run()
                 counts[name] = (stub.launches, stub.arguments)
-            if prep.restore is not None:
-                prep.restore()
+            _restored(prep)
             counts[name] += device_work(prep.run, cuda)
         samples = time_impls(preps, args.rounds, args.reps, device)
         host = {name: statistics.median(h for h, _ in s) for name, s in samples.items()}
@@ -252,35 +286,16 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             record.update(kernels=kernels, host_reads=reads)
             record.update(vs=base if ratio is not None else None, ratio=ratio)
             records.append(record)
-    where = "kernels compiled" if cuda else f"kernels stubbed (launch model: {args.launch})"
-    print(
-        f"host time a call, {where}, B={args.B} T={args.T} V={V} {args.dtype}, "
-        f"median of {args.rounds} x {args.reps}"
-    )
-    print(
-        "| impl | mode | host ms | device ms | kernels (Triton) | Triton launch arguments | "
-        "host reads | host vs Liger |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in records:
-        if "skipped" in r:
-            print(f"| {r['impl']} | {r['mode']} | ({r['skipped']}) | | | | | |")
-            continue
-        ratio = f"{r['ratio']:.2f}x {r['vs']}" if r["ratio"] is not None else "-"
-        dev = f"{r['device_ms']:.3f}" if "device_ms" in r else "-"
-        print(
-            f"| {r['impl']} | {r['mode']} | {r['host_ms']:.3f} | {dev} | {r['kernels']} "
-            f"({r['triton_launches']}) | {r['launch_arguments']} | {r['host_reads']} | {ratio} |"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        del preps  # on a GPU, each held its own logits
+        _print_rows(records[first:])
+        if args.json:  # after each mode: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
     if args.profile:
         prep = _prepared(args.profile, case, "fwd+bwd", device)
         prof = cProfile.Profile()
         for _ in range(300):
-            if prep.restore is not None:
-                prep.restore()
+            _restored(prep)
             prof.enable()
             prep.run()
             prof.disable()

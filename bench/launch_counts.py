@@ -117,6 +117,12 @@ def cuda_profile(fn):
     return prof.events()
 
 
+def cuda_kernels(events) -> list:
+    """The kernels among the profiler's events (device events other than copies and fills)."""
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
+
+
 def host_syncs(events) -> list[str]:
     """The events that make the host wait for the device: stream or device synchronizes and
     device-to-host copies."""

@@ -37,6 +37,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from ftis_kernels.kernels import tl_utils
+
 TARGET = GPUTarget("cuda", 90, 32)
 ALIGN = 16  # bytes: a pointer aligned to this carries tt.divisibility 16
 
@@ -52,13 +54,9 @@ def jit_function(kernel) -> JITFunction:
 
 def through_heuristics(kernel, kwargs: dict) -> tuple[JITFunction, dict]:
     """(the `JITFunction`, kwargs with the values of the `triton.heuristics` around it), as a
-    launch kernel[grid](**kwargs) computes them (`Heuristics.run`)."""
-    kwargs = dict(kwargs)
-    while not isinstance(kernel, JITFunction):
-        for name, heuristic in getattr(kernel, "values", {}).items():
-            kwargs[name] = heuristic(kwargs)
-        kernel = kernel.fn
-    return kernel, kwargs
+    launch kernel[grid](**kwargs) computes them (`tl_utils.through_heuristics`)."""
+    fn, kwargs = tl_utils.through_heuristics(kernel, (), dict(kwargs))
+    return jit_function(fn), kwargs
 
 
 def pointer(dtype: torch.dtype, misalign: int = 0) -> torch.Tensor:

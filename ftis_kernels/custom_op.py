@@ -20,8 +20,9 @@ What is here, in the order a call meets it:
 - inside the forward op: this shard's token ids, the row statistics completed over the shards, and
   the tail both losses share (the per-sample part and the value checks, `finish_forward`);
 - the outputs (`OUTPUT_NAMES`): `fake_forward_outputs`, `public_metrics`;
-- the saved-tensor bookkeeping of `setup_context` and the backward (`save_for_backward`,
-  `backward_stats`).
+- the autograd of both ways of calling (`register_autograd` for the custom op,
+  `eager_function` for eager calls) and the saved-tensor bookkeeping of their setup and backward
+  (`save_for_backward`, `backward_stats`).
 """
 
 from __future__ import annotations
@@ -226,7 +227,9 @@ class ForwardSignature:
         """The inputs `flatten` would pass, already bound as `bind` would give them back: what
         an eager call hands its autograd.Function (`eager_function`), nothing unpacked."""
         rest = self._layout[3]
-        return ForwardInputs(rows, opt, dict(zip(rest, (*leading, *packing, *trailing))))
+        return ForwardInputs(
+            rows, opt, dict(zip(rest, (*leading, *packing, *trailing), strict=True))
+        )
 
     def bind(self, inputs: tuple) -> ForwardInputs:
         """The op's inputs as the fake implementation, the real one and setup_context receive them
@@ -239,7 +242,8 @@ class ForwardSignature:
 
 @dataclass(frozen=True)
 class ForwardInputs:
-    """A forward op's inputs, bound (`ForwardSignature.bind`): `rows` the row tensors, `opt` the
+    """A forward op's inputs, bound (`ForwardSignature.bind` inside the custom op,
+    `ForwardSignature.inputs` for an eager call): `rows` the row tensors, `opt` the
     options as the public op validated them, every other input by name (`args["cu_seqlens"]`);
     the rows and the options are read from `rows` and `opt` only."""
 
@@ -402,7 +406,7 @@ def public_metrics(
     for name in PER_TOKEN_METRICS if flat is not None else ():
         metrics[name] = metrics[name].reshape(flat)
     if value_check == "deferred":
-        metrics["value_faults"] = named["record"].detach()
+        metrics["value_faults"] = _detached(named["record"])
     return metrics
 
 

@@ -292,6 +292,10 @@ class FTISOptions:
                 expected, ok = CHECKS[meta["check"]]
                 if not ok(value):
                     _fail(f.name, expected + (" or None" if f.default is None else ""), value)
+            if f.type in ("float", "Optional[float]") and type(value) is not float:
+                # 50 -> 50.0: the ops read the options as they are (an int would make the
+                # PyTorch path compute in int64 where the kernels compute in fp32).
+                object.__setattr__(self, f.name, float(value))
         self._check_combinations()
 
     def _check_combinations(self) -> None:

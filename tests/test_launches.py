@@ -18,7 +18,15 @@ import contextlib
 import pytest
 import torch
 
-from bench.launch_counts import FREE, HOST_READS, counting, cuda_profile, host_syncs, launches
+from bench.launch_counts import (
+    FREE,
+    HOST_READS,
+    counting,
+    cuda_kernels,
+    cuda_profile,
+    host_syncs,
+    launches,
+)
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse
 from tests.cases import make_case
@@ -248,8 +256,7 @@ def test_on_cuda_the_profiler_sees_the_same_budget():
     torch.cuda.synchronize()
     baseline = host_syncs(cuda_profile(lambda: None))
     events = cuda_profile(step)
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [e for e in kernels if "Memcpy" not in e.name and "Memset" not in e.name]
+    kernels = cuda_kernels(events)
     # 4 of the op, and the accumulation into logits.grad.
     assert len(kernels) <= 6, sorted(e.name for e in kernels)
     syncs = host_syncs(events)

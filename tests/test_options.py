@@ -95,6 +95,53 @@ def test_every_preset_is_valid_and_crosses_the_op_boundary_unchanged(name):
     assert PRESETS[name].source
 
 
+def test_numeric_options_are_floats_as_the_custom_op_carries_them():
+    # Eager calls read the options as given, the custom op as its schema's types: 50 is 50.0 on
+    # both sides (an int would make the PyTorch path compute in int64).
+    options = FTISOptions(kl_threshold=50, is_cap=2, epsilon=0.2, kl_threshold_low=1)
+    crossed = options_from_args(dict(zip(OPTION_NAMES, option_args(options))))
+    for name in OPTION_NAMES:
+        value = getattr(options, name)
+        assert type(value) is type(getattr(crossed, name)), name
+        if OPTION_FIELDS[name].type in ("float", "Optional[float]") and value is not None:
+            assert type(value) is float, name
+
+
+@pytest.mark.parametrize(
+    "module,leading,trailing",
+    [
+        ("ftis_loss", (torch.zeros(2, 3, 5),), (False, "triton")),
+        (
+            "ftis_linear_loss",
+            (torch.zeros(2, 3, 4), torch.zeros(5, 4), None),
+            ([], 64, "triton", True, True, True, False, "fp32"),
+        ),
+    ],
+)
+def test_eager_calls_bind_what_the_custom_op_binds(module, leading, trailing):
+    import importlib
+
+    from ftis_kernels.validate import Rows
+
+    signature = importlib.import_module(f"ftis_kernels.{module}")._FWD
+    rows = Rows(
+        torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), torch.zeros(2), None, None, None
+    )
+    parts = (
+        leading,
+        rows,
+        FTISOptions.preset("gspo"),
+        (None, 0, 0, None, "backward", False),
+        trailing,
+    )
+    eager, op = signature.inputs(*parts), signature.bind(signature.flatten(*parts))
+    assert eager.rows == op.rows and eager.opt == op.opt
+    assert eager.named.keys() == op.named.keys()
+    assert all(eager[name] is op[name] for name in op.named)
+    with pytest.raises(ValueError):  # a part too short binds nothing
+        signature.inputs(*parts[:-1], trailing[:-1])
+
+
 def test_keywords_over_options_are_judged_with_the_values_they_keep():
     # A combination is checked on the result, not on the keywords alone against the defaults.
     base = FTISOptions(is_cap=5.0, kl_threshold=100.0)

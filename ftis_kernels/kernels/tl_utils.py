@@ -1,5 +1,7 @@
 """Triton helpers shared by the kernels of ftis-kernels."""
 
+from typing import Any
+
 import triton
 import triton.language as tl
 from triton.runtime.autotuner import Heuristics
@@ -30,11 +32,11 @@ def exp_m1_mx(x):
     return tl.where(tl.abs(x) < SERIES_BELOW, series, (tl.exp(x) - 1.0) - x)
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs), the values of the `triton.heuristics` around the kernel
-    computed from one dict of its arguments. Triton's own `Heuristics.run` builds that dict anew
-    for every value it computes: with our kernels' 30-60 arguments, host time at every launch
-    (`python -m bench.host_time`). Each value sees the ones before it, as there."""
+def through_heuristics(kernel, args: tuple, kwargs: dict) -> tuple[Any, dict]:
+    """(the kernel under its `triton.heuristics` wrappers, kwargs with their values added in
+    place), the values computed from one dict of the arguments; each sees the ones before it,
+    as in Triton's `Heuristics.run`, which builds that dict anew for every value (with our
+    kernels' 30-60 arguments, host time at every launch: `python -m bench.host_time`)."""
     named = None
     while isinstance(kernel, Heuristics):
         if named is None:
@@ -43,4 +45,11 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         for name, value in kernel.values.items():
             kwargs[name] = named[name] = value(named)
         kernel = kernel.fn
+    return kernel, kwargs
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), the values of the `triton.heuristics` around the kernel
+    computed once (`through_heuristics`)."""
+    kernel, kwargs = through_heuristics(kernel, args, kwargs)
     kernel[grid](*args, **kwargs)
