@@ -6,6 +6,8 @@ staleness, a late joiner and a resumed peer; the peer's and the local swarm's us
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
 import sys
 import threading
@@ -107,16 +109,39 @@ def _rows(folder, name="metrics.jsonl"):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_three_peers_train_on_each_others_samples_with_their_staleness(tmp_path, torch_kernels):
+SKIP_LOG = re.compile(
+    r"peer (\S+): .* its round (\d+) is out of their reach, skipping to round (\d+)"
+)
+
+
+def _skips(caplog) -> dict[str, set[tuple[int, int]]]:
+    """{peer id: {(round skipped, round it went to)}}, from the peers' log (`catch_up_round`)."""
+    skips: dict[str, set[tuple[int, int]]] = {}
+    for record in caplog.records:
+        found = SKIP_LOG.search(record.getMessage())
+        if found:
+            skips.setdefault(found[1], set()).add((int(found[2]), int(found[3])))
+    return skips
+
+
+def test_three_peers_train_on_each_others_samples_with_their_staleness(
+    tmp_path, torch_kernels, caplog
+):
+    caplog.set_level(logging.INFO, logger="ftis_kernels.grpo")
     swarm, seen = MemorySwarm(), {}
     ids = ["QmAlpha", "QmBeta", "QmGamma"]
     cfgs = [(pid, _peer_cfg(tmp_path, pid, rounds=4, collect_timeout_s=60.0)) for pid in ids]
     assert _run_peers(cfgs, swarm, seen) == {pid: 0 for pid in ids}
-    heard = set()
+    heard, skips = set(), _skips(caplog)
     for pid in ids:
         rows = _rows(tmp_path / pid)
-        # A peer whose warm-up ends after the others' first round joins at the swarm's round.
-        assert [r["round"] for r in rows] == list(range(rows[0]["round"], 4))
+        # A peer whose warm-up ends after the others' first round joins at the swarm's round; one
+        # that falls a round behind theirs (a slow round on a loaded machine) skips to it, and says
+        # so. No other round is missing.
+        rounds = [r["round"] for r in rows]
+        assert rounds[-1] == 3, rounds
+        for before, after in zip(rounds, rounds[1:]):
+            assert after == before + 1 or (before + 1, after) in skips.get(pid, ()), (rounds, skips)
         assert sum(r["samples_received"] for r in rows) > 0
         log = _rows(tmp_path / pid, "received.jsonl")
         senders = {r["sender"] for r in log if r["dropped"] is None}
