@@ -14,7 +14,8 @@ coef = d loss / d logp. The gradients follow in one of two orders, with the same
   kernel overwrites the logits with dlogits = coef * (onehot - softmax) / temperature, and two
   matmuls give grad_hidden's rows and accumulate grad_weight (in fp32, inside the GEMM), for an
   incoming gradient of 1; the backward multiplies them by the incoming gradient (times 1 / N'
-  for a batch-normalised loss) on the device. Per chunk: 3 matmuls and 3 kernels.
+  for a batch-normalised loss) on the device, in one launch that touches nothing when that
+  factor is 1 (`kernels/grad_scale.py`). Per chunk: 3 matmuls and 3 kernels.
 - In the backward (8 N H V FLOPs): each chunk's logits are recomputed, turned into dlogits and
   fed to the same two matmuls.
 
@@ -48,6 +49,7 @@ import torch
 
 from ftis_kernels import chunks, custom_op
 from ftis_kernels.kernels import select_backend
+from ftis_kernels.kernels.grad_scale import scale_
 from ftis_kernels.kernels.per_sample import SampleOutputs, per_sample_fwd
 from ftis_kernels.options import (
     FTISOptions,
@@ -381,11 +383,17 @@ def _scale_grads_impl(
     record: Optional[torch.Tensor],
 ) -> None:
     """Multiplies the gradients the forward computed for an incoming gradient of 1 by factor
-    (0-dim: the incoming gradient, times 1 / N' for a batch-normalised loss on Triton), in place,
-    without reading it on the host, after reading a value-check record (one synchronisation)."""
+    (0-dim fp32: the incoming gradient, times 1 / N' for a batch-normalised loss on Triton), in
+    place, without reading it on the host, after reading a value-check record (one
+    synchronisation). Triton: one launch that reads and writes nothing when factor is 1
+    (`kernels/grad_scale.py`); PyTorch: a `mul_` per gradient."""
     if record is not None:
         raise_on_faults(record)
-    for grad in (grad_hidden, grad_weight, grad_bias):
+    grads = (grad_hidden, grad_weight, grad_bias)
+    if select_backend(factor.device) == "triton":
+        scale_(grads, factor)
+        return
+    for grad in grads:
         if grad.numel():
             grad.mul_(factor)
 
