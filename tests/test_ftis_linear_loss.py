@@ -590,6 +590,23 @@ def test_forward_order_scales_by_the_incoming_gradient():
         torch.autograd.grad(loss * 2.0, leaves)
 
 
+def test_forward_order_scales_the_gradient_of_a_permuted_hidden():
+    # hidden (B, T, H) seen through a permutation of an (H, B, T) tensor: its (B * T, H) rows,
+    # and grad_hidden allocated like them, are dense but not contiguous.
+    case = make_case(2, 4, 30, H=6, seed=25, exact=False)
+    base = case.hidden.float().permute(2, 0, 1).contiguous()
+    leaves = [base.permute(1, 2, 0).requires_grad_(), case.weight.float().requires_grad_()]
+    assert not leaves[0].is_contiguous()
+
+    def grads(order):
+        loss, _ = ftis_linear_loss(*leaves, *case.inputs, chunk_size=4, grad_in_forward=order)
+        return torch.autograd.grad(loss * -0.375, leaves)
+
+    want, got = grads(False), grads(True)
+    for name, g, w in zip(("hidden", "weight"), got, want):
+        numerics.assert_close(name, g, w, REORDERED[torch.float32])
+
+
 _BACKWARD_PEAK = """
 import torch
 from ftis_kernels import ftis_linear_loss

@@ -30,10 +30,12 @@ from ftis_kernels.kernels.tl_utils import launch
 # Elements one program scales per step: 16 a thread at 8 warps (32 bytes of a 16-bit gradient).
 BLOCK = 4096
 WARPS = 8
-# Programs per SM for each tensor (on the CPU interpreter: programs in all): 8 fill an SM's 64
-# warps, with 64 KB of loads in flight, above the ~25 KB an SM needs at the copy bandwidth
-# (4.8 TB/s x ~700 ns of latency over 132 SMs).
-PROGRAMS_PER_SM = 8
+# Programs per SM for each tensor (on the CPU interpreter: programs in all). 4 are resident
+# together at the registers the sm_90 code takes (32 a thread for 16-bit gradients, 38 for fp32:
+# 6 programs' worth), and keep 32 KB (16-bit) or 64 KB (fp32) of loads in flight per SM, above
+# the ~25 KB the copy bandwidth needs (4.8 TB/s x ~700 ns of latency over 132 SMs). More would
+# leave a second, partial wave.
+PROGRAMS_PER_SM = 4
 INTERPRETED_PROGRAMS = 4
 
 
@@ -101,21 +103,36 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """x's elements as one contiguous (numel,) view, in memory order: x must be dense and
+    non-overlapping (contiguous, or a permutation of a contiguous layout, as `torch.empty_like`
+    gives for a permuted input), which an elementwise scaling can take in any order."""
+    if x.is_contiguous():
+        return x
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz != 1):
+        if stride != expected:
+            raise ValueError(
+                f"tensors: expected dense tensors, got sizes {tuple(x.shape)} with strides "
+                f"{x.stride()}"
+            )
+        expected *= size
+    return x.as_strided((x.numel(),), (1,))
+
+
 def scale_(tensors: tuple[Optional[torch.Tensor], ...], factor: torch.Tensor) -> None:
-    """Multiplies each tensor (contiguous, float; None or empty: skipped) by factor (a 0-dim
-    fp32 tensor on their device) in place: one launch, the product in fp32 rounded once to the
-    tensor's dtype; when factor is 1 the tensors are neither read nor written. At most three
-    tensors. Their version counters are bumped, as an in-place op's are (autograd refuses a
-    second backward through tensors it saved)."""
+    """Multiplies each tensor (float, dense: contiguous or a permuted contiguous layout; None
+    or empty: skipped) by factor (a 0-dim fp32 tensor on their device) in place: one launch, the
+    product in fp32 rounded once to the tensor's dtype; when factor is 1 the tensors are neither
+    read nor written. At most three tensors. Their version counters are bumped, as an in-place
+    op's are (autograd refuses a second backward through tensors it saved)."""
     if len(tensors) > 3:
         raise ValueError(f"tensors: expected at most 3, got {len(tensors)}")
-    xs = [x if x is not None and x.numel() else None for x in (*tensors, None, None, None)[:3]]
-    present = [x for x in xs if x is not None]
+    given = [x if x is not None and x.numel() else None for x in (*tensors, None, None, None)[:3]]
+    present = [x for x in given if x is not None]
     if not present:
         return
-    for x in present:
-        if not x.is_contiguous():
-            raise ValueError("tensors: expected contiguous tensors")
+    xs = [None if x is None else _flat(x) for x in given]
     device = present[0].device
     blocks = triton.cdiv(max(x.numel() for x in present), BLOCK)
     cuda = device.type == "cuda"
