@@ -140,4 +140,5 @@ def scale_(tensors: tuple[Optional[torch.Tensor], ...], factor: torch.Tensor) ->
     grid = (min(blocks, per_tensor), 3)
     sizes = [0 if x is None else x.numel() for x in xs]
     launch(_scale_kernel, grid, *xs, factor, *sizes, BLOCK=BLOCK, num_warps=WARPS)
-    torch.autograd.graph.increment_version(present)
+    for x in present:  # one at a time: older torch takes a single tensor only
+        torch.autograd.graph.increment_version(x)
