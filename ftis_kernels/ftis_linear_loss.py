@@ -634,7 +634,9 @@ def ftis_linear_loss(
         chunk_size=chunk,
     )
     in_forward = _check_grad_in_forward(grad_in_forward, blocker) and any(needs)
-    checks = (value_check, check_now(value_check, hidden if needs[0] else weight))
+    # Read in the backward when one will follow: a gradient is recorded for any of the three.
+    graded = [x for x, need in zip((hidden, weight, bias), needs) if need]
+    checks = (value_check, check_now(value_check, graded[0] if graded else hidden))
     if not any(needs):
         checks = (value_check, value_check != "deferred")
     packing = (cu_seqlens, max_seqlen, vocab_start, name, *checks)

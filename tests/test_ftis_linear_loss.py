@@ -31,7 +31,7 @@ from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 from ftis_kernels.options import FTISOptions
 from ftis_kernels.per_sample import per_sample_loss
 from ref import ref_ftis_loss
-from tests import numerics
+from tests import cases, numerics
 from tests.cases import (
     DTYPES,
     SCALAR_METRICS,
@@ -588,6 +588,22 @@ def test_forward_order_scales_by_the_incoming_gradient():
     torch.autograd.grad(loss * 2.0, leaves, retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(loss * 2.0, leaves)
+
+
+@pytest.mark.parametrize("graded", ["weight", "bias"])
+def test_the_default_value_check_waits_for_the_backward_when_only_bias_has_a_gradient(graded):
+    """value_check="backward": the call reads nothing when a backward can follow, whichever of
+    hidden, weight and bias records a gradient; the backward raises the named error."""
+    case = make_case(1, 2, 5, H=4, seed=26, exact=False)
+    tokens, _, adv, *rest = case.inputs
+    bad_gen = torch.full(tokens.shape, 0.5)  # log-probabilities > 0
+    weight = case.weight.float().requires_grad_(graded == "weight")
+    bias = torch.zeros(5, requires_grad=graded == "bias")
+    for impl in implementations(torch.device("cpu")):
+        with cases.backend(impl):
+            loss, _ = ftis_linear_loss(case.hidden.float(), weight, tokens, bad_gen, adv, bias=bias)
+            with pytest.raises(ValueError, match="gen_logprobs: expected finite values <= 0"):
+                loss.backward()
 
 
 def test_forward_order_scales_the_gradient_of_a_permuted_hidden():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ftis_kernels import ftis_loss
 from ftis_kernels.kernels import logp_grad, logp_lse, logp_lse_cpu
 from ftis_kernels.options import IS_LEVELS, IS_MODES, LOSS_TYPES, FTISOptions, loss_type
+from ref import ref_ftis_loss
 from tests import numerics
 from tests.cases import (
     DTYPES,
@@ -269,6 +270,24 @@ def test_large_logits_do_not_overflow(device):
             and torch.isfinite(metrics["logp"]).all()
         )
         check_against_reference(case, torch.float32, impl)
+
+
+@pytest.mark.parametrize("level", ["sequence", "sequence_product"])
+def test_an_overflowing_sequence_ratio_is_inf_in_the_metrics_not_nan(level, device):
+    """A sequence-level ratio past fp32's range (log r ~ 99) is inf on every token of its sample,
+    the padding too: the metrics average it over the completion tokens only (inf, not inf * 0)."""
+    logits = torch.zeros(1, 2, 3, device=device)  # log pi_theta = -log 3
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+    gen = torch.tensor([[-100.0, -0.5]], device=device)
+    adv, mask = torch.ones(1, device=device), torch.tensor([[True, False]], device=device)
+    opts = dict(is_level=level, is_mode="tis", filter=None)
+    results = [ref_ftis_loss(logits.cpu(), tokens.cpu(), gen.cpu(), adv.cpu(), mask.cpu(), **opts)]
+    for impl in implementations(device):
+        with backend(impl):
+            results.append(ftis_loss(logits, tokens, gen, adv, mask, **opts))
+    for _, metrics in results:
+        assert metrics["is_ratio_mean"].item() == math.inf
+        assert metrics["is_weight_mean"].item() == 2.0  # truncated at C = 2
 
 
 @pytest.mark.parametrize(
