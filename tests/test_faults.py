@@ -329,6 +329,34 @@ def test_a_run_leaves_its_marker_and_overwrite_deletes_only_what_a_run_writes(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == [RUN_MARKER, LOCK_FILE, "notes.txt"]
 
 
+@pytest.mark.parametrize("held", ["user_files", "torch_run", "swarm_run"])
+def test_a_local_swarm_of_peers_checks_its_folder_as_a_run_does(tmp_path, held):
+    """`--transport hivemind` writes its merged summary.txt and curves.png into --out: a user's
+    files of those names and another run are refused before any peer starts or any node_k
+    folder is written; --overwrite replaces a run, --resume is left to the peers."""
+    if held == "user_files":
+        (tmp_path / "summary.txt").write_text("mine")
+        want = "which holds summary.txt that no run wrote"
+    elif held == "torch_run":
+        _fake_run(tmp_path, build_config("smoke"), rounds_done=5)
+        (tmp_path / RUN_MARKER).write_text("")
+        want = "which holds a run: ckpt, metrics.jsonl, config.json"
+    else:  # a swarm's merged outputs from before the folder had a marker: its peers' have
+        (tmp_path / "summary.txt").write_text("merged")
+        (tmp_path / "node_0").mkdir()
+        (tmp_path / "node_0" / RUN_MARKER).write_text("")
+        want = "which holds a run: summary.txt"
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for args in ((), ("--overwrite",)) if held == "user_files" else ((),):
+        rc, err = ftis_grpo("--preset", "smoke", "--transport", "hivemind", *args, out=tmp_path)
+        assert rc == 2 and len(err) == 1 and want in err[0], err
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.name != LOCK_FILE) == before
+    if held != "user_files":
+        cfg = build_config("smoke", overrides={"out": str(tmp_path), "transport": "hivemind"})
+        check_out(cfg, overwrite=True, peers_resume=True)
+        assert not (tmp_path / "summary.txt").exists() and not (tmp_path / "ckpt").exists()
+
+
 def test_checkpoint_pruning_never_deletes_a_later_rounds_folder(tmp_path):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -398,6 +426,29 @@ def test_a_checkpoint_write_on_a_full_disk_names_the_path_and_the_cause(tmp_path
     tmp = checkpoint.node_dir(tmp_path, 0, 2).with_suffix(".tmp")
     assert caught.value.filename == str(tmp) and not tmp.exists()
     assert caught.value.strerror == "no space left on its disk (basic_ios::clear: iostream error)"
+
+
+def test_a_full_disk_at_the_model_file_names_the_path_and_the_cause(tmp_path, monkeypatch):
+    """safetensors, which writes the checkpoint's first file, raises its own error (an Exception,
+    not an OSError) when the disk is full."""
+    import collections
+
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpoint, "save_model", full)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 0))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(OSError) as caught:
+        checkpoint.save_node(
+            tmp_path, 0, 2, model, torch.optim.AdamW(model.parameters()), torch.Generator(), {}
+        )
+    tmp = checkpoint.node_dir(tmp_path, 0, 2).with_suffix(".tmp")
+    assert caught.value.filename == str(tmp) and not tmp.exists()
+    assert caught.value.strerror.startswith("no space left on its disk (Error while serializing")
 
 
 def test_stale_tmp_checkpoint_folders_are_removed_when_a_run_resumes(tmp_path):

@@ -144,6 +144,13 @@ def test_summary_txt_has_a_legend_of_its_columns(tmp_path):
         and text.endswith("environment: ...\n")
     )
     assert "means of the first and of the last 2 rounds" in legend
+    # The peer column, and its line of the legend, only where some node's peer is not its number.
+    assert "peer" not in columns and "peer" not in explained
+    rows = [dict(r, peer=f"Qm{r['node']}") for r in _rows(4)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_outputs(tmp_path, build_tokenizer(["x"]), metrics)
+    table, legend = (tmp_path / "summary.txt").read_text().split("\ncolumns:\n")
+    assert table.splitlines()[0].split()[-1] == "peer" and "\n  peer " in legend
 
 
 def test_the_environment_line_counts_one_thread_in_the_singular():

@@ -1,7 +1,8 @@
 """`ftis-grpo peer` processes over hivemind on loopback: a local swarm of three completes its
-rounds, each peer training on the others' samples; a peer killed with SIGKILL mid-run costs the
-others at most `collect_timeout_s`; a peer started late joins at the swarm's round; a killed peer
-restarted with --resume continues as the same peer; bad multiaddrs are one line, exit code 2.
+rounds, each peer training on the others' samples, and continues them with --resume; a peer
+killed with SIGKILL mid-run costs the others at most `collect_timeout_s`; a peer started late
+joins at the swarm's round; a killed peer restarted with --resume continues as the same peer;
+bad multiaddrs are one line, exit code 2.
 Small (tiny models, a few rounds) and bounded by timeouts."""
 
 from __future__ import annotations
@@ -90,6 +91,19 @@ def test_a_local_swarm_of_three_peers_trains_on_each_others_samples(tmp_path):
         assert all(r["dropped"] == 0 for r in rows)
     assert (out / "summary.txt").is_file() and (out / "curves.png").is_file()
     assert "merged:" in got.stdout
+    # The folder holds a run now: a fresh start is refused before any peer starts, and --resume
+    # continues every peer, together (none finishes alone before the others can join it).
+    args = ["--preset", "smoke", "--transport", "hivemind", "--nodes", "3", "--out", str(out)]
+    args += ["--no-progress", *SMALL]
+    args += [x for k in range(3) for x in ("--set", f"nodes.{k}.warmup_steps=2")]
+    refused = _grpo(*args, "--rounds", "4")
+    assert refused.returncode == 2 and "which holds a run: curves.png, summary.txt" in (
+        refused.stderr
+    ), refused.stderr[-3000:]
+    resumed = _grpo(*args, "--rounds", "4", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for k in range(3):
+        assert _rows(out / f"node_{k}")[-1]["round"] == 3
 
 
 def _peer_config(tmp_path: Path, k: int, rounds: int, warmup_steps: int = 2) -> Path:

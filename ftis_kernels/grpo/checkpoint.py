@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ def save_node(
     tmp = final.with_name(final.name + ".tmp")
     try:
         _write(tmp, round_, node, model, optimizer, sampler, state)
-    except (OSError, RuntimeError) as exc:  # torch.save says "basic_ios::clear" on a full disk
+    # On a full disk torch.save says "basic_ios::clear", safetensors raises its own error (not an
+    # OSError: "No space left on device (os error 28)").
+    except (OSError, RuntimeError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         cause = getattr(exc, "strerror", None) or str(exc)
         if shutil.disk_usage(root).free < FULL_BELOW:

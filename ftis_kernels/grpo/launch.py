@@ -131,8 +131,19 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
     over the peers' codes, a peer killed by a signal as 128 + its number), and merges the peers'
     metrics into `cfg.out`/curves.png and summary.txt. ConfigError before anything starts."""
     out, n = Path(cfg.out), len(cfg.nodes)
+    created = not out.exists()
     make_out(out)
-    with OutLock(out):  # one local swarm per folder; each peer locks its own node_k
+    with OutLock(out) as lock:  # one local swarm per folder; each peer locks its own node_k
+        # The folder itself, as a run's (its merged summary.txt and curves.png replace no one's
+        # files and no other run's); each peer checks its node_k folder and a --resume there.
+        try:
+            check_out(cfg, overwrite, peers_resume=True)
+        except ConfigError:
+            if created:  # leave no trace of a swarm that did not start
+                lock.release()
+                lock.path.unlink()
+                out.rmdir()
+            raise
         threads = threads_per_node(cfg.threads, n)
         configs = []
         for k in range(n):

@@ -252,6 +252,9 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
 
         def catch_up(next_round: int) -> int:
             if node.ran_before is None:  # resumed, before its first round: ask the peers
+                # Under the local swarm's launcher, the resumed peers start together too: one
+                # that went alone could finish its rounds before the others could join it.
+                wait_for_start(out, cfg.setup_timeout_s)
                 swarm, waited = transport.latest_round(), False
             else:
                 # Waited for: by a peer near the swarm's round during the round just run (peers

@@ -303,7 +303,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     its number (the peers of a swarm, a merged view)."""
     nodes = _by_node(rows)
     peers = {node: str(series[-1].get("peer", node)) for node, series in nodes.items()}
-    with_peer = any(peer != str(node) for node, peer in peers.items())
+    with_peer = shows_peer(rows)
     k = mean_window(min(len(series) for series in nodes.values()))
     reward_head = f"reward ({k}-round means)" if k > 1 else "reward (first -> last round)"
     head = (
@@ -345,8 +345,18 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def summary_legend(k: int) -> list[str]:
-    """What the summary table's columns mean, one line each (`k`: the reward's window)."""
+PEER_LEGEND = "  peer      a swarm peer's stable id (its libp2p peer id), as in its metrics.jsonl"
+
+
+def shows_peer(rows: list[dict]) -> bool:
+    """Whether the summary table has a "peer" column: some node's peer id is not its number."""
+    nodes = _by_node(rows)
+    return any(str(series[-1].get("peer", node)) != str(node) for node, series in nodes.items())
+
+
+def summary_legend(k: int, peer: bool = False) -> list[str]:
+    """What the summary table's columns mean, one line each (`k`: the reward's window; `peer`:
+    the table has the peer column)."""
     window = f"means of the first and of the last {k} rounds" if k > 1 else "first, last round"
     return [
         "columns:",
@@ -358,8 +368,7 @@ def summary_legend(k: int) -> list[str]:
         "  skipped   optimizer steps skipped (non-finite loss or gradient)",
         "  MB_sent   megabytes of samples the node sent its peers; B/token: bytes per token",
         "  s/round   wall-clock seconds per round",
-        "  peer      a swarm peer's stable id (its libp2p peer id), as in its metrics.jsonl",
-    ]
+    ] + [PEER_LEGEND] * peer
 
 
 def redraw(run: Path, baseline: Optional[Path] = None) -> Path:
@@ -400,7 +409,7 @@ def merge(runs: Sequence[Path], to: Path, baseline: Optional[Path] = None) -> tu
     plot_curves(rows, to / "curves.png", other)
     table = summary_table(rows)
     k = mean_window(min(len(series) for series in _by_node(rows).values()))
-    text = [table, "", *summary_legend(k), "", "merged from, in node order:"]
+    text = [table, "", *summary_legend(k, shows_peer(rows)), "", "merged from, in node order:"]
     text += [f"  {run}" for run in runs]
     (to / "summary.txt").write_text("\n".join(text) + "\n")
     return to / "curves.png", table
@@ -461,5 +470,6 @@ def write_outputs(
     plot_curves(rows, out / "curves.png")
     table = summary_table(rows)
     k = mean_window(min(len(series) for series in _by_node(rows).values()))
-    (out / "summary.txt").write_text("\n".join([table, "", *summary_legend(k), "", *notes]) + "\n")
+    legend = summary_legend(k, shows_peer(rows))
+    (out / "summary.txt").write_text("\n".join([table, "", *legend, "", *notes]) + "\n")
     return f"{table}\n\nmetrics: {metrics_path}\ncurves:  {out / 'curves.png'}"

@@ -117,16 +117,21 @@ def make_out(out: Path) -> None:
         ) from None
 
 
-def check_out(cfg: RunConfig, overwrite: bool) -> None:
+def check_out(cfg: RunConfig, overwrite: bool, peers_resume: bool = False) -> None:
     """Before a run starts into `cfg.out` (locked by the caller): a fresh run needs a folder that
     holds no run, unless `overwrite` (then the previous run's `RUN_OUTPUTS` are deleted, nothing
     else); a --resume needs a complete checkpoint of the same configuration and rounds left to
     run. A folder with files of those names that no run wrote (no `RUN_MARKER`) is refused
     either way. Stale `round_*.tmp` folders of a killed checkpoint write are removed. Writes the
-    marker; ConfigError otherwise."""
+    marker; ConfigError otherwise.
+
+    peers_resume: the folder of a local swarm of peers (`--transport hivemind`), whose peers
+    keep their checkpoints in its node_k folders and check a --resume there themselves."""
     out = Path(cfg.out)
     previous = [name for name in RUN_OUTPUTS if (out / name).exists()]
-    if previous and not holds_a_run(out):
+    # A local swarm's folder from before it had a marker of its own: its peers' folders have.
+    ran = holds_a_run(out) or (peers_resume and any(map(holds_a_run, out.glob("node_*"))))
+    if previous and not ran:
         raise ConfigError(
             (
                 "--out",
@@ -146,6 +151,8 @@ def check_out(cfg: RunConfig, overwrite: bool) -> None:
                     True,
                 )
             )
+        if peers_resume:
+            return
         check_resume(cfg)
         stale = sorted((out / "ckpt").glob("node*/round_*.tmp"))
         for folder in stale:
