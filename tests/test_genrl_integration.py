@@ -306,6 +306,34 @@ def test_generation_records_the_generators_tokens_and_logprobs_at_the_temperatur
         torch.testing.assert_close(metrics["logp"][b, : len(gen)], gen, rtol=1e-5, atol=1e-5)
 
 
+def test_the_sampler_draws_from_the_whole_vocabulary_as_recorded():
+    """pi_gen is recorded as the model's softmax over the whole vocabulary: the sampler must not
+    keep only its top k (transformers replaces a top_k of None by 50 at generate time; these
+    tests' other vocabularies are smaller than that). config.top_k = 0 is off too."""
+    tok = build_tokenizer([f"w{i}" for i in range(300)])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        )
+    )  # fmt: skip
+    for top_k in (None, 0):
+        trainer = FTISGRPOLanguageTrainerModule([model], _config(top_k=top_k), processing_class=tok)
+        ids = torch.randint(60, len(tok), (32, 4))
+        with torch.no_grad():
+            config = trainer.generation_config
+            out = trainer.model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=config
+            )
+        logits = torch.stack(out.logits, 1)
+        taken = out.sequences[:, ids.shape[1] :]
+        rank = (logits > logits.gather(-1, taken[..., None])).sum(-1)
+        # Near-uniform over ~300 tokens: most draws rank past 50 unless only the top 50 are kept.
+        assert (rank >= 50).float().mean() > 0.5, rank.max()
+
+
 # --- the update --------------------------------------------------------------------------------
 
 

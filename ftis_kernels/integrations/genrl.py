@@ -69,7 +69,12 @@ UNRECORDED_POLICIES = ("nois", "drop")
 GENRL_OPTIONS = ("epsilon", "epsilon_high", "beta", "temperature")
 # Sampler settings that make the sampling distribution differ from the model at the temperature,
 # the pi_gen recorded and the pi_theta trained: only their neutral values are honoured.
-NEUTRAL_SAMPLER = {"top_p": 1.0, "top_k": None, "min_p": None, "repetition_penalty": 1.0}
+NEUTRAL_SAMPLER = {
+    "top_p": (1.0,),
+    "top_k": (None, 0),
+    "min_p": (None, 0.0),
+    "repetition_penalty": (1.0,),
+}
 RECORD_KEYS = ("token_ids", "logprobs", "vocab_size", "tokenizer")
 LOGGED_METRICS = ("filtered_frac", "kl_mean", "is_weight_mean", "is_truncated_frac", "clip_frac")
 ROLLOUT_KINDS = ("recorded", "unrecorded", "other_tokenizer", "malformed")
@@ -140,11 +145,12 @@ def genrl_options(config: Any, preset: str, ftis: Optional[dict]) -> FTISOptions
     `epsilon_high`, `beta`, `temperature`, then `ftis` (option overrides). A ValueError names the
     GenRL key or the option it cannot honour."""
     for key, neutral in NEUTRAL_SAMPLER.items():
-        value = getattr(config, key, neutral)
-        if value != neutral:
+        value = getattr(config, key, neutral[0])
+        if value not in neutral:
             raise ValueError(
-                f"config.{key}: expected {neutral!r} (the F-TIS trainer records pi_gen as the "
-                f"model at the sampling temperature, which {key} would change), got {value!r}"
+                f"config.{key}: expected {' or '.join(map(repr, neutral))} (the F-TIS trainer "
+                f"records pi_gen as the model at the sampling temperature, which {key} would "
+                f"change), got {value!r}"
             )
     for key in ("ppo_epochs", "minibatch_size"):
         value = getattr(config, key)
@@ -212,6 +218,9 @@ class FTISGRPOLanguageTrainerModule(GRPOLanguageTrainerModule):
 
     def _initialize_generation_config(self) -> None:
         super()._initialize_generation_config()
+        # top_k off as transformers reads it: 0 (None is replaced by its default of 50 at
+        # generate time, and pi_gen would be the model's top 50 renormalised, not the model).
+        self.generation_config.top_k = 0
         # The raw logits of each step: log pi_gen is their log-softmax at the temperature.
         self.generation_config.output_logits = True
         self.generation_config.return_dict_in_generate = True
