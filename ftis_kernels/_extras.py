@@ -30,6 +30,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "plot": ("matplotlib",),
     "trl": ("trl", "transformers"),
     "genrl": ("genrl", "transformers"),
+    "verl": ("verl",),
     "swarm": ("hivemind",),
 }
 

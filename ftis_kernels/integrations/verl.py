@@ -31,11 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from verl.trainer.ppo.core_algos import register_policy_loss
-from verl.workers.config import PolicyLossConfig
 
-from ftis_kernels.options import LOSS_TYPE_TABLE, FTISOptions
-from ftis_kernels.per_sample import per_sample_loss
+from ftis_kernels._extras import require
+
+require("verl", "ftis_kernels.integrations.verl")
+
+from verl.trainer.ppo.core_algos import register_policy_loss  # noqa: E402
+from verl.workers.config import PolicyLossConfig  # noqa: E402
+
+from ftis_kernels.options import LOSS_TYPE_TABLE, FTISOptions  # noqa: E402
+from ftis_kernels.per_sample import per_sample_loss  # noqa: E402
 
 LOSS_MODE = "ftis"
 # verl's loss_agg_mode -> our loss_type, from the loss-type table.

@@ -130,9 +130,9 @@ def _call(fn: Callable, hidden: torch.Tensor) -> Any:
 
 class FTISGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose loss is F-TIS (module docstring). Takes `GRPOTrainer`'s arguments,
-    with `args` an `FTISGRPOConfig`. Logs TRL's metrics plus ftis/kl_mean, ftis/filtered_frac,
-    ftis/is_weight_mean, ftis/is_truncated_frac and ftis/clip_frac (and `kl`, the reference KL,
-    when beta > 0); TRL's entropy and clip_ratio/* are not computed.
+    with `args` an `FTISGRPOConfig`. Logs TRL's metrics, TRL's `entropy` (the per-token entropy
+    over completion tokens) and ftis/<name> for each name of `LOGGED_METRICS` (and `kl`, the
+    reference KL, when beta > 0); TRL's clip_ratio/* are not computed.
 
     Several processes: with ftis_op="ftis_linear_loss" it runs under accelerate's DDP, FSDP2 and
     DeepSpeed ZeRO-1/2/3. The decoder runs through the engine's wrapper; the fused loss and the
