@@ -35,6 +35,7 @@ case "${1:-}" in
     grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
     exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" -d .whl "$LIGER_PIN" "${PEER_PINS[@]}" ;;
   "") ;;
+  -h|--help) echo "usage: bash bench/gpu_check.sh [--cpu | --fetch-wheels]"; exit 0 ;;
   *) echo "usage: bash bench/gpu_check.sh [--cpu | --fetch-wheels]" >&2; exit 2 ;;
 esac
 

@@ -703,9 +703,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not args.plot_only:
         run = _metadata(args.device)
         config = dict(
-            vocab=VOCAB,
-            hidden=HIDDEN,
-            seq=SEQ,
+            vocab=args.vocab,
+            hidden=args.hidden,
+            seq=args.seq,
             dtype=args.dtype,
             chunk_size=args.chunk_size,
             options="defaults with filter=None (every row carries a gradient)",
@@ -719,20 +719,27 @@ def main(argv: Optional[list[str]] = None) -> None:
                 # Memory grows with n: once a size does not fit, larger ones are not attempted.
                 rec = (
                     measure_one(
-                        impl, n, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size
+                        impl,
+                        n,
+                        vocab=args.vocab,
+                        hidden_size=args.hidden,
+                        seq=args.seq,
+                        dtype=args.dtype,
+                        device=args.device,
+                        chunk_size=args.chunk_size,
                     )
                     if not failed
                     else dict(
                         impl=impl,
                         n_tokens=n,
-                        vocab=VOCAB,
-                        hidden=HIDDEN,
+                        vocab=args.vocab,
+                        hidden=args.hidden,
                         dtype=args.dtype,
                         device=args.device,
                         chunk_size=args.chunk_size,
                         status="oom",
                         note="not attempted: a smaller size did not fit",
-                        fp32_logits_bytes=n * VOCAB * 4,
+                        fp32_logits_bytes=n * args.vocab * 4,
                     )
                 )
                 failed = rec["status"] == "oom"

@@ -103,6 +103,7 @@ def plot_family(results: dict, family: str, path: Path) -> bool:
 
 def plot_all(results: dict, out: Path) -> list[Path]:
     paths = []
+    Path(out).mkdir(parents=True, exist_ok=True)
     for family in ("logits", "linear"):
         path = Path(out) / f"{family}.png"
         if plot_family(results, family, path):

@@ -7,8 +7,8 @@ records the run lacks (another device, a subset of implementations) says "not me
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 
 MiB = 2**20
@@ -198,6 +198,17 @@ def markdown(results: dict) -> str:
                 f"| {_ratio(fb, base, lambda r: r['peak_extra_bytes'])} | {over} | {roof} | {frac} | {err} |"  # noqa: E501
             )
         lines.append("")
+    # Implementations that could not run here (Liger without liger-kernel, or off CUDA): one
+    # line, not a row each.
+    unavailable: dict[str, str] = {}
+    for r in results["records"]:
+        if r["status"] == "unavailable":
+            unavailable.setdefault(r["impl"], r.get("reason", ""))
+    if unavailable:
+        lines.append(
+            "Unavailable: "
+            + "; ".join(f"{impl} ({why[:120]})" for impl, why in unavailable.items())
+        )
     skipped = [r for r in results["records"] if r["status"] not in ("ok", "unavailable")]
     if skipped:
         lines.append(
@@ -210,7 +221,17 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.report",
+        description="Print a bench.run results.json as its tables and the GPU goals.",
+    )
+    ap.add_argument("results", help="a results.json written by python -m bench.run")
+    args = ap.parse_args(argv)
+    with open(args.results) as f:
         results = json.load(f)
     print(markdown(results) + "\n" + targets(results))
+
+
+if __name__ == "__main__":
+    main()
