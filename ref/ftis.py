@@ -120,7 +120,9 @@ def ref_ftis_loss(
         policy_loss = -torch.clamp(ratio, max=opt.clip_high).detach() * adv_hat * logp
         clipped = (adv_hat > 0) & (ratio.detach() > opt.clip_high)
     elif kind.surrogate == "sapo":
-        tau = torch.where(adv_hat > 0, opt.sapo_temperature_pos, opt.sapo_temperature_neg)
+        # Options as tensors of the compute dtype: torch.where of two Python floats is fp32.
+        tau_pos, tau_neg = opt.sapo_temperature_pos, opt.sapo_temperature_neg
+        tau = torch.where(adv_hat > 0, adv_hat.new_tensor(tau_pos), adv_hat.new_tensor(tau_neg))
         policy_loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv_hat
     elif kind.surrogate == "vespo":
         with torch.no_grad():
@@ -130,8 +132,11 @@ def ref_ftis_loss(
             ).sum(dim=1)
             log_w = torch.clamp(log_w, lmin, 20.0)
             nonneg = adv_hat[:, 0] >= 0
-            k = torch.where(nonneg, opt.vespo_k_pos, opt.vespo_k_neg)
-            lam = torch.where(nonneg, opt.vespo_lambda_pos, opt.vespo_lambda_neg).clamp(min=1e-4)
+            pos = (opt.vespo_k_pos, opt.vespo_lambda_pos)
+            neg = (opt.vespo_k_neg, opt.vespo_lambda_neg)
+            k_pos, lam_pos, k_neg, lam_neg = (log_w.new_tensor(v) for v in (*pos, *neg))
+            k = torch.where(nonneg, k_pos, k_neg)
+            lam = torch.where(nonneg, lam_pos, lam_neg).clamp(min=1e-4)
             phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
             phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[:, None]
         policy_loss = -phi * adv_hat * logp
