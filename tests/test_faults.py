@@ -210,6 +210,26 @@ def test_resume_hint_only_when_a_checkpoint_exists(tmp_path):
     assert _resume_hint(argv, cfg) == ""  # every round done: a resume would have nothing to do
 
 
+def test_the_resume_hint_drops_injected_faults_and_covers_a_swarm_of_peers(tmp_path):
+    """The printed command must work as printed: without the setting that made a node fail on
+    purpose; a local swarm of peers resumes from the earliest of its peers' checkpoints."""
+    cfg = build_config("smoke", overrides={"out": str(tmp_path)})
+    argv = ["--preset", "smoke", "--set", "nodes.1.fail_at_round=2", "--set=seed=3"]
+    argv += ["--set=nodes.0.fail_at_round=1", "--out", str(tmp_path)]
+    (tmp_path / "ckpt").mkdir()
+    checkpoint.mark_latest(tmp_path / "ckpt", 1)
+    hint = _resume_hint(argv, cfg)
+    assert hint.endswith(f"ftis-grpo --preset smoke --set=seed=3 --out {tmp_path} --resume"), hint
+    peers = [tmp_path / f"node_{k}" for k in range(2)]
+    for k, done in enumerate((3, 2)):
+        (peers[k] / "ckpt").mkdir(parents=True)
+        checkpoint.mark_latest(peers[k] / "ckpt", done)
+    assert "from the checkpoint of round 2 with:" in _resume_hint(argv, cfg, peers)
+    assert _resume_hint(argv, cfg, [*peers, tmp_path / "node_2"]) == ""  # one never checkpointed
+    checkpoint.mark_latest(peers[0] / "ckpt", cfg.rounds)  # one done: it would refuse a resume
+    assert _resume_hint(argv, cfg, peers) == ""
+
+
 def test_every_config_value_is_checked_when_the_config_is_built():
     with pytest.raises(ValueError, match="nodes.0.warmup_format: expected a value <= 1"):
         build_config("smoke", sets=("nodes.0.warmup_format=2",))

@@ -101,6 +101,23 @@ def test_export_writes_a_model_folder_with_the_checkpointed_weights(run_with_ckp
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_export_builds_the_vocabulary_the_run_trained_with(tmp_path):
+    """A run with ood_surface's extra words: its models' vocabulary is larger than the default
+    task's, and the export builds the run's own."""
+    out = tmp_path
+    cfg = build_config("smoke", overrides={"out": str(out), "ood_surface": True})
+    write_run_config(out, to_dict(cfg))
+    tokenizer = build_tokenizer(ArithmeticTask(cfg.seed, cfg.difficulty()).vocabulary_text())
+    assert len(tokenizer) > len(build_tokenizer(ArithmeticTask().vocabulary_text()))
+    model = build_model(cfg.node(0).arch, tokenizer, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_node(out / "ckpt", 0, 1, model, optimizer, torch.Generator(), {"name": "n0"})
+    mark_latest(out / "ckpt", 1)
+    to = tmp_path / "exported"
+    assert cli.main(["export", str(out), "--node", "0", "--to", str(to)]) == 0
+    assert len(load_pretrained(str(to))[1]) == len(tokenizer)
+
+
 def test_a_checkpoint_round_given_as_model_names_the_export_command_that_makes_one(
     run_with_ckpt, tmp_path
 ):

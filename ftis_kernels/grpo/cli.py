@@ -558,7 +558,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         if cfg.transport == "hivemind":
             _require_swarm()
-            return launch_peers(cfg, overwrite=args.overwrite)
+            return launch_peers(cfg, overwrite=args.overwrite, argv=argv)
         return launch(argv, cfg, overwrite=args.overwrite)
     except ConfigError as exc:
         for line in exc.lines:

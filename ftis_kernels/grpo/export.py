@@ -50,7 +50,9 @@ def export(run: Path, node: int, round_: Optional[int], to: Path) -> Path:
         if round_ is None:
             raise ConfigError(("--round", f"a complete checkpoint in {root}", Verbatim("none")))
     if round_ not in rounds:
-        raise ConfigError(("--round", f"a round checkpointed for node {node}: {rounds}", round_))
+        raise ConfigError(
+            ("--round", f"a round checkpointed for node {node}: {sorted(rounds)}", round_)
+        )
     damage = checkpoint.verify_node(root, node, round_)
     if damage is not None:
         raise ConfigError(("--round", "an undamaged checkpoint", Verbatim(damage)))
@@ -67,7 +69,8 @@ def export(run: Path, node: int, round_: Optional[int], to: Path) -> Path:
     if spec.model is not None:
         model, tokenizer = load_pretrained(spec.model)
     else:
-        tokenizer = build_tokenizer(ArithmeticTask().vocabulary_text())
+        # The run's own task settings (ood_surface adds words), as its nodes built it.
+        tokenizer = build_tokenizer(ArithmeticTask(cfg.seed, cfg.difficulty()).vocabulary_text())
         model = build_model(spec.arch, tokenizer, cfg.init_seed(node))
     if spec.lora:
         model = apply_lora(model, spec.lora_r, spec.lora_alpha)

@@ -124,7 +124,7 @@ def peer_folder(out: Path, k: int) -> Path:
     return out / f"node_{k}"
 
 
-def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
+def launch_peers(cfg: RunConfig, overwrite: bool = False, argv: Sequence[str] = ()) -> int:
     """Start a local swarm of separate `ftis-grpo peer` processes over loopback, one per node,
     each into `cfg.out`/node_k with its `node.yaml` there; node 0 first, the others joining by its
     multiaddr. Signals are forwarded as `launch` does; returns the swarm's exit code (`swarm_exit`
@@ -206,7 +206,7 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
 
         codes = supervise_peers(procs, tick=start_when_ready)
     reports = {
-        k: (c, f"peer {k} ({cfg.node(k).name}) exited with code {c}") for k, c in codes.items()
+        k: (c, f"peer {k} ({cfg.node(k).name}) exited with code {c}.") for k, c in codes.items()
     }
     code, reason = swarm_exit(1 if any(codes.values()) else 0, reports)
     try:
@@ -217,7 +217,10 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False) -> int:
     except (OSError, ValueError) as exc:
         log.warning("no merged summary of the peers: %s", exc)
     if code != 0:
-        log.error("the swarm stopped with exit code %d: %s", code, reason)
+        hint = ""
+        if argv and code not in (EXIT_REFUSED, EXIT_USAGE):
+            hint = _resume_hint(argv, cfg, [peer_folder(out, k) for k in range(n)])
+        log.error("the swarm stopped with exit code %d: %s%s", code, reason, hint)
     return code
 
 
@@ -292,22 +295,50 @@ def _torchrun(argv: Sequence[str]) -> int:
     return 0
 
 
-def _resume_hint(argv: Sequence[str], cfg: RunConfig) -> str:
+def _resume_args(argv: Sequence[str]) -> list[str]:
+    """argv without --resume / --overwrite and without the settings that inject a fault
+    (`nodes.K.fail_at_round`): a resume with them would fail again at once."""
+    args: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a in ("--resume", "--overwrite"):
+            continue
+        if a == "--set" and i + 1 < len(argv) and ".fail_at_round=" in argv[i + 1]:
+            skip = True
+            continue
+        if a.startswith("--set=") and ".fail_at_round=" in a:
+            continue
+        args.append(a)
+    return args
+
+
+def _resume_hint(argv: Sequence[str], cfg: RunConfig, folders: Sequence[Path] = ()) -> str:
     """' Continue ... with: ftis-grpo ... --resume' when a resume can work (a complete checkpoint
-    with rounds left after it, and no node that stopped the run by diverging), else ''."""
-    done = checkpoint.latest_round(Path(cfg.out) / "ckpt")
-    if done is None or done >= cfg.rounds:
+    with rounds left after it, and no node that stopped the run by diverging), else ''. folders:
+    the run's folders holding `ckpt/` and `metrics.jsonl` (a local swarm of peers: its node_k
+    folders, the resume continuing from the earliest of their checkpoints, none of them done);
+    by default --out."""
+    folders = list(folders) or [Path(cfg.out)]
+    latest = [checkpoint.latest_round(folder / "ckpt") for folder in folders]
+    if any(r is None for r in latest):
         return ""
-    try:
-        rows = read_metrics(Path(cfg.out) / "metrics.jsonl", warn=False)
-    except (OSError, ValueError):
-        rows = []
-    if rows and max(skipped_in_a_row(rows).values()) >= cfg.max_skipped_steps:
-        return " The training diverged (see the error above): a --resume would repeat it."
-    args = [a for a in argv if a not in ("--resume", "--overwrite")]
+    done = min(r for r in latest if r is not None)
+    # Every folder needs rounds left: a swarm peer that has done them all refuses a --resume.
+    if max(r for r in latest if r is not None) >= cfg.rounds:
+        return ""
+    for folder in folders:
+        try:
+            rows = read_metrics(folder / "metrics.jsonl", warn=False)
+        except (OSError, ValueError):
+            rows = []
+        if rows and max(skipped_in_a_row(rows).values()) >= cfg.max_skipped_steps:
+            return " The training diverged (see the error above): a --resume would repeat it."
     return (
         f" Continue from the checkpoint of round {done} with: "
-        f"ftis-grpo {shlex.join(args + ['--resume'])}"
+        f"ftis-grpo {shlex.join(_resume_args(argv) + ['--resume'])}"
     )
 
 

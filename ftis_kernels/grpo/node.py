@@ -539,10 +539,12 @@ class Node:
             if self.options.is_mode == "vis"
             else ""
         )
+        # Under torch.distributed every node stops; a swarm peer (a world of its own) leaves.
+        stopping = "stopping the swarm" if self.world > 1 else "stopping"
         raise Diverged(
             f"node {worst} ({self.cfg.node(worst).name}) skipped its optimizer step "
             f"{n} rounds in a row (the last in round {last}: non-finite loss or "
-            f"gradient, see its warnings); stopping the swarm, the training diverges"
+            f"gradient, see its warnings); {stopping}, the training diverges"
             f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}"
         )
 
