@@ -428,37 +428,27 @@ def test_resume_with_a_damaged_latest_pointer_is_no_traceback(tmp_path):
     ]
 
 
-def test_a_checkpoint_write_on_a_full_disk_names_the_path_and_the_cause(tmp_path, monkeypatch):
-    """torch.save says only "basic_ios::clear: iostream error" when the disk fills up."""
-    import collections
-
-    def full(*args, **kwargs):
-        raise RuntimeError("basic_ios::clear: iostream error")
-
-    monkeypatch.setattr(checkpoint.torch, "save", full)
-    usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 0))
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(OSError) as caught:
-        checkpoint.save_node(
-            tmp_path, 0, 2, model, torch.optim.AdamW(model.parameters()), torch.Generator(), {}
-        )
-    tmp = checkpoint.node_dir(tmp_path, 0, 2).with_suffix(".tmp")
-    assert caught.value.filename == str(tmp) and not tmp.exists()
-    assert caught.value.strerror == "no space left on its disk (basic_ios::clear: iostream error)"
-
-
-def test_a_full_disk_at_the_model_file_names_the_path_and_the_cause(tmp_path, monkeypatch):
-    """safetensors, which writes the checkpoint's first file, raises its own error (an Exception,
-    not an OSError) when the disk is full."""
+@pytest.mark.parametrize("writer", ["torch.save", "safetensors"])
+def test_a_checkpoint_write_on_a_full_disk_names_the_path_and_the_cause(
+    tmp_path, monkeypatch, writer
+):
+    """On a full disk torch.save says only "basic_ios::clear: iostream error"; safetensors, which
+    writes the checkpoint's first file, raises its own error (an Exception, not an OSError)."""
     import collections
 
     from safetensors import SafetensorError
 
-    def full(*args, **kwargs):
-        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+    if writer == "torch.save":
+        error = RuntimeError("basic_ios::clear: iostream error")
+        target, name = checkpoint.torch, "save"
+    else:
+        error = SafetensorError("Error while serializing: No space left on device (os error 28)")
+        target, name = checkpoint, "save_model"
 
-    monkeypatch.setattr(checkpoint, "save_model", full)
+    def full(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(target, name, full)
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 0))
     model = torch.nn.Linear(2, 2)
@@ -468,7 +458,7 @@ def test_a_full_disk_at_the_model_file_names_the_path_and_the_cause(tmp_path, mo
         )
     tmp = checkpoint.node_dir(tmp_path, 0, 2).with_suffix(".tmp")
     assert caught.value.filename == str(tmp) and not tmp.exists()
-    assert caught.value.strerror.startswith("no space left on its disk (Error while serializing")
+    assert caught.value.strerror == f"no space left on its disk ({error})"
 
 
 def test_stale_tmp_checkpoint_folders_are_removed_when_a_run_resumes(tmp_path):

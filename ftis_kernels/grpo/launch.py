@@ -62,6 +62,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _check_out_or_clean(
+    cfg: RunConfig, overwrite: bool, lock: OutLock, created: bool, peers_resume: bool = False
+) -> None:
+    """`check_out` of the locked --out; on a ConfigError, a folder this call created is removed
+    again (no trace of a run that did not start) before it propagates."""
+    try:
+        check_out(cfg, overwrite, peers_resume=peers_resume)
+    except ConfigError:
+        if created:
+            lock.release()
+            lock.path.unlink()
+            Path(cfg.out).rmdir()
+        raise
+
+
 def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
     """Start the local swarm (torchrun, one process per node on 127.0.0.1) into the locked output
     folder and supervise it; returns the exit code. ConfigError before anything starts."""
@@ -69,14 +84,7 @@ def launch(argv: Sequence[str], cfg: RunConfig, overwrite: bool = False) -> int:
     created = not out.exists()
     make_out(out)
     with OutLock(out) as lock:
-        try:
-            check_out(cfg, overwrite)
-        except ConfigError:
-            if created:  # leave no trace of a run that did not start
-                lock.release()
-                lock.path.unlink()
-                out.rmdir()
-            raise
+        _check_out_or_clean(cfg, overwrite, lock, created)
         n = len(cfg.nodes)
         cmd = [
             sys.executable,
@@ -136,14 +144,7 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False, argv: Sequence[str] = 
     with OutLock(out) as lock:  # one local swarm per folder; each peer locks its own node_k
         # The folder itself, as a run's (its merged summary.txt and curves.png replace no one's
         # files and no other run's); each peer checks its node_k folder and a --resume there.
-        try:
-            check_out(cfg, overwrite, peers_resume=True)
-        except ConfigError:
-            if created:  # leave no trace of a swarm that did not start
-                lock.release()
-                lock.path.unlink()
-                out.rmdir()
-            raise
+        _check_out_or_clean(cfg, overwrite, lock, created, peers_resume=True)
         threads = threads_per_node(cfg.threads, n)
         configs = []
         for k in range(n):
