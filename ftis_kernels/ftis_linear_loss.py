@@ -391,8 +391,7 @@ def _scale_grads_impl(
         raise_on_faults(record)
     grads = (grad_hidden, grad_weight, grad_bias)
     if select_backend(factor.device) == "triton":
-        scale_(grads, factor)
-        return
+        return scale_(grads, factor)
     for grad in grads:
         if grad.numel():
             grad.mul_(factor)
@@ -634,8 +633,7 @@ def ftis_linear_loss(
         chunk_size=chunk,
     )
     in_forward = _check_grad_in_forward(grad_in_forward, blocker) and any(needs)
-    # Read in the backward when one will follow: a gradient is recorded for any of the three.
-    graded = [x for x, need in zip((hidden, weight, bias), needs) if need]
+    graded = [x for x, need in zip((hidden, weight, bias), needs) if need]  # a backward follows
     checks = (value_check, check_now(value_check, graded[0] if graded else hidden))
     if not any(needs):
         checks = (value_check, value_check != "deferred")
