@@ -302,7 +302,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     traffic, time per round; then the node's "peer" (its stable id) where some node's differs from
     its number (the peers of a swarm, a merged view)."""
     nodes = _by_node(rows)
-    peers = {node: str(series[-1].get("peer", node)) for node, series in nodes.items()}
+    peers = _peers(nodes)
     with_peer = shows_peer(rows)
     k = mean_window(min(len(series) for series in nodes.values()))
     reward_head = f"reward ({k}-round means)" if k > 1 else "reward (first -> last round)"
@@ -348,10 +348,14 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 PEER_LEGEND = "  peer      a swarm peer's stable id (its libp2p peer id), as in its metrics.jsonl"
 
 
+def _peers(nodes: dict) -> dict:
+    """Each node's peer id (its number where its rows name none), from `_by_node`'s series."""
+    return {node: str(series[-1].get("peer", node)) for node, series in nodes.items()}
+
+
 def shows_peer(rows: list[dict]) -> bool:
     """Whether the summary table has a "peer" column: some node's peer id is not its number."""
-    nodes = _by_node(rows)
-    return any(str(series[-1].get("peer", node)) != str(node) for node, series in nodes.items())
+    return any(peer != str(node) for node, peer in _peers(_by_node(rows)).items())
 
 
 def summary_legend(k: int, peer: bool = False) -> list[str]:

@@ -151,9 +151,8 @@ def check_out(cfg: RunConfig, overwrite: bool, peers_resume: bool = False) -> No
                     True,
                 )
             )
-        if peers_resume:
-            return
-        check_resume(cfg)
+        if not peers_resume:  # a swarm's peers check their own checkpoints
+            check_resume(cfg)
         stale = sorted((out / "ckpt").glob("node*/round_*.tmp"))
         for folder in stale:
             shutil.rmtree(folder)
