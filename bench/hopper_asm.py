@@ -175,7 +175,8 @@ def _h200_launch(kernel: str, dtype: str, V: int, width: Optional[int] = None) -
         args = {**common, **outputs, **mask, **rows, **scalars, **codes, **meta}
         return G._logp_grad_fwd_kernel, args
     rows = dict(row_max_ptr=f32, log_sum_ptr=f32, coef_ptr=f32, entropy_ptr=None)
-    rows.update(scales_ptr=f32, grad_ptr=f32)
+    rows.update(scales_ptr=f32, grad_ptr=f32, rows_ptr=None, rows_out_ptr=None, H=0)
+    rows.update(stride_hr=0, stride_hh=0)
     grad = dict(dlogits_ptr=x, entropy_coef_ptr=None, stride_db=T * W, stride_dt=W, stride_dv=1)
     return K._logits_bwd_kernel, {**common, **rows, **grad, **K.bwd_meta(block_v)}
 

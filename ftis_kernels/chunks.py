@@ -17,9 +17,11 @@ then the two matmuls of the gradients: grad_hidden written into its rows, grad_w
 by the matmul itself (`_accumulate_grad_weight`): in fp32 by default, or in the weight's dtype
 (`GRAD_WEIGHT_ACCUMULATIONS`).
 
-Masked rows are computed like the others (a chunk's size is never read back from the device); the
-hidden states there are zeroed once per call (`masked_rows`), so whatever they held reaches no
-logit and no gradient, and their row passes read nothing.
+Masked rows are computed like the others (a chunk's size is never read back from the device), on
+the hidden states as given: their row passes read none of their logits, and their gradient is
+written as zeros. The weight gradient's matmul reads a chunk's hidden states through a buffer of
+one chunk, zeros at the rows without gradient (the backward row pass fills it), so that whatever a
+masked row holds (NaN at padding) reaches no gradient; no masked copy of every hidden state.
 
 Sizing: `auto_chunk_size` (chunk_size=None) and `sample_chunks` (chunks of whole samples).
 """
@@ -68,15 +70,11 @@ def check_chunk_size(chunk_size: object) -> Optional[int]:
     return chunk_size  # type: ignore[return-value]
 
 
-def masked_rows(hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """hidden (B, T, H) as (B * T, H) rows, zero where mask (B, T) is off (whatever the masked
-    rows held then reaches no logit and no gradient). A view when there is no mask and the layout
-    allows; else one pass over hidden."""
+def as_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """hidden (B, T, H) as (B * T, H) rows: a view where the layout allows, else one copy. Masked
+    rows are kept as they are (see the module's docstring)."""
     B, T, H = hidden.shape
-    if mask is None:
-        return hidden.reshape(B * T, H)
-    keep = mask[..., None] if mask.dtype == torch.bool else mask[..., None] != 0
-    return torch.where(keep, hidden, 0).reshape(B * T, H)
+    return hidden.reshape(B * T, H)
 
 
 def row_chunks(n_rows: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -131,7 +129,7 @@ def linear_logp_lse(
     chunks: list[tuple[int, int]],
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward pass. rows (R, H) hidden states (`masked_rows`), weight (V, H), bias (V,) or None,
+    """Forward pass. rows (R, H) hidden states (`as_rows`), weight (V, H), bias (V,) or None,
     tokens (R,), mask (R,) or None; chunks: (r0, r1) row ranges covering every row.
 
     Returns logp, row_max, log_sum, entropy (R,) fp32: log pi_theta(token), the row statistics
@@ -164,6 +162,14 @@ def new_grads(
     )
 
 
+def live_rows_buffer(rows, needs, mask, most_rows: int) -> Optional[torch.Tensor]:
+    """(most_rows, H) in rows' dtype, contiguous: one chunk's hidden states as the weight
+    gradient's matmul reads them (`_chunk_grads`); None (the rows themselves) without a mask
+    (every row is a completion token: a non-finite one shows in its logits and the value
+    check) or when the weight wants no gradient."""
+    return rows.new_empty(most_rows, rows.shape[1]) if needs[1] and mask is not None else None
+
+
 def finish_grads(grads, weight) -> tuple[Optional[torch.Tensor], ...]:
     """The accumulators of `new_grads` in the weight's dtype."""
     grad_hidden, grad_weight, grad_bias = grads
@@ -194,14 +200,19 @@ def _accumulate_grad_weight(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.T
         acc[block].addmm_(rows.float() if acc.dtype == torch.float32 else rows, h_mm)
 
 
-def _chunk_grads(logits, rows, weight, tokens, per_row, temperature, backend, r0, r1, grads):
+def _chunk_grads(
+    logits, rows, weight, tokens, per_row, temperature, backend, r0, r1, grads, live_rows
+):
     """Overwrites a chunk's logits (c, V) with their gradient and accumulates it into grads =
     (grad_hidden, grad_weight, grad_bias), each None when not needed. per_row = (row_max,
     log_sum, coef, entropy, entropy_coef, scales, grad) as the backward row pass takes them
-    (`custom_op.backward_stats`), the per-row ones (rows,)."""
+    (`custom_op.backward_stats`), the per-row ones (rows,); live_rows: `live_rows_buffer`'s."""
     stats = tuple(None if x is None else x[r0:r1][None] for x in per_row[:5])
     extra = per_row[5:] if backend == "triton" else ()
     row_max, log_sum, coef, entropy, entropy_coef = stats
+    # The chunk's hidden states, 0 at the rows without gradient (written by the Triton row pass).
+    h = rows[r0:r1] if live_rows is None else live_rows[: r1 - r0]
+    fill = {} if live_rows is None or backend != "triton" else dict(rows=rows[r0:r1], rows_out=h)
     dlogits = BACKWARD[backend](
         logits[None],
         tokens[r0:r1][None],
@@ -213,12 +224,18 @@ def _chunk_grads(logits, rows, weight, tokens, per_row, temperature, backend, r0
         entropy,
         entropy_coef,
         *extra,
+        **fill,
     )[0]
     grad_hidden, grad_weight, grad_bias = grads
     if grad_hidden is not None:
         torch.mm(dlogits, weight, out=grad_hidden[r0:r1])
     if grad_weight is not None:
-        _accumulate_grad_weight(grad_weight, dlogits, rows[r0:r1])
+        if live_rows is not None and not fill:
+            live = coef[0] != 0
+            if entropy_coef is not None:
+                live |= entropy_coef[0] != 0
+            h.copy_(rows[r0:r1]).masked_fill_(~live[:, None], 0)
+        _accumulate_grad_weight(grad_weight, dlogits, h)
     if grad_bias is not None:
         grad_bias += dlogits.sum(dim=0, dtype=torch.float32)
 
@@ -234,10 +251,12 @@ def linear_grads(
     backend: str,
     needs: tuple[bool, bool, bool],
     accumulation: str = "fp32",
+    mask: Optional[torch.Tensor] = None,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward pass (the gradients in the backward order): rows (R, H), tokens (R,), per_row as
     `_chunk_grads` takes it (per-row tensors (R,)); needs = which of (hidden, weight, bias) want a
-    grad; accumulation: where grad_weight is summed (`GRAD_WEIGHT_ACCUMULATIONS`). Per chunk:
+    grad; accumulation: where grad_weight is summed (`GRAD_WEIGHT_ACCUMULATIONS`); mask: the
+    forward's (any shape), or None. Per chunk:
     the logits again, the backward row pass in place, the gradients' matmuls.
 
     With dlogits[r, v] = coef[r] * (1[v == token[r]] - p[r, v]) - entropy_coef[r] * p[r, v] *
@@ -247,10 +266,13 @@ def linear_grads(
     returned in the weight's dtype).
     """
     grads = new_grads(rows, weight, needs, accumulation)
+    most = max((r1 - r0 for r0, r1 in chunks), default=0)
+    live_rows = live_rows_buffer(rows, needs, mask, most)
     if any(needs):
         for r0, r1 in chunks:
             logits = _chunk_logits(rows[r0:r1], weight, bias)
-            _chunk_grads(logits, rows, weight, tokens, per_row, temperature, backend, r0, r1, grads)
+            args = (per_row, temperature, backend, r0, r1, grads, live_rows)
+            _chunk_grads(logits, rows, weight, tokens, *args)
             del logits
     return finish_grads(grads, weight)
 
@@ -281,10 +303,12 @@ def linear_loss_and_grads(
     new = torch.empty if backend == "triton" else torch.zeros
     stats = tuple(new(rows.shape[0], dtype=torch.float32, device=rows.device) for _ in range(4))
     grads = new_grads(rows, weight, needs, accumulation)
+    live_rows = live_rows_buffer(rows, needs, mask, max((c[3] - c[2] for c in chunks), default=0))
     for s0, s1, r0, r1 in chunks:
         logits = _chunk_logits(rows[r0:r1], weight, bias)
         _rows_forward(logits, tokens, mask, temperature, backend, stats, r0, r1)
         per_row = coefficients(stats, s0, s1)
-        _chunk_grads(logits, rows, weight, tokens, per_row, temperature, backend, r0, r1, grads)
+        args = (per_row, temperature, backend, r0, r1, grads, live_rows)
+        _chunk_grads(logits, rows, weight, tokens, *args)
         del logits
     return stats, finish_grads(grads, weight)

@@ -21,15 +21,15 @@ coef = d loss / d logp. The gradients follow in one of two orders, with the same
 
 Nothing is read back from the device to plan the chunks (0 host reads with value_check=
 "deferred"; the default reads the value checks once, in the backward). Masked rows are computed
-with the others, on hidden states zeroed there once per call (`chunks.masked_rows`), so whatever
-they held reaches no logit and no gradient.
+with the others and their logits never read; the weight gradient's matmul reads a chunk's hidden
+states zeroed at its rows without gradient (`chunks.py`), so whatever they held reaches no gradient.
 
 Extra memory is bounded independently of B * T: one chunk of logits, at most
 max(chunks.AUTO_CHUNK_ELEMENTS, chunks.AUTO_SAMPLE_CHUNK_ELEMENTS) of them with chunk_size=None
-(c * V in the hidden dtype, plus the CPU row passes' fp32 scratch), the masked copy of hidden and
-grad_hidden ((B * T, H) each), for bf16/fp16 weights an fp32 grad_weight accumulator, and O(B * T)
-per-token scalars (`bench/linear_memory.py` measures it). In the forward order the gradients
-exist from the forward on instead of from the backward on.
+(c * V in the hidden dtype, plus the CPU row passes' fp32 scratch), one chunk's hidden states
+(c * H), grad_hidden ((B * T, H)), for bf16/fp16 weights an fp32 grad_weight accumulator, and
+O(B * T) per-token scalars (`bench/linear_memory.py` measures it). In the forward order the
+gradients exist from the forward on instead of from the backward on.
 
 This is the "cuBLAS matmul per chunk + the row kernels" design. The matmul itself is torch's
 (cuBLAS on GPU, oneDNN/MKL on CPU); only the row passes are Triton. Fusing the log-sum-exp into a
@@ -151,7 +151,7 @@ def _forward(args: custom_op.ForwardInputs) -> tuple:
     B, T, _ = hidden.shape
     mask = args.rows.mask
     shard = custom_op.Shard.of(args, hidden.device, weight.shape[0], hidden.shape[2])
-    hidden_rows = chunks.masked_rows(hidden, mask)
+    hidden_rows = chunks.as_rows(hidden)
     tokens = shard.tokens.reshape(B * T)
     flat_mask = None if mask is None else mask.reshape(B * T)
     # Chunks of whole samples when they fit (in both orders, so that both compute the same
@@ -311,7 +311,7 @@ def _ftis_linear_loss_bwd_impl(
     # none does, before the all-reduce below.
     if record is not None:
         raise_on_faults(record)
-    rows = chunks.masked_rows(hidden, mask)
+    rows = chunks.as_rows(hidden)
     offsets = list(sample_offsets)
     sample_chunks = chunks.sample_chunks(offsets, chunk_size) if offsets else None
     row_chunks = (
@@ -331,6 +331,7 @@ def _ftis_linear_loss_bwd_impl(
         backend,
         needs,
         grad_weight_accumulation,
+        mask,
     )
     if group_name is not None and grads[0] is not None:
         all_reduce_sum(grads[0], group_name)

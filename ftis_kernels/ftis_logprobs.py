@@ -91,7 +91,7 @@ def ftis_logprobs(
             check_tensor("bias", bias, (V,), (inputs.dtype,), device)
         chunk = chunks.check_chunk_size(chunk_size) or chunks.auto_chunk_size(V)
         _check_tokens(tokens, mask, V)
-        rows = chunks.masked_rows(inputs.reshape(B, T, H), flat_mask)
+        rows = chunks.as_rows(inputs.reshape(B, T, H))
         flat = None if flat_mask is None else flat_mask.reshape(B * T)
         stats = chunks.linear_logp_lse(
             rows,

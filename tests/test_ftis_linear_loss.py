@@ -299,6 +299,42 @@ def test_hidden_at_masked_positions_is_never_read(garbage, device):
         assert torch.count_nonzero(grads2["hidden"][~mask]) == 0
 
 
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_a_mask_makes_no_copy_of_the_hidden_states(grad_in_forward, device):
+    # The masked rows' hidden states reach the weight's gradient through one chunk's buffer
+    # (zeros at rows without gradient), not through a masked copy of all of them: the only
+    # (B * T, H) tensor the op makes is grad_hidden.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    B, T, V, H = 4, 8, 20, 16  # one chunk's logits (8 x 20) and weight (20 x 16) are smaller
+    case = make_case(B, T, V, H=H, seed=4, mask="empty_row", device=device)
+    big = B * T * H * 4
+
+    class Storages(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() >= big:
+                    self.made.add(t.untyped_storage().data_ptr())
+            return out
+
+    for impl in implementations(device):
+        hidden = case.hidden.float().requires_grad_()
+        weight = case.weight.float().requires_grad_()
+        with cases.backend(impl), Storages() as seen:
+            loss, _ = ftis_linear_loss(
+                hidden, weight, *case.inputs, chunk_size=T, grad_in_forward=grad_in_forward
+            )
+            loss.backward()
+        seen.made.discard(hidden.untyped_storage().data_ptr())
+        assert seen.made == {hidden.grad.untyped_storage().data_ptr()}, impl
+
+
 def test_filtered_samples_get_no_hidden_gradient(device):
     case = make_case(3, 5, 40, H=12, seed=5, mask="none", gen_spread=6.0, device=device)
     case = dataclasses.replace(case, advantages=torch.tensor([-1.0, 0.5, -0.3], device=device))

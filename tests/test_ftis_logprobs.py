@@ -72,6 +72,20 @@ def test_packed_rows_give_the_padded_values():
         assert torch.equal(p, torch.cat([q[b, :n] for b, n in enumerate(lengths)]))
 
 
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf")])
+def test_hidden_states_at_masked_positions_are_never_read(garbage, device):
+    case = make_case(3, 5, 37, H=6, seed=3, mask="empty_row", device=device)
+    hidden, mask = case.hidden.float(), case.mask
+    dirty = hidden.clone()
+    dirty[~mask] = garbage
+    for impl in implementations(device):
+        with backend(impl):
+            want = ftis_logprobs(hidden, case.tokens, case.weight.float(), mask=mask, chunk_size=4)
+            got = ftis_logprobs(dirty, case.tokens, case.weight.float(), mask=mask, chunk_size=4)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w) and torch.count_nonzero(g[~mask]) == 0, impl
+
+
 def test_logprobs_carry_no_graph_and_refuse_bad_tokens():
     logits = torch.randn(2, 3, 11, requires_grad=True)
     tokens = torch.randint(0, 11, (2, 3))

@@ -15,7 +15,10 @@ nothing and write 0 to every output.
 Backward: with log p_v = (x[r, v] / tau - row_max_r) - log_sum_r and p_v = exp(log p_v),
 dx[r, v] = c_r * (1[v == token_r] - p_v) - e_r * p_v * (log p_v + H_r), where c_r and e_r are
 d loss / d logp_r and d loss / d H_r over tau (the caller folds 1 / tau and the incoming gradient
-into both); rows with c_r = e_r = 0 read nothing.
+into both); rows with c_r = e_r = 0 read nothing. Given the rows' hidden states (the lm-head
+ops), the backward also copies each row's into a buffer for the weight gradient's matmul, zeros
+for a row without gradient: whatever a masked row holds (NaN at padding) then reaches no
+gradient, without a masked copy of every hidden state.
 
 Non-finite logits at a live row show in its statistics, which the caller checks (`validate.py`):
 a NaN or +inf logit makes log_sum NaN (and row_max +inf for +inf), an all -inf row gives
@@ -315,6 +318,7 @@ def _bwd_block(
         "HAS_ENTROPY_GRAD": lambda args: args["entropy_coef_ptr"] is not None,
         "HAS_SCALES": lambda args: args["scales_ptr"] is not None,
         "HAS_GRAD": lambda args: args["grad_ptr"] is not None,
+        "HAS_ROWS": lambda args: args["rows_ptr"] is not None,
         "TAIL_APART": tail_apart,
     }
 )
@@ -331,11 +335,14 @@ def _logits_bwd_kernel(
     entropy_coef_ptr,  # (B * T,) fp32: d loss / d entropy (times scales[1] * ...), or None
     scales_ptr,  # (2,) fp32: the forward's scales of coef and entropy_coef, or None (applied)
     grad_ptr,  # () fp32: d (outer loss) / d loss, with scales_ptr; None: 1
+    rows_ptr,  # (B * T, H) hidden states, any strides, or None
+    rows_out_ptr,  # (B * T, H) contiguous out, the rows' dtype: the row, or 0 without gradient
     # scalars
     temperature,
     # sizes
     T,
     V,
+    H,
     # strides
     stride_lb,
     stride_lt,
@@ -345,10 +352,13 @@ def _logits_bwd_kernel(
     stride_dv,
     stride_tb,
     stride_tt,
+    stride_hr,
+    stride_hh,
     # meta-parameters
     HAS_ENTROPY_GRAD: tl.constexpr,
     HAS_SCALES: tl.constexpr,
     HAS_GRAD: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     TAIL_APART: tl.constexpr,
 ):
@@ -417,6 +427,18 @@ def _logits_bwd_kernel(
         grad.to(dlogits_ptr.dtype.element_ty),
         mask=live & token_ok,
     )
+    if HAS_ROWS:
+        # The row's hidden state for grad_weight = dx.T @ rows, 0 where dx is: a row without
+        # gradient reads nothing, so a NaN there cannot reach the matmul's sums (0 * NaN).
+        h_read = tl.where(live, H, 0)
+        for h0 in range(0, H, BLOCK_V):
+            offs = h0 + tl.arange(0, BLOCK_V)
+            h = tl.load(
+                rows_ptr + row * stride_hr + offs.to(tl.int64) * stride_hh,
+                mask=offs < h_read,
+                other=0.0,
+            )
+            tl.store(rows_out_ptr + row * H + offs, h, mask=offs < H)
 
 
 def logits_bwd(
@@ -432,16 +454,22 @@ def logits_bwd(
     scales: Optional[torch.Tensor] = None,
     grad: Optional[torch.Tensor] = None,
     *,
+    rows: Optional[torch.Tensor] = None,
+    rows_out: Optional[torch.Tensor] = None,
     meta: Optional[dict] = None,
 ) -> torch.Tensor:
     """Triton backward, one launch. logits, out (B, T, V) (out may be logits); tokens (B, T);
     row_max, log_sum, coef (B, T) fp32 contiguous; entropy, entropy_coef (B, T) fp32 contiguous
     (d loss / d H) or both None. With scales (2,) and grad () fp32 tensors, the kernel multiplies
     coef by scales[0] * grad / temperature and entropy_coef by scales[1] * grad / temperature;
-    without them, coef and entropy_coef come with those factors applied. meta: BLOCK_V and
-    num_warps (optionally num_stages) in place of the defaults. Returns out.
+    without them, coef and entropy_coef come with those factors applied. With rows (B * T, H)
+    (any strides) and rows_out (B * T, H) contiguous in rows' dtype, rows_out[r] = rows[r] where
+    row r has a gradient, else 0 (rows of no gradient are not read). meta: BLOCK_V and num_warps
+    (optionally num_stages) in place of the defaults. Returns out.
     """
     B, T, V = logits.shape
+    if (rows is None) != (rows_out is None):
+        raise ValueError("rows and rows_out: expected both or neither")
     block_v = _block_v(V)
     launch(
         _logits_bwd_kernel,
@@ -456,12 +484,16 @@ def logits_bwd(
         entropy_coef,
         scales,
         grad,
+        rows,
+        rows_out,
         float(temperature),
         T,
         V,
+        0 if rows is None else rows.shape[1],
         *logits.stride(),
         *out.stride(),
         *tokens.stride(),
+        *((0, 0) if rows is None else rows.stride()),
         **(meta if meta is not None else bwd_meta(block_v)),
     )
     return out
