@@ -334,6 +334,32 @@ def test_the_sampler_draws_from_the_whole_vocabulary_as_recorded():
         assert (rank >= 50).float().mean() > 0.5, rank.max()
 
 
+def test_the_models_own_generation_config_does_not_narrow_the_sampler():
+    """A checkpoint's generation_config (here min_p = 1: the argmax only) fills what the
+    trainer's leaves unset at generate time; the trainer samples from the model at the
+    temperature, as it records pi_gen, whatever the checkpoint says."""
+    tok = build_tokenizer([f"w{i}" for i in range(300)])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        )
+    )  # fmt: skip
+    model.generation_config.update(min_p=1.0, typical_p=0.01)
+    trainer = FTISGRPOLanguageTrainerModule([model], _config(), processing_class=tok)
+    ids = torch.randint(60, len(tok), (32, 4))
+    with torch.no_grad():
+        out = trainer.model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=trainer.generation_config
+        )
+    logits = torch.stack(out.logits, 1)
+    taken = out.sequences[:, ids.shape[1] :]
+    rank = (logits > logits.gather(-1, taken[..., None])).sum(-1)
+    assert (rank > 0).float().mean() > 0.5, "the draws are the argmax: min_p applied"
+
+
 # --- the update --------------------------------------------------------------------------------
 
 
