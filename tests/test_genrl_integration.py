@@ -429,6 +429,23 @@ def test_a_rollout_without_a_record_gets_weight_one_and_kl_zero():
     assert metrics["is_weight_mean"] == 1 and metrics["kl"].abs().max() == 0
 
 
+def test_empty_completions_without_a_record_are_not_trained_on():
+    """A stock peer's empty completion re-tokenizes to no token: it has nothing to train on, and
+    a minibatch of such rows (or a stage of them) is no update, not an error."""
+    trainer = _trainer(seed=0, config=_config(minibatch_size=1))
+    a = _manager(trainer, "A")
+    a.run_game_stage()
+    texts = [[str(c) for c in node[0]] for node in a.state.get_stage_actions(0)["A"].values()]
+    texts[0] = [""] * G
+    samples, _ = trainer._samples(texts, torch.randn(len(QUESTIONS), G))
+    inputs, _ = a.data_manager.prepare_input(a.state.get_stage_state(0), 0)
+    prompts = trainer._process_inputs(inputs, for_training=True)
+    losses, metrics = trainer._update(samples, prompts)
+    assert len(losses) == len(metrics["kl_mean"]) == (len(QUESTIONS) - 1) * G
+    assert all(torch.isfinite(loss) for loss in losses)
+    assert trainer._update(samples[:G], prompts) == ([], {name: [] for name in metrics})
+
+
 def test_a_record_from_another_tokenizer_gets_no_token_level_ratio(two_peers):
     a, _ = two_peers
     trainer = a.trainer

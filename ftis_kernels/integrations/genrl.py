@@ -330,9 +330,11 @@ class FTISGRPOLanguageTrainerModule(GRPOLanguageTrainerModule):
         return samples, counts
 
     def _update(self, samples: list[_Sample], prompts: Any) -> tuple[list, dict[str, list]]:
-        """GenRL's epochs x minibatches of optimiser steps on `samples`."""
+        """GenRL's epochs x minibatches of optimiser steps on `samples`, less those without a
+        token (an empty text re-tokenized: nothing to train on)."""
         losses: list[torch.Tensor] = []
         op_metrics: dict[str, list] = {name: [] for name in LOGGED_METRICS}
+        samples = [s for s in samples if s.tokens.numel() > 0]
         if not samples:
             return losses, op_metrics
         batch = self._batch(samples, prompts)
