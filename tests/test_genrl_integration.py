@@ -334,6 +334,32 @@ def test_the_sampler_draws_from_the_whole_vocabulary_as_recorded():
         assert (rank >= 50).float().mean() > 0.5, rank.max()
 
 
+def test_the_models_own_generation_config_does_not_narrow_the_sampler():
+    """A checkpoint's generation_config (here min_p = 1: the argmax only) fills what the
+    trainer's leaves unset at generate time; the trainer samples from the model at the
+    temperature, as it records pi_gen, whatever the checkpoint says."""
+    tok = build_tokenizer([f"w{i}" for i in range(300)])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        )
+    )  # fmt: skip
+    model.generation_config.update(min_p=1.0, typical_p=0.01)
+    trainer = FTISGRPOLanguageTrainerModule([model], _config(), processing_class=tok)
+    ids = torch.randint(60, len(tok), (32, 4))
+    with torch.no_grad():
+        out = trainer.model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=trainer.generation_config
+        )
+    logits = torch.stack(out.logits, 1)
+    taken = out.sequences[:, ids.shape[1] :]
+    rank = (logits > logits.gather(-1, taken[..., None])).sum(-1)
+    assert (rank > 0).float().mean() > 0.5, "the draws are the argmax: min_p applied"
+
+
 # --- the update --------------------------------------------------------------------------------
 
 
@@ -401,6 +427,23 @@ def test_a_rollout_without_a_record_gets_weight_one_and_kl_zero():
         batch["old"], batch["ref"] = trainer._logprobs(trainer.model, batch), None
     _, metrics = trainer.minibatch_loss(batch, torch.arange(len(samples)))
     assert metrics["is_weight_mean"] == 1 and metrics["kl"].abs().max() == 0
+
+
+def test_empty_completions_without_a_record_are_not_trained_on():
+    """A stock peer's empty completion re-tokenizes to no token: it has nothing to train on, and
+    a minibatch of such rows (or a stage of them) is no update, not an error."""
+    trainer = _trainer(seed=0, config=_config(minibatch_size=1))
+    a = _manager(trainer, "A")
+    a.run_game_stage()
+    texts = [[str(c) for c in node[0]] for node in a.state.get_stage_actions(0)["A"].values()]
+    texts[0] = [""] * G
+    samples, _ = trainer._samples(texts, torch.randn(len(QUESTIONS), G))
+    inputs, _ = a.data_manager.prepare_input(a.state.get_stage_state(0), 0)
+    prompts = trainer._process_inputs(inputs, for_training=True)
+    losses, metrics = trainer._update(samples, prompts)
+    assert len(losses) == len(metrics["kl_mean"]) == (len(QUESTIONS) - 1) * G
+    assert all(torch.isfinite(loss) for loss in losses)
+    assert trainer._update(samples[:G], prompts) == ([], {name: [] for name in metrics})
 
 
 def test_a_record_from_another_tokenizer_gets_no_token_level_ratio(two_peers):

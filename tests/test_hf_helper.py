@@ -211,6 +211,46 @@ def test_softcapped_logits_are_refused():
         lm_head_inputs(model, *batch()[:3])
 
 
+@pytest.mark.parametrize(
+    "arch, field, config",
+    [
+        (
+            "RecurrentGemma",
+            "logits_soft_cap",
+            dict(num_hidden_layers=3, lru_width=32, attention_window_size=16, head_dim=16),
+        ),
+        (
+            "FalconH1",
+            "lm_head_multiplier",
+            dict(
+                num_hidden_layers=2,
+                mamba_d_ssm=32,
+                mamba_n_heads=2,
+                mamba_d_head=16,
+                mamba_d_state=8,
+                mamba_chunk_size=8,
+                lm_head_multiplier=3.0,
+            ),
+        ),
+    ],
+)
+def test_architectures_that_transform_the_lm_head_output_are_refused(arch, field, config):
+    """RecurrentGemma soft-caps its logits, Falcon-H1 scales them: not the lm-head's output."""
+    if not hasattr(transformers, f"{arch}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {arch}")
+    cfg = getattr(transformers, f"{arch}Config")(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **config,
+    )
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg)
+    with pytest.raises(ValueError, match=f"^model: .*{field}"):
+        lm_head_inputs(model, *batch()[:3])
+
+
 def test_completion_in_column_zero_is_refused():
     model = tiny_qwen2()
     ids, attention, completion, _, _ = batch()

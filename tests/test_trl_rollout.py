@@ -81,6 +81,21 @@ def test_peer_rollout_refuses_bad_arguments_naming_them():
         other_vocab(["1+2="] * 4, _trainer_view(_tiny_qwen2(len(tok), seed=0), tok))
 
 
+def test_peer_rollout_samples_num_generations_eval_per_prompt_while_trl_evaluates():
+    """TRL evaluates with num_generations_eval completions per prompt (here 2, training 4):
+    every completion is sampled from its own row's prompt."""
+    tok = _tokenizer()
+    policy, peer = _tiny_qwen2(len(tok), seed=0), _tiny_qwen2(len(tok), seed=1)
+    policy.eval()  # TRL's evaluation mode
+    prompts = ["1+2="] * 2 + ["3+4="] * 2
+    view = _trainer_view(policy, tok, num_generations=4, num_generations_eval=2)
+    out = PeerRollout([peer])(prompts, view)
+    assert out["prompt_ids"] == [tok(p)["input_ids"] for p in prompts]
+    assert len(out["completion_ids"]) == len(out["logprobs"]) == 4
+    with pytest.raises(ValueError, match="^prompts: expected groups of 2 equal prompts"):
+        PeerRollout([peer])(["1+2=", "3+4="] * 2, view)
+
+
 def _notices(caplog) -> int:
     return sum(NOTICE in r.getMessage() for r in caplog.records)
 

@@ -221,6 +221,9 @@ class FTISGRPOLanguageTrainerModule(GRPOLanguageTrainerModule):
         # top_k off as transformers reads it: 0 (None is replaced by its default of 50 at
         # generate time, and pi_gen would be the model's top 50 renormalised, not the model).
         self.generation_config.top_k = 0
+        # The other warpers off, not unset: generate fills a setting left None from the model's
+        # own generation_config (a checkpoint's sampling defaults, e.g. its min_p).
+        self.generation_config.update(min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
         # The raw logits of each step: log pi_gen is their log-softmax at the temperature.
         self.generation_config.output_logits = True
         self.generation_config.return_dict_in_generate = True
@@ -327,9 +330,11 @@ class FTISGRPOLanguageTrainerModule(GRPOLanguageTrainerModule):
         return samples, counts
 
     def _update(self, samples: list[_Sample], prompts: Any) -> tuple[list, dict[str, list]]:
-        """GenRL's epochs x minibatches of optimiser steps on `samples`."""
+        """GenRL's epochs x minibatches of optimiser steps on `samples`, less those without a
+        token (an empty text re-tokenized: nothing to train on)."""
         losses: list[torch.Tensor] = []
         op_metrics: dict[str, list] = {name: [] for name in LOGGED_METRICS}
+        samples = [s for s in samples if s.tokens.numel() > 0]
         if not samples:
             return losses, op_metrics
         batch = self._batch(samples, prompts)

@@ -39,8 +39,10 @@ from torch import nn
 # Config fields under which some architectures transform the lm-head output before the softmax.
 _LOGIT_TRANSFORMS = {
     "final_logit_softcapping": None,
+    "logits_soft_cap": None,  # RecurrentGemma
     "logit_scale": 1.0,
     "logits_scaling": 1.0,
+    "lm_head_multiplier": 1.0,  # Falcon-H1
     "output_multiplier_scale": 1.0,
 }
 

@@ -31,7 +31,9 @@ class PeerRollout:
     max_completion_length), each model with `generate(do_sample=True)`, and the log-probability
     of a sampled token is taken from the processed scores `generate` sampled from: pi_gen is the
     distribution the token was drawn from. Completions are cut after the first eos. Prompts are
-    text, or chat messages rendered with the tokenizer's chat template.
+    text, or chat messages rendered with the tokenizer's chat template. A group is
+    num_generations equal prompts in a row (num_generations_eval while TRL evaluates); prompts
+    in another layout raise a ValueError.
 
     TRL marks `rollout_func` experimental (its UserWarning; TRL_EXPERIMENTAL_SILENCE=1 silences it).
     """
@@ -59,8 +61,16 @@ class PeerRollout:
         policy = trainer.accelerator.unwrap_model(trainer.model)
         vocab = policy.get_output_embeddings().weight.shape[0]
         n = args.num_generations
+        if not trainer.model.training:  # TRL's evaluation: num_generations_eval per prompt
+            n = getattr(args, "num_generations_eval", None) or n
         out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for g in range(0, len(prompts), n):  # TRL lists each prompt's group consecutively
+            group = prompts[g : g + n]
+            if len(group) != n or any(prompt != group[0] for prompt in group):
+                raise ValueError(
+                    f"prompts: expected groups of {n} equal prompts in a row (TRL's layout in one "
+                    f"process), got {len(prompts)} prompts that are not"
+                )
             model = self.sampler(g // n, policy)
             peer_vocab = model.get_output_embeddings().weight.shape[0]
             if peer_vocab != vocab:
