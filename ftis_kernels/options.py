@@ -355,11 +355,12 @@ class FTISOptions:
 
     @classmethod
     def for_variant(cls, variant: str, **overrides: Any) -> FTISOptions:
-        """Options of a paper ablation variant ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis")."""  # noqa: E501
+        """Options of a paper ablation variant ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis"),
+        then `overrides` (an unknown name refused as a ValueError naming it, as `preset` does)."""
         key = variant.lower()
         if key not in VARIANTS:
             _fail("variant", f"one of {tuple(VARIANTS)}", variant)
-        return cls(**{**VARIANTS[key], **overrides})
+        return cls.from_kwargs(**{**VARIANTS[key], **overrides})
 
 
 OPTION_FIELDS: dict[str, Field] = {f.name: f for f in fields(FTISOptions)}

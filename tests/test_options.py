@@ -158,6 +158,14 @@ def test_presets_take_overrides_and_the_default_is_f_tis():
     assert FTISOptions.preset("GSPO", epsilon=0.1).ratio_level == "sequence"
 
 
+def test_variant_overrides_refuse_an_unknown_name_as_preset_overrides_do():
+    # A misspelt override is a ValueError naming it (docs/method.md, "Errors"), not a TypeError.
+    assert FTISOptions.for_variant("tis", is_cap=3.0) == FTISOptions.preset("tis", is_cap=3.0)
+    for make in (FTISOptions.for_variant, FTISOptions.preset):
+        with pytest.raises(ValueError, match=r"^is_capp: expected a keyword option"):
+            make("tis", is_capp=1.0)
+
+
 ENUMERATED = [name for name, f in OPTION_FIELDS.items() if f.metadata["choices"] is not None]
 
 
