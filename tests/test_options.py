@@ -223,6 +223,18 @@ def test_the_docs_option_tables_give_every_option_its_definitions_default_and_va
         assert allowed.split("; ")[0] == option_allowed(name), (name, allowed)
 
 
+def test_the_options_page_says_which_rows_ftis_linear_loss_does_not_take():
+    # The page lists the keywords both ops take; a row that one op refuses must say so.
+    lines = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| option | default |"))
+    linear = inspect.signature(ftis_linear_loss).parameters
+    for line in itertools.takewhile(lambda s: s.startswith("|"), lines[start + 2 :]):
+        first, meaning = line.strip("|").split(" | ")[0], line.strip("|").split(" | ")[3]
+        for name in re.findall(r"`(\w+)`", first):
+            if name not in linear:
+                assert "`ftis_loss` only" in meaning, name
+
+
 def test_the_options_page_names_every_preset():
     text = (Path(__file__).resolve().parents[1] / "docs" / "options.md").read_text()
     listed = text.split("with `name` one of", 1)[1].split("docs/method.md", 1)[0]
