@@ -750,7 +750,10 @@ def analyse(rows: list[dict]) -> list[dict]:
     )
     out.append(_row(GATE, gate, gate_d))
     ready = [s for s in FAMILY if len(pooled[s.id]) >= 2]
-    results = stats.evaluate([(s.test, list(pooled[s.id].values()), None) for s in ready])
+    # Holm over the whole family: a pending claim counts with p = 1 (it lowers no other's p_Holm)
+    results = stats.evaluate(
+        [(s.test, list(pooled[s.id].values()), None) for s in ready], size=len(FAMILY)
+    )
     if gate is None:
         results = [
             stats.replace(r, verdict="pending", why="the gate P is pending") for r in results
@@ -1086,12 +1089,13 @@ MODE_COLOR = {"on-policy": "black", "nois": "C3", "tis": "C1", "f-tis": "C0", "f
 
 def holm_levels(claims: list[dict]) -> dict[str, float]:
     """The confidence level each family claim is tested at under Holm's step-down: with the
-    family's p-values in ascending order, the k-th (from 0) at 1 - 0.05 / (m - k)."""
+    family's p-values in ascending order (a pending claim's last), the k-th (from 0) at
+    1 - 0.05 / (m - k), m the family's size."""
     family = sorted(
         (c for c in claims if c["id"] in {s.id for s in FAMILY} and c.get("p") is not None),
         key=lambda c: c["p"],
     )
-    return {c["id"]: 1 - stats.ALPHA / (len(family) - k) for k, c in enumerate(family)}
+    return {c["id"]: 1 - stats.ALPHA / (len(FAMILY) - k) for k, c in enumerate(family)}
 
 
 def plot_claims(claims: list[dict], path: Path) -> bool:
