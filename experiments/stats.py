@@ -301,11 +301,15 @@ def verdict(
 
 def evaluate(
     family: Sequence[tuple[Claim, Sequence[float], Optional[str]]],
+    size: Optional[int] = None,
 ) -> list[Result]:
     """Test a family of claims together: (claim, per-seed differences, the failed precondition
-    or None). Holm runs over every claim's p-value."""
+    or None). Holm runs over every claim's p-value, and over `size` claims when given (the whole
+    family's, some of it pending: each pending claim counted with p = 1)."""
     ps = [p_value(c, d) for c, d, _ in family]
-    adjusted = holm(ps)
+    if size is not None and size < len(ps):
+        raise ValueError(f"size: expected at least the {len(ps)} claims given, got {size}")
+    adjusted = holm(ps + [1.0] * ((size or len(ps)) - len(ps)))[: len(ps)]
     out = []
     for (claim, d, why), p, p_h in zip(family, ps, adjusted):
         ci = t_interval(d)

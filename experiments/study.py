@@ -1012,8 +1012,10 @@ def report(
         text = _replace(readme.read_text(), BEGIN, END, table)
         text = _replace(text, RULES_BEGIN, RULES_END, rules_section())
         mechanism = results / "mechanism.md"
-        if mechanism.exists():
-            text = _replace(text, MECH_BEGIN, MECH_END, mechanism.read_text().strip())
+        if mechanism.exists():  # its figure lies beside it: the path from the README's folder
+            png = Path(os.path.relpath(results / "mechanism.png", readme.parent)).as_posix()
+            body = mechanism.read_text().strip().replace("](mechanism.png)", f"]({png})")
+            text = _replace(text, MECH_BEGIN, MECH_END, body)
         readme.write_text(text)
     return table
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,16 @@ def test_readme_states_the_rules_and_claims_the_code_applies():
     readme = (ROOT / "experiments" / "README.md").read_text()
     section = readme.split(study.RULES_BEGIN, 1)[1].split(study.RULES_END, 1)[0]
     assert section.strip() == study.rules_section().strip()
+
+
+def test_report_writes_the_readmes_mechanism_section_with_its_figure_path(tmp_path):
+    readme = (ROOT / "experiments" / "README.md").read_text()
+    committed = readme.split(study.MECH_BEGIN, 1)[1].split(study.MECH_END, 1)[0]
+    results = tmp_path / "results"
+    results.mkdir()
+    shutil.copy(ROOT / "experiments" / "results" / "mechanism.md", results)
+    out = tmp_path / "README.md"
+    out.write_text(f"{study.MECH_BEGIN}\nold\n{study.MECH_END}\n")
+    study.report([], tmp_path / "runs", results, out, (), "full")
+    written = out.read_text().split(study.MECH_BEGIN, 1)[1].split(study.MECH_END, 1)[0]
+    assert written == committed and "](results/mechanism.png)" in written
