@@ -327,37 +327,37 @@ def test_the_sampler_draws_from_the_whole_vocabulary_as_recorded():
             out = trainer.model.generate(
                 ids, attention_mask=torch.ones_like(ids), generation_config=config
             )
-        logits = torch.stack(out.logits, 1)
+        logits = torch.stack(out.scores, 1)
         taken = out.sequences[:, ids.shape[1] :]
         rank = (logits > logits.gather(-1, taken[..., None])).sum(-1)
         # Near-uniform over ~300 tokens: most draws rank past 50 unless only the top 50 are kept.
         assert (rank >= 50).float().mean() > 0.5, rank.max()
 
 
-def test_the_models_own_generation_config_does_not_narrow_the_sampler():
-    """A checkpoint's generation_config (here min_p = 1: the argmax only) fills what the
-    trainer's leaves unset at generate time; the trainer samples from the model at the
-    temperature, as it records pi_gen, whatever the checkpoint says."""
-    tok = build_tokenizer([f"w{i}" for i in range(300)])
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=1,
-        )
+def test_a_checkpoints_sampling_defaults_change_neither_the_sampler_nor_pi_gen():
+    """A checkpoint's generation_config (here a near-argmax sampler: temperature 0.01, top_p,
+    min_p, typical_p, a repetition penalty, no repeated token) must not reach the trainer's
+    sampling: transformers 4.50-4.x replaces each setting equal to a global default
+    (temperature 1, top_p 1...) by the checkpoint's, 5.x fills what is left unset. The trainer
+    samples from the model at its configured temperature and records that distribution as
+    pi_gen."""
+    trainer = _trainer(config=_config(temperature=1.0))
+    trainer.model.generation_config.update(
+        temperature=0.01, top_p=0.01, min_p=1.0, typical_p=0.01, repetition_penalty=1.5,
+        no_repeat_ngram_size=1,
     )  # fmt: skip
-    model.generation_config.update(min_p=1.0, typical_p=0.01)
-    trainer = FTISGRPOLanguageTrainerModule([model], _config(), processing_class=tok)
-    ids = torch.randint(60, len(tok), (32, 4))
-    with torch.no_grad():
-        out = trainer.model.generate(
-            ids, attention_mask=torch.ones_like(ids), generation_config=trainer.generation_config
-        )
-    logits = torch.stack(out.logits, 1)
-    taken = out.sequences[:, ids.shape[1] :]
-    rank = (logits > logits.gather(-1, taken[..., None])).sum(-1)
-    assert (rank > 0).float().mean() > 0.5, "the draws are the argmax: min_p applied"
+    gm = _manager(trainer, "A")
+    _play_stage(gm)
+    # Near-argmax sampling would give each prompt G equal completions.
+    for node in gm.state.get_stage_actions(0)["A"].values():
+        assert len({bytes(c.record["token_ids"]) for c in node[0]}) > 1, "argmax draws"
+    samples = _stage_samples(gm)
+    _, metrics = _op_grads(
+        trainer.model, samples, FTISOptions(is_mode="none", filter=None, temperature=1.0)
+    )
+    for b, (_, c, _) in enumerate(samples):
+        gen = torch.frombuffer(bytearray(c.record["logprobs"]), dtype=torch.float32)
+        torch.testing.assert_close(metrics["logp"][b, : len(gen)], gen, rtol=1e-5, atol=1e-5)
 
 
 # --- the update --------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ The one line a GenRL user changes, in the Hydra config of the game manager's tra
 Stock GenRL re-tokenizes every rollout's text and takes pi_old from the receiving model itself, so a
 peer's rollout is trained on as if it were on-policy (the paper's NoIS). This trainer:
 
-- at generation, records the generated token ids and their log pi_gen (log softmax of the model's
-  logits at the sampling temperature) with each completion: the completions GenRL stores and
+- at generation, records the generated token ids and their log pi_gen (log softmax of the scores
+  `generate` sampled from: the model's logits at the sampling temperature, with the other
+  samplers off) with each completion: the completions GenRL stores and
   shares are `Completion` strings (the text, unchanged for rewards and data managers) whose
   `record` holds the ids as int32 and the log-probabilities as float32 (8 bytes per token), the
   vocabulary size and a fingerprint of the tokenizer;
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import logging
 from collections import Counter
@@ -223,10 +225,21 @@ class FTISGRPOLanguageTrainerModule(GRPOLanguageTrainerModule):
         self.generation_config.top_k = 0
         # The other warpers off, not unset: generate fills a setting left None from the model's
         # own generation_config (a checkpoint's sampling defaults, e.g. its min_p).
-        self.generation_config.update(min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
-        # The raw logits of each step: log pi_gen is their log-softmax at the temperature.
-        self.generation_config.output_logits = True
+        self.generation_config.update(
+            min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0
+        )
+        # The scores each step sampled from: log pi_gen is their log-softmax (the model's logits at
+        # the temperature, and whatever a processor the settings above leave on did to them).
+        self.generation_config.output_scores = True
         self.generation_config.return_dict_in_generate = True
+
+    def _generate_options(self) -> dict:
+        """generate's keywords besides the config: transformers 4.50-4.x replaces each setting
+        equal to its global default (temperature 1, top_p 1, repetition_penalty 1...) by the
+        checkpoint's own (e.g. an instruct model's 0.7 and 0.8) unless use_model_defaults=False;
+        5.x fills only what is unset and has no such keyword."""
+        params = inspect.signature(self.model.generate).parameters
+        return {"use_model_defaults": False} if "use_model_defaults" in params else {}
 
     def generate(self, inputs: Any, return_completion_ids: bool = False, stage: int = 0) -> Any:
         """GenRL's generation, each completion a `Completion` carrying its record."""
@@ -243,10 +256,10 @@ class FTISGRPOLanguageTrainerModule(GRPOLanguageTrainerModule):
                     prompt_ids,
                     attention_mask=attention_mask,
                     generation_config=self.generation_config,
+                    **self._generate_options(),
                 )
                 completion_ids = out.sequences[:, prompt_ids.shape[1] :]
-                logits = torch.stack(out.logits, dim=1).float() / self.args.temperature
-                logp = torch.log_softmax(logits, dim=-1)
+                logp = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)
                 logp = logp.gather(-1, completion_ids[..., None])[..., 0]
             texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
             for i, text in enumerate(texts):
