@@ -456,6 +456,30 @@ def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
         assert int(row["evict-first / iter"]) >= 2
 
 
+def test_gradient_in_forward_passes_share_the_kernels_issue_budget():
+    """The gradient-in-forward kernel moves a read and a write per logit (its second read comes
+    from L2) in two loops: each pass's "issue needed at roofline" is its share of that time, and
+    the two add up to what the whole kernel needs (pass 1 was given the forward's read-only
+    budget, twice its share)."""
+    from bench import hopper_asm
+
+    def stats(kernel: str, per_logit: float) -> hopper_asm.LoopStats:
+        counts = dict(mufu=0, barriers=0, ldg128=2, stg128=0, evict_first=0)
+        return hopper_asm.LoopStats(
+            kernel, "bfloat16", 16384, 32, 32, 1024, 0, 0, round(16 * per_logit), 16, **counts
+        )
+
+    size = 2
+    passes = [stats("grad_fwd_pass1", 11.4), stats("grad_fwd_pass2", 12.4)]
+    shares = [
+        s.issue_bound_fraction(hopper_asm.roofline_bytes_per_logit(s.kernel, size)) for s in passes
+    ]
+    whole = stats("grad_fwd", 11.4 + 12.4).issue_bound_fraction(2 * size)
+    assert sum(shares) == pytest.approx(whole, rel=1e-2)
+    assert hopper_asm.roofline_bytes_per_logit("fwd", size) == size
+    assert hopper_asm.roofline_bytes_per_logit("bwd", size) == 2 * size
+
+
 def _hopper_table(tmp_path, *args: str) -> list[dict]:
     """`python -m bench.hopper_asm ARGS`'s rows (column name -> cell), an empty Triton cache."""
     env = _child_env(TRITON_CACHE_DIR=str(tmp_path))
