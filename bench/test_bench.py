@@ -456,6 +456,21 @@ def test_row_kernels_compile_for_hopper_without_a_gpu(tmp_path, kernel):
         assert int(row["evict-first / iter"]) >= 2
 
 
+def test_entropy_cost_times_on_the_threads_it_reports():
+    """`bench.entropy_cost` names torch's thread count in its report: its calls run on them
+    (`torch.utils.benchmark.Timer` alone runs on 1)."""
+    from bench import entropy_cost
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+    try:
+        entropy_cost._measure({"probe": lambda: seen.append(torch.get_num_threads())}, 2)
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {2}
+
+
 def test_gradient_in_forward_passes_share_the_kernels_issue_budget():
     """The gradient-in-forward kernel moves a read and a write per logit (its second read comes
     from L2) in two loops: each pass's "issue needed at roofline" is its share of that time, and
