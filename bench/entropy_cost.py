@@ -20,10 +20,14 @@ from ftis_kernels.kernels import logp_lse, logp_lse_cpu
 
 
 def _measure(fns: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each fn over `rounds` alternating rounds, on torch's threads (the count
+    the report names; `benchmark.Timer` alone runs on 1)."""
+    threads = torch.get_num_threads()
     times: dict[str, list[float]] = {label: [] for label in fns}
     for _ in range(rounds):
         for label, fn in fns.items():
-            times[label].append(benchmark.Timer("fn()", globals={"fn": fn}).timeit(1).median)
+            timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=threads)
+            times[label].append(timer.timeit(1).median)
     return {label: statistics.median(t) for label, t in times.items()}
 
 

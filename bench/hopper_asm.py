@@ -49,6 +49,15 @@ def awaiting_reread_bytes(stats: LoopStats, V: int, itemsize: int) -> int:
     return stats.programs_per_sm * H200_SMS * V * itemsize // 2
 
 
+def roofline_bytes_per_logit(kernel: str, itemsize: int) -> int:
+    """Bytes the kernel moves through memory per logit at its roofline, whose time its loop (or
+    loops) must fit: the forward reads the logits; the backward reads them and writes the
+    gradient; the gradient-in-forward kernel does the same (its second read comes from L2), in
+    two loops that share that time, so each pass's issue figure is its share and the two add up
+    to the kernel's."""
+    return itemsize if kernel == "fwd" else 2 * itemsize
+
+
 @dataclass
 class LoopStats:
     kernel: str
@@ -247,9 +256,7 @@ def main(argv=None) -> None:
         for dtype in args.dtypes.split(","):
             s = loop_stats(kernel, dtype, args.V, args.width)
             size = getattr(torch, dtype).itemsize
-            # Bytes from memory per logit: pass 2 re-reads its row from L2, so it moves the
-            # gradient's write only, but its loop runs in the same time budget as pass 1's.
-            bpe = size if kernel in ("fwd", "grad_fwd_pass1") else 2 * size
+            bpe = roofline_bytes_per_logit(kernel, size)
             held = (
                 f"{awaiting_reread_bytes(s, args.V, size) / 2**20:.0f} MB"
                 if kernel.startswith("grad_fwd")

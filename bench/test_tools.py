@@ -1,0 +1,38 @@
+"""Checks of the bench's measurement tools that need neither a GPU nor a benchmark run: the
+issue model of `bench.hopper_asm`, the threads of `bench.entropy_cost`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_gradient_in_forward_passes_share_the_kernels_issue_budget():
+    """The gradient-in-forward kernel moves a read and a write a logit (its second read comes
+    from L2) in two loops: their "issue needed at roofline" figures are shares of that time and
+    add up to the kernel's (pass 1 was given the forward's read-only budget, twice its share)."""
+    from bench import hopper_asm
+
+    def need(kernel: str, per_logit: float, size: int = 2) -> float:
+        stats = hopper_asm.LoopStats(
+            kernel, "bfloat16", 16384, 32, 32, 1024, 0, 0, round(5 * per_logit), 5, 0, 0, 2, 0, 0
+        )
+        return stats.issue_bound_fraction(hopper_asm.roofline_bytes_per_logit(kernel, size))
+
+    whole = need("bwd", 11.4 + 12.4)  # one read and one write a logit, both loops' instructions
+    assert need("grad_fwd_pass1", 11.4) + need("grad_fwd_pass2", 12.4) == pytest.approx(whole)
+    assert hopper_asm.roofline_bytes_per_logit("fwd", 2) == 2
+
+
+def test_entropy_cost_times_on_the_threads_it_reports():
+    """`bench.entropy_cost` names torch's thread count in its report: its calls run on them
+    (`torch.utils.benchmark.Timer` alone runs on 1)."""
+    from bench import entropy_cost
+
+    before, seen = torch.get_num_threads(), []
+    torch.set_num_threads(2)
+    try:
+        entropy_cost._measure({"probe": lambda: seen.append(torch.get_num_threads())}, 1)
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {2}
