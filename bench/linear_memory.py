@@ -674,6 +674,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.chunk_size is not None and (args.compare or args.trl):
+        # Their workers time and measure ftis_linear_loss at its default chunk size only.
+        parser.error("--chunk-size applies to the memory sweep, not to --compare or --trl")
     if args.worker:
         _worker(args.worker)
         return
