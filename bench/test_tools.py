@@ -36,3 +36,25 @@ def test_entropy_cost_times_on_the_threads_it_reports():
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {2}
+
+
+def test_host_syncs_counts_a_read_of_a_value_once():
+    """torch.profiler's events for one `.item()` on CUDA (names as in
+    bench/results/h200-2026-12-04/profile.txt): the runtime's copy call, the device's copy and
+    the stream synchronize are one wait; a copy the host does not wait for is none."""
+    from types import SimpleNamespace
+
+    from bench.launch_counts import host_syncs
+
+    def events(*names):
+        return [SimpleNamespace(name=name, input_shapes=[]) for name in names]
+
+    read = ("cudaMemcpyAsync", "Memcpy DtoH (Device -> Pinned)", "cudaStreamSynchronize")
+    assert host_syncs(events(*read)) == ["cudaStreamSynchronize"]
+    pageable = ("cudaMemcpyAsync", "Memcpy DtoH (Device -> Pageable)", "cudaStreamSynchronize")
+    assert host_syncs(events(*read, *pageable, "cudaDeviceSynchronize")) == [
+        "cudaDeviceSynchronize",
+        "cudaStreamSynchronize",
+        "cudaStreamSynchronize",
+    ]
+    assert host_syncs(events("cudaMemcpyAsync", "Memcpy DtoH (Device -> Pinned)")) == []
