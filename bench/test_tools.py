@@ -1,5 +1,6 @@
 """Checks of the bench's measurement tools that need neither a GPU nor a benchmark run: the
-issue model of `bench.hopper_asm`, the threads of `bench.entropy_cost`."""
+issue model of `bench.hopper_asm`, the threads of `bench.entropy_cost`, the host waits of
+`bench.launch_counts`, the environment listing of `bench/gpu_check.sh`."""
 
 from __future__ import annotations
 
@@ -58,3 +59,19 @@ def test_host_syncs_counts_a_read_of_a_value_once():
         "cudaStreamSynchronize",
     ]
     assert host_syncs(events("cudaMemcpyAsync", "Memcpy DtoH (Device -> Pinned)")) == []
+
+
+def test_gpu_check_lists_liger_kernel_as_pip_spells_it():
+    """`bench/gpu_check.sh`'s environment step greps `pip list`, which names the package
+    `liger_kernel` (its metadata's spelling) where it is installed as `liger-kernel`."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = (Path(__file__).parent / "gpu_check.sh").read_text()
+    pattern = re.search(r"pip list 2>/dev/null \| grep -iE '([^']+)'", script).group(1)
+    listing = "liger_kernel 0.8.5\nliger-kernel 0.8.5\nliger-kernel-nightly 0.9\n"
+    found = subprocess.run(
+        ["grep", "-iE", pattern], input=listing, capture_output=True, text=True
+    ).stdout
+    assert found.splitlines() == ["liger_kernel 0.8.5", "liger-kernel 0.8.5"]
