@@ -80,7 +80,7 @@ step() {
 step env 30 bash -c "
   uname -a; nproc; free -g | head -2
   $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available()); print(\"triton\", triton.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else \"no GPU\")'
-  $PY -m pip list 2>/dev/null | grep -iE '^(torch|triton|pytest|pytest-benchmark|hypothesis|matplotlib|liger-kernel|transformers|trl) '
+  $PY -m pip list 2>/dev/null | grep -iE '^(torch|triton|pytest|pytest-benchmark|hypothesis|matplotlib|liger[-_]kernel|transformers|trl) '
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
   git log -1 --format='commit %H %cd' 2>/dev/null || true"
 

@@ -124,11 +124,17 @@ def cuda_kernels(events) -> list:
 
 
 def host_syncs(events) -> list[str]:
-    """The events that make the host wait for the device: stream or device synchronizes and
-    device-to-host copies."""
+    """The events that make the host wait for the device: the runtime's stream or device
+    synchronizes. A blocking device-to-host copy (`.item()`, `.tolist()`, `.cpu()`) is one wait,
+    counted through the synchronize that follows its copy."""
+    # Under torch.profiler a read of a value is three events (bench/results/h200-2026-12-04/
+    # profile.txt, torch 2.11: 12 aten::item, 12 "Memcpy DtoH (Device -> Pinned)" and 3 "Memcpy
+    # DtoH (Device -> Pageable)" device events, 15 cudaStreamSynchronize): the runtime call
+    # cudaMemcpyAsync, the device's "Memcpy DtoH (...)" and cudaStreamSynchronize. Counting the
+    # copies too would count each read twice. (A test for "DtoH" in a copy's input_shapes matched
+    # nothing: `cuda_profile` records no shapes, and shapes are lists of sizes.) Not counted: waits
+    # without a synchronize call, e.g. a non_blocking copy into pageable memory, which the CUDA
+    # runtime makes synchronous, or cudaEventSynchronize (none in that profile).
     return sorted(
-        e.name
-        for e in events
-        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")
-        or ("cudaMemcpy" in e.name and "DtoH" in str(getattr(e, "input_shapes", "")))
+        e.name for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize")
     )

@@ -43,12 +43,12 @@ B * T * V * 4 bytes.
         # materialised selective_log_softmax path, interleaved in one process per token count:
         # bench/results/linear_trl_cpu.json and .md
 
-`--compare BASE` checks BASE out into a temporary worktree (this tree's bench/ copied over it, so
-both sides run the same harness). Per token count and side, one process times both
-implementations, called in turn (the order reversed every round) with the default allocator:
-their ratio is measured under the same load. The sides run one after the other, the order
-alternating per token count. Peak memory then comes from one `measure_one` process per
-implementation and side, as above.
+`--compare` and `--trl` run `bench.linear_compare`, at the default chunk size. `--compare BASE`
+checks BASE out into a temporary worktree (this tree's bench/ copied over it, so both sides run
+the same harness). Per token count and side, one process times both implementations, called in
+turn (the order reversed every round) with the default allocator: their ratio is measured under
+the same load. The sides run one after the other, the order alternating per token count. Peak
+memory then comes from one `measure_one` process per implementation and side, as above.
 
 `measure_one` measures one configuration and is what a benchmark suite imports.
 """  # noqa: E501
@@ -62,7 +62,6 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -93,6 +92,7 @@ MEASURED_PATHS = (
     "ftis_kernels/validate.py",
     "ref",
     "bench/linear_memory.py",
+    "bench/linear_compare.py",
 )
 # A CPU worker may use at most this much address space (the machine is shared: a configuration
 # that needs more fails with an allocation error and is extrapolated).
@@ -248,181 +248,6 @@ def _worker_env(repo: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
     return env
-
-
-def compare(
-    base: str,
-    tokens: list[int],
-    reps: int,
-    dtype: str,
-    vocab: int,
-    hidden_size: int,
-    out: Path,
-    seq: int = SEQ,
-) -> list[dict]:
-    """`--compare BASE` (module docstring): records of time and peak memory per token count,
-    side ("before" = BASE, "after" = this tree) and implementation; written to `out` (JSON) and
-    its .md table as they come."""
-    from bench.compare import _worktree
-
-    impls = ["ftis_linear_loss", "ftis_loss"]
-    run = _metadata("cpu")
-    base_path, base_commit = _worktree(base)
-    sides = [("after", REPO, run["commit"][:12]), ("before", base_path, base_commit)]
-    records: list[dict] = []
-    try:
-        for i, n in enumerate(tokens):
-            for version, repo, commit in sides if i % 2 == 0 else sides[::-1]:
-                job = dict(impls=impls, n_tokens=n, vocab=vocab, hidden=hidden_size, dtype=dtype)
-                job["seq"] = seq
-                args = [sys.executable, "-m", "bench.linear_memory", "--time-worker"]
-                args.append(json.dumps(dict(job, reps=reps)))
-                proc = subprocess.run(
-                    args, cwd=repo, env=_worker_env(repo), capture_output=True, text=True
-                )
-                if proc.returncode != 0:
-                    raise RuntimeError(f"time worker failed for {job}:\n{proc.stderr[-4000:]}")
-                timed = json.loads(proc.stdout.strip().splitlines()[-1])
-                for impl in impls:
-                    peak = measure_one(
-                        impl,
-                        n,
-                        vocab=vocab,
-                        hidden_size=hidden_size,
-                        dtype=dtype,
-                        repo=repo,
-                        seq=seq,
-                    )
-                    ms = timed["ms"][impl]
-                    records.append(
-                        dict(
-                            peak,
-                            version=version,
-                            commit=commit,
-                            time_ms=ms,
-                            min_ms=min(ms),
-                            median_ms=statistics.median(ms),
-                            loadavg_1min=timed["loadavg_1min"],
-                            run=run,
-                        )
-                    )
-                    print(json.dumps(records[-1]), flush=True)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(dict(base=base, records=records), indent=1) + "\n")
-                out.with_suffix(".md").write_text(compare_table(records, base) + "\n")
-    finally:
-        subprocess.run(
-            ["git", "worktree", "remove", "--force", str(base_path)], cwd=REPO, capture_output=True
-        )
-    return records
-
-
-def compare_table(records: list[dict], base: str) -> str:
-    """Markdown: per token count and side, both implementations' min / median fwd+bwd time, the
-    linear op's time over the materialised path's (same process), and the peaks."""
-    by = {(r["n_tokens"], r["version"], r["impl"]): r for r in records}
-    head = (
-        "| tokens | side (commit) | ftis_linear_loss ms min / median | materialised ms min / "
-        "median | linear / materialised (of mins, of medians) | peak MiB linear | extra MiB "
-        "linear | peak MiB materialised | load |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    mib = float(1 << 20)
-    for n in sorted({r["n_tokens"] for r in records}):
-        for version in ("before", "after"):
-            lin, mat = by.get((n, version, "ftis_linear_loss")), by.get((n, version, "ftis_loss"))
-            if lin is None or mat is None:
-                continue
-            loads = lin["loadavg_1min"]
-
-            def peak(r: dict, key: str) -> str:
-                return f"{r[key] / mib:.0f}" if key in r else r["status"]
-
-            lines.append(
-                f"| {n} | {version} ({lin['commit'][:8]}) | {lin['min_ms']:.0f} / "
-                f"{lin['median_ms']:.0f} | {mat['min_ms']:.0f} / {mat['median_ms']:.0f} | "
-                f"{lin['min_ms'] / mat['min_ms']:.2f}x, "
-                f"{lin['median_ms'] / mat['median_ms']:.2f}x | {peak(lin, 'peak_bytes')} | "
-                f"{peak(lin, 'extra_bytes')} | {peak(mat, 'peak_bytes')} | "
-                f"{min(loads):.1f}-{max(loads):.1f} |"
-            )
-    return f"Before = {base}, after = this tree; fwd+bwd, filter=None.\n\n" + "\n".join(lines)
-
-
-def trl_baselines(
-    tokens: list[int],
-    reps: int,
-    dtype: str,
-    vocab: int,
-    hidden_size: int,
-    out: Path,
-    seq: int = SEQ,
-) -> list[dict]:
-    """`--trl`: per token count, one process times ftis_linear_loss, TRL's fused lm-head and its
-    materialised path called in turn (`_time_here`: the ratios are measured under one load), then
-    one `measure_one` process per implementation measures its peak. Records written to `out`
-    (JSON) and its .md table as they come."""
-    run = _metadata("cpu")
-    records: list[dict] = []
-    for n in tokens:
-        job = dict(impls=list(TRL_IMPLS), n_tokens=n, vocab=vocab, hidden=hidden_size, dtype=dtype)
-        args = [sys.executable, "-m", "bench.linear_memory", "--time-worker"]
-        args.append(json.dumps(dict(job, seq=seq, reps=reps)))
-        proc = subprocess.run(args, cwd=REPO, env=_worker_env(REPO), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"time worker failed for {job}:\n{proc.stderr[-4000:]}")
-        timed = json.loads(proc.stdout.strip().splitlines()[-1])
-        for impl in TRL_IMPLS:
-            peak = measure_one(impl, n, vocab=vocab, hidden_size=hidden_size, dtype=dtype, seq=seq)
-            ms = timed["ms"][impl]
-            records.append(
-                dict(
-                    peak,
-                    time_ms=ms,
-                    min_ms=min(ms),
-                    median_ms=statistics.median(ms),
-                    loadavg_1min=timed["loadavg_1min"],
-                    run=run,
-                )
-            )
-            print(json.dumps(records[-1]), flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(dict(impls=TRL_IMPLS, records=records), indent=1) + "\n")
-        out.with_suffix(".md").write_text(trl_table(records) + "\n")
-    return records
-
-
-def trl_table(records: list[dict]) -> str:
-    """Markdown: per token count, each implementation's min / median fwd+bwd time and its min
-    over ftis_linear_loss's (same process), its peak and extra memory."""
-    by = {(r["n_tokens"], r["impl"]): r for r in records}
-    head = (
-        "| tokens | implementation | ms min / median | min / ftis_linear_loss's | peak MiB | "
-        "extra MiB | load |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    mib = float(1 << 20)
-    for n in sorted({r["n_tokens"] for r in records}):
-        base = by.get((n, "ftis_linear_loss"))
-        for impl in TRL_IMPLS:
-            r = by.get((n, impl))
-            if r is None or base is None:
-                continue
-            peak, extra = (
-                (f"{r['peak_bytes'] / mib:.0f}", f"{r['extra_bytes'] / mib:.0f}")
-                if "peak_bytes" in r
-                else (r["status"], r["status"])
-            )
-            loads = r["loadavg_1min"]
-            lines.append(
-                f"| {n} | {impl} | {r['min_ms']:.0f} / {r['median_ms']:.0f} | "
-                f"{r['min_ms'] / base['min_ms']:.2f}x | {peak} | {extra} | "
-                f"{min(loads):.1f}-{max(loads):.1f} |"
-            )
-    return (
-        "fwd+bwd at the lm-head shape, filter=None, the TIS weight on; times from one process "
-        "per token count, the implementations called in turn.\n\n" + "\n".join(lines)
-    )
 
 
 def measure_one(
@@ -674,6 +499,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--time-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.chunk_size is not None and (args.compare or args.trl):
+        # Their workers time and measure ftis_linear_loss at its default chunk size only.
+        parser.error("--chunk-size applies to the memory sweep, not to --compare or --trl")
     if args.worker:
         _worker(args.worker)
         return
@@ -683,6 +511,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         sizes = (job["n_tokens"], job["vocab"], job["hidden"], dtype, job["reps"], job["seq"])
         print(json.dumps(_time_here(job["impls"], *sizes)))
         return
+    if args.compare or args.trl:
+        from bench.linear_compare import compare, compare_table, trl_baselines, trl_table
     if args.compare:
         tokens = [int(x) for x in args.tokens.split(",")]
         out = args.out or RESULTS / "linear_compare_cpu.json"

@@ -321,6 +321,22 @@ def test_trl_baselines_of_the_linear_bench_do_the_ops_work(impl):
         torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", [["--compare", "main"], ["--trl"]])
+def test_linear_bench_refuses_a_chunk_size_its_comparisons_would_ignore(mode, monkeypatch):
+    """`--compare` and `--trl` time and measure the default chunk size: given `--chunk-size`,
+    `bench.linear_memory` stops with a usage error instead of running without it."""
+    from bench import linear_compare, linear_memory
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the comparison ran")
+
+    monkeypatch.setattr(linear_compare, "compare", ran)
+    monkeypatch.setattr(linear_compare, "trl_baselines", ran)
+    with pytest.raises(SystemExit) as exit_info:
+        linear_memory.main([*mode, "--chunk-size", "256", "--tokens", "64"])
+    assert exit_info.value.code == 2
+
+
 def test_roofline_model_counts_three_passes_over_the_logits_with_backward():
     case = Case("logits", 2, 8, 1000, "bfloat16")
     fwd, fb = measure.work_model(case, "fwd"), measure.work_model(case, "fwd+bwd")

@@ -1,5 +1,6 @@
 """Checks of the bench's measurement tools that need neither a GPU nor a benchmark run: the
-issue model of `bench.hopper_asm`, the threads of `bench.entropy_cost`."""
+issue model of `bench.hopper_asm`, the threads of `bench.entropy_cost`, the host waits of
+`bench.launch_counts`, the environment listing of `bench/gpu_check.sh`."""
 
 from __future__ import annotations
 
@@ -36,3 +37,41 @@ def test_entropy_cost_times_on_the_threads_it_reports():
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {2}
+
+
+def test_host_syncs_counts_a_read_of_a_value_once():
+    """torch.profiler's events for one `.item()` on CUDA (names as in
+    bench/results/h200-2026-12-04/profile.txt): the runtime's copy call, the device's copy and
+    the stream synchronize are one wait; a copy the host does not wait for is none."""
+    from types import SimpleNamespace
+
+    from bench.launch_counts import host_syncs
+
+    def events(*names):
+        return [SimpleNamespace(name=name, input_shapes=[]) for name in names]
+
+    read = ("cudaMemcpyAsync", "Memcpy DtoH (Device -> Pinned)", "cudaStreamSynchronize")
+    assert host_syncs(events(*read)) == ["cudaStreamSynchronize"]
+    pageable = ("cudaMemcpyAsync", "Memcpy DtoH (Device -> Pageable)", "cudaStreamSynchronize")
+    assert host_syncs(events(*read, *pageable, "cudaDeviceSynchronize")) == [
+        "cudaDeviceSynchronize",
+        "cudaStreamSynchronize",
+        "cudaStreamSynchronize",
+    ]
+    assert host_syncs(events("cudaMemcpyAsync", "Memcpy DtoH (Device -> Pinned)")) == []
+
+
+def test_gpu_check_lists_liger_kernel_as_pip_spells_it():
+    """`bench/gpu_check.sh`'s environment step greps `pip list`, which names the package
+    `liger_kernel` (its metadata's spelling) where it is installed as `liger-kernel`."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = (Path(__file__).parent / "gpu_check.sh").read_text()
+    pattern = re.search(r"pip list 2>/dev/null \| grep -iE '([^']+)'", script).group(1)
+    listing = "liger_kernel 0.8.5\nliger-kernel 0.8.5\nliger-kernel-nightly 0.9\n"
+    found = subprocess.run(
+        ["grep", "-iE", pattern], input=listing, capture_output=True, text=True
+    ).stdout
+    assert found.splitlines() == ["liger_kernel 0.8.5", "liger-kernel 0.8.5"]
