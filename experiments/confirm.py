@@ -733,8 +733,12 @@ def power_table() -> list[dict]:
 
 def _row(spec: ClaimSpec, res: Optional[stats.Result], d: dict[int, float]) -> dict:
     base = dict(id=spec.id, claim=spec.text, kind=spec.test.kind, metric=spec.test.metric, n=len(d))
-    if res is None:
-        return dict(base, verdict="pending", why="fewer than 2 seeds with every cell of the claim")
+    if res is None:  # the rules give no verdict yet: a provisional interval from 2 seeds
+        why = f"fewer than {stats.MIN_SEEDS} seeds (the rules' minimum) with every cell of it"
+        if len(d) < 2:
+            return dict(base, verdict="pending", why=why)
+        ci = stats.t_interval(list(d.values()))
+        return dict(base, mean=ci.mean, ci=[ci.lo, ci.hi], verdict="pending", why=why)
     fields = study.tested_fields(spec, res, list(d.values()))
     return dict(base, **fields, per_seed={str(k): v for k, v in d.items()})
 
@@ -746,10 +750,12 @@ def analyse(rows: list[dict]) -> list[dict]:
     out = []
     gate_d = pooled[GATE.id]
     gate = (
-        stats.evaluate([(GATE.test, list(gate_d.values()), None)])[0] if len(gate_d) >= 2 else None
+        stats.evaluate([(GATE.test, list(gate_d.values()), None)])[0]
+        if len(gate_d) >= stats.MIN_SEEDS
+        else None
     )
     out.append(_row(GATE, gate, gate_d))
-    ready = [s for s in FAMILY if len(pooled[s.id]) >= 2]
+    ready = [s for s in FAMILY if len(pooled[s.id]) >= stats.MIN_SEEDS]
     # Holm over the whole family: a pending claim counts with p = 1 (it lowers no other's p_Holm)
     results = stats.evaluate(
         [(s.test, list(pooled[s.id].values()), None) for s in ready], size=len(FAMILY)
@@ -803,8 +809,10 @@ def _fmt(x: Optional[float], signed: bool = True) -> str:
 
 def _claim_line(c: dict) -> str:
     if c["verdict"] == "pending":
+        ci = f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]" if "ci" in c else "-"
         return (
-            f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | - | - | - | - | **pending** |"
+            f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | {_fmt(c.get('mean'))} | "
+            f"{ci} | - | - | **pending** |"
         )
     return (
         f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | {c['mean']:+.3f} | "
