@@ -1303,7 +1303,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--only", action="append", metavar="GLOB", help="cell ids to run (repeatable)")
     p.add_argument("--jobs", type=int, default=2, help="cells run at once (default 2)")
     p.add_argument(
-        "--work", type=Path, default=None, help="run folders (default experiments/runs-confirm)"
+        "--work",
+        type=Path,
+        default=None,
+        help="run folders (default experiments/runs-confirm; recheck: experiments/runs-recheck)",
     )
     p.add_argument("--results", type=Path, default=None, help="default experiments/results/confirm")
     p.add_argument("--readme", default=None, help="'none' to leave experiments/README.md as it is")
@@ -1329,11 +1332,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="curve: over the config"
     )
     args = p.parse_args(argv)
+    if args.action == "estimate":  # the full study's chunks, every one: no selection applies
+        for flag, given in (
+            ("--scale", args.scale != "full"),
+            ("--chunk", args.chunk is not None),
+            ("--only", bool(args.only)),
+        ):
+            if given:
+                p.error(f"{flag}: estimate covers every chunk of the full study; drop {flag}")
+    study_work = HERE / "runs-confirm"
+    if args.action == "recheck" and args.work and args.work.resolve() == study_work.resolve():
+        p.error(f"--work: recheck reruns cells away from the study's run folders ({study_work})")
     if args.action == "probe":
         lo, hi, high, warm, fmt = args.probe
         print(json.dumps(probe((int(lo), int(hi)), int(high), int(warm), fmt, args.seed)))
         return 0
-    work = args.work or HERE / "runs-confirm"
+    work = args.work or study_work
     results = args.results or HERE / "results" / "confirm"
     readme = None if args.readme == "none" else Path(args.readme or HERE / "README.md")
     if args.action == "curve":
@@ -1358,7 +1372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.action == "recheck":
         if not args.only:
             raise SystemExit("recheck: name the cells with --only (e.g. 'pairs/size/f-tis/s10')")
-        for x in recheck(todo, results, HERE / "runs-recheck"):
+        for x in recheck(todo, results, args.work or HERE / "runs-recheck"):
             print(json.dumps(x))
         return 0
     if args.action == "estimate":

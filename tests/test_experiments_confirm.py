@@ -563,6 +563,27 @@ def test_the_summary_puts_the_papers_statement_beside_each_verdict():
     }
 
 
+def test_recheck_reruns_into_work_and_estimate_refuses_the_selections_it_ignores(
+    tmp_path, monkeypatch, capsys
+):
+    cell = "pairs/size/f-tis/s10"
+    seen = []
+    monkeypatch.setattr(confirm, "recheck", lambda todo, results, work: seen.append(work) or [])
+    base = ["--results", str(tmp_path), "--readme", "none"]
+    assert confirm.main(["recheck", "--only", cell, "--work", str(tmp_path / "w"), *base]) == 0
+    assert confirm.main(["recheck", "--only", cell, *base]) == 0
+    assert seen == [tmp_path / "w", confirm.HERE / "runs-recheck"]
+    with pytest.raises(SystemExit) as stop:  # it would replace the study's own run folder
+        confirm.main(["recheck", "--only", cell, "--work", str(WORK), *base])
+    assert stop.value.code == 2 and "--work" in capsys.readouterr().err and len(seen) == 2
+    monkeypatch.setattr(confirm, "estimate", lambda work, results: "left")
+    for flags in (["--only", "pairs/size/*"], ["--scale", "pilot"], ["--chunk", "1"]):
+        with pytest.raises(SystemExit) as stop:
+            confirm.main(["estimate", *flags, *base])
+        assert stop.value.code == 2 and flags[0] in capsys.readouterr().err, flags
+    assert confirm.main(["estimate", *base]) == 0 and capsys.readouterr().out == "left\n"
+
+
 def test_recheck_compares_a_rerun_cell_with_its_record(tmp_path, monkeypatch):
     cell = confirm.cells("full", confirm.SEEDS[:1])[0]
     env = dict(commit="aaa")
