@@ -733,8 +733,12 @@ def power_table() -> list[dict]:
 
 def _row(spec: ClaimSpec, res: Optional[stats.Result], d: dict[int, float]) -> dict:
     base = dict(id=spec.id, claim=spec.text, kind=spec.test.kind, metric=spec.test.metric, n=len(d))
-    if res is None:
-        return dict(base, verdict="pending", why="fewer than 2 seeds with every cell of the claim")
+    if res is None:  # the rules give no verdict yet: a provisional interval from 2 seeds
+        why = f"fewer than {stats.MIN_SEEDS} seeds (the rules' minimum) with every cell of it"
+        if len(d) < 2:
+            return dict(base, verdict="pending", why=why)
+        ci = stats.t_interval(list(d.values()))
+        return dict(base, mean=ci.mean, ci=[ci.lo, ci.hi], verdict="pending", why=why)
     fields = study.tested_fields(spec, res, list(d.values()))
     return dict(base, **fields, per_seed={str(k): v for k, v in d.items()})
 
@@ -746,10 +750,12 @@ def analyse(rows: list[dict]) -> list[dict]:
     out = []
     gate_d = pooled[GATE.id]
     gate = (
-        stats.evaluate([(GATE.test, list(gate_d.values()), None)])[0] if len(gate_d) >= 2 else None
+        stats.evaluate([(GATE.test, list(gate_d.values()), None)])[0]
+        if len(gate_d) >= stats.MIN_SEEDS
+        else None
     )
     out.append(_row(GATE, gate, gate_d))
-    ready = [s for s in FAMILY if len(pooled[s.id]) >= 2]
+    ready = [s for s in FAMILY if len(pooled[s.id]) >= stats.MIN_SEEDS]
     # Holm over the whole family: a pending claim counts with p = 1 (it lowers no other's p_Holm)
     results = stats.evaluate(
         [(s.test, list(pooled[s.id].values()), None) for s in ready], size=len(FAMILY)
@@ -803,8 +809,10 @@ def _fmt(x: Optional[float], signed: bool = True) -> str:
 
 def _claim_line(c: dict) -> str:
     if c["verdict"] == "pending":
+        ci = f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]" if "ci" in c else "-"
         return (
-            f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | - | - | - | - | **pending** |"
+            f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | {_fmt(c.get('mean'))} | "
+            f"{ci} | - | - | **pending** |"
         )
     return (
         f"| {c['id']} | {c['claim']} | {c['metric']} | {c['n']} | {c['mean']:+.3f} | "
@@ -1295,7 +1303,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--only", action="append", metavar="GLOB", help="cell ids to run (repeatable)")
     p.add_argument("--jobs", type=int, default=2, help="cells run at once (default 2)")
     p.add_argument(
-        "--work", type=Path, default=None, help="run folders (default experiments/runs-confirm)"
+        "--work",
+        type=Path,
+        default=None,
+        help="run folders (default experiments/runs-confirm; recheck: experiments/runs-recheck)",
     )
     p.add_argument("--results", type=Path, default=None, help="default experiments/results/confirm")
     p.add_argument("--readme", default=None, help="'none' to leave experiments/README.md as it is")
@@ -1321,11 +1332,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="curve: over the config"
     )
     args = p.parse_args(argv)
+    if args.action == "estimate":  # the full study's chunks, every one: no selection applies
+        for flag, given in (
+            ("--scale", args.scale != "full"),
+            ("--chunk", args.chunk is not None),
+            ("--only", bool(args.only)),
+        ):
+            if given:
+                p.error(f"{flag}: estimate covers every chunk of the full study; drop {flag}")
+    study_work = HERE / "runs-confirm"
+    if args.action == "recheck" and args.work and args.work.resolve() == study_work.resolve():
+        p.error(f"--work: recheck reruns cells away from the study's run folders ({study_work})")
     if args.action == "probe":
         lo, hi, high, warm, fmt = args.probe
         print(json.dumps(probe((int(lo), int(hi)), int(high), int(warm), fmt, args.seed)))
         return 0
-    work = args.work or HERE / "runs-confirm"
+    work = args.work or study_work
     results = args.results or HERE / "results" / "confirm"
     readme = None if args.readme == "none" else Path(args.readme or HERE / "README.md")
     if args.action == "curve":
@@ -1350,7 +1372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.action == "recheck":
         if not args.only:
             raise SystemExit("recheck: name the cells with --only (e.g. 'pairs/size/f-tis/s10')")
-        for x in recheck(todo, results, HERE / "runs-recheck"):
+        for x in recheck(todo, results, args.work or HERE / "runs-recheck"):
             print(json.dumps(x))
         return 0
     if args.action == "estimate":

@@ -865,8 +865,9 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
-    """Plain-words statements that follow from the rows by fixed rules: a bias is "detected" when
-    the relative error's interval excludes 0 and the cosine's excludes 1."""
+    """Plain-words statements that follow from the rows by fixed rules: a mode is *biased* when its
+    relative error's 95% interval excludes 0 (the rule the text states; the cosine's interval is
+    shown in the table, not read here)."""
     out = [
         "What it shows (each statement follows from the table by a fixed rule: a mode is "
         "*biased* when its relative error's 95% interval excludes 0):",

@@ -25,6 +25,8 @@ per-seed difference d_s = (metric under the mode) - (metric under the baseline),
 - `pool(per_unit)`: a claim about every node is tested on the per-seed mean of the nodes'
   differences (nodes of one seed share runs, so they are not independent replicates).
 - `verdict(...)`: the mechanical rule, `RULES` in words (the README quotes it).
+- `MIN_SEEDS`: the fewest seeds the rule gives a verdict from; the reports call a claim with
+  fewer "pending".
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ ALPHA = 0.05
 BOOTSTRAP_RESAMPLES = 10_000
 Verdict = Literal["reproduced", "contradicted", "inconclusive", "untestable at this scale"]
 KINDS = ("direction", "equivalence", "noninferiority")
+# The fewest seeds a verdict is given from (`RULES`); a claim with fewer is "pending".
+MIN_SEEDS = 10
 
-RULES = """\
+RULES = f"""\
 Every claim has one primary metric and one test, fixed before the run. Its data are the per-seed
 differences d_s (the mode minus the baseline, same node, same seed); a claim about all nodes or
-pairs uses the per-seed mean of their differences. From n >= 10 seeds:
+pairs uses the per-seed mean of their differences. From n >= {MIN_SEEDS} seeds:
 
 - **Direction claims** ("A is below B"): a two-sided paired t-test of mean(d) = 0, its p-value
   Holm-adjusted over the claims of the family. *Reproduced* if p_Holm < 0.05 and the mean has the

@@ -517,10 +517,10 @@ def tested_fields(spec, res: stats.Result, d: list[float]) -> dict:
 
 def analyse(rows: list[dict]) -> list[dict]:
     """Every claim's per-seed pooled differences, interval, p-values and verdict (rows of
-    `results/claims.jsonl`). Claims with fewer than 2 complete seeds are "pending"; Holm runs
-    over the others."""
+    `results/claims.jsonl`). Claims with fewer than `stats.MIN_SEEDS` complete seeds (the rules'
+    minimum) are "pending"; Holm runs over the others."""
     pooled = {spec.id: stats.pool(unit_differences(rows, spec)) for spec in CLAIMS}
-    ready = [spec for spec in CLAIMS if len(pooled[spec.id]) >= 2]
+    ready = [spec for spec in CLAIMS if len(pooled[spec.id]) >= stats.MIN_SEEDS]
     data = [list(pooled[spec.id].values()) for spec in ready]
     # The positive control's verdict decides whether its dependants can be untestable.
     first = stats.evaluate([(spec.test, d, None) for spec, d in zip(ready, data)])
@@ -550,7 +550,8 @@ def analyse(rows: list[dict]) -> list[dict]:
                     **_claim_fields(spec),
                     n=len(pooled[spec.id]),
                     verdict="pending",
-                    why="fewer than 2 seeds with every cell of the claim finished",
+                    why=f"fewer than {stats.MIN_SEEDS} seeds with every cell of the claim "
+                    "finished (the rules' minimum)",
                 )
             )
     order = [s.id for s in CLAIMS]

@@ -105,6 +105,16 @@ def test_smallest_configuration_runs_end_to_end_and_writes_a_table_row(tmp_path)
     assert table.strip() in proc.stdout  # the tables are printed too
 
 
+def test_the_first_round_gives_no_verdict_from_fewer_seeds_than_the_rules_minimum():
+    results = ROOT / "experiments" / "results"
+    rows = [json.loads(x) for x in (results / "cells.jsonl").read_text().splitlines()]
+    # Seeds 0-3 alone: N passes its test on 4 seeds, which the rules give no verdict.
+    few = study.analyse([r for r in rows if r["seed"] < 4])
+    assert {(c["n"], c["verdict"]) for c in few} == {(4, "pending")}
+    committed = [json.loads(x) for x in (results / "claims.jsonl").read_text().splitlines()]
+    assert study.analyse(rows) == committed  # the first round's 10 seeds: its verdicts
+
+
 def test_readme_states_the_rules_and_claims_the_code_applies():
     readme = (ROOT / "experiments" / "README.md").read_text()
     section = readme.split(study.RULES_BEGIN, 1)[1].split(study.RULES_END, 1)[0]

@@ -201,6 +201,24 @@ def test_a_failed_gate_makes_the_family_untestable_and_a_passed_one_leaves_it():
     assert {out[i]["verdict"] for i in ("C3", "C1", "C5")} == {"untestable at this scale"}
 
 
+def test_no_verdict_from_fewer_seeds_than_the_rules_minimum():
+    assert f"From n >= {stats.MIN_SEEDS} seeds:" in confirm.rules_section()
+    results = ROOT / "experiments" / "results" / "confirm"
+    rows = [json.loads(x) for x in (results / "cells.jsonl").read_text().splitlines()]
+    # Seeds 18-21 alone: P and C1 pass their tests on 4 seeds, which the rules give no verdict.
+    few = {c["id"]: c for c in confirm.analyse([r for r in rows if 18 <= r["seed"] <= 21])}
+    for cid in ("P", "C3", "C1", "C5"):
+        assert few[cid]["verdict"] == "pending" and few[cid]["n"] == 4, few[cid]
+        assert "p" not in few[cid] and len(few[cid]["ci"]) == 2  # a provisional interval
+    assert "| P |" in confirm.tables(rows[:1], confirm.analyse(rows[:1]))  # 1 seed: no interval
+    for n, pending in ((stats.MIN_SEEDS - 1, True), (stats.MIN_SEEDS, False)):
+        some = confirm.analyse([r for r in rows if r["seed"] < confirm.SEEDS[n]])
+        assert (some[0]["verdict"] == "pending") is pending and some[0]["n"] == n
+    # The verdicts of record, from all 16 seeds, are what the committed claims say.
+    committed = [json.loads(x) for x in (results / "claims.jsonl").read_text().splitlines()]
+    assert confirm.analyse(rows) == committed
+
+
 def test_holm_runs_over_the_whole_family_while_a_claim_of_it_is_pending():
     lines = (ROOT / "experiments" / "results" / "confirm" / "cells.jsonl").read_text().splitlines()
     rows = [json.loads(x) for x in lines]
@@ -543,6 +561,27 @@ def test_the_summary_puts_the_papers_statement_beside_each_verdict():
     assert set(confirm.PAPER) <= {c.id for c in confirm.CLAIMS} | {
         s.id for s, _ in confirm.ESTIMATES
     }
+
+
+def test_recheck_reruns_into_work_and_estimate_refuses_the_selections_it_ignores(
+    tmp_path, monkeypatch, capsys
+):
+    cell = "pairs/size/f-tis/s10"
+    seen = []
+    monkeypatch.setattr(confirm, "recheck", lambda todo, results, work: seen.append(work) or [])
+    base = ["--results", str(tmp_path), "--readme", "none"]
+    assert confirm.main(["recheck", "--only", cell, "--work", str(tmp_path / "w"), *base]) == 0
+    assert confirm.main(["recheck", "--only", cell, *base]) == 0
+    assert seen == [tmp_path / "w", confirm.HERE / "runs-recheck"]
+    with pytest.raises(SystemExit) as stop:  # it would replace the study's own run folder
+        confirm.main(["recheck", "--only", cell, "--work", str(WORK), *base])
+    assert stop.value.code == 2 and "--work" in capsys.readouterr().err and len(seen) == 2
+    monkeypatch.setattr(confirm, "estimate", lambda work, results: "left")
+    for flags in (["--only", "pairs/size/*"], ["--scale", "pilot"], ["--chunk", "1"]):
+        with pytest.raises(SystemExit) as stop:
+            confirm.main(["estimate", *flags, *base])
+        assert stop.value.code == 2 and flags[0] in capsys.readouterr().err, flags
+    assert confirm.main(["estimate", *base]) == 0 and capsys.readouterr().out == "left\n"
 
 
 def test_recheck_compares_a_rerun_cell_with_its_record(tmp_path, monkeypatch):

@@ -93,6 +93,22 @@ def test_bias_estimator_detects_a_known_bias_and_not_an_absent_one():
     assert all(n >= 16 for n in covered.values()), covered
 
 
+def test_findings_call_a_mode_biased_by_its_relative_errors_interval_as_the_text_says():
+    def row(mode, rel_err_ci, cos_ci):
+        return dict(
+            peer="far", mode=mode, rel_err=0.2, rel_err_ci=rel_err_ci, cos=0.9, cos_ci=cos_ci,
+            var_ratio=1.0, kl_sample=1.0, kl_token=0.1,
+        )  # fmt: skip
+
+    # NoIS: the relative error's interval excludes 0, the cosine's reaches 1; TIS: the reverse.
+    rows = [row("nois", [0.1, 0.3], [0.95, 1.0]), row("tis", [0.0, 0.3], [0.5, 0.8])]
+    header, _, line = mechanism.findings(rows)
+    assert line.endswith("biased: NoIS; not detected: TIS.")
+    rule = "relative error's 95% interval excludes 0"
+    assert rule in header and rule in " ".join(mechanism.findings.__doc__.split())
+    assert "cosine's excludes" not in mechanism.findings.__doc__  # the one rule, not another
+
+
 def test_quick_scale_runs_end_to_end_and_the_identical_peer_gives_on_policys_gradient(tmp_path):
     # About a minute of one core; the timeout only catches a hang.
     env = dict(os.environ)
