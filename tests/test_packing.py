@@ -168,3 +168,23 @@ def test_packed_advantages_are_one_per_segment():
             torch.randn(2),
             cu_seqlens=torch.tensor([0, 2, 6]),
         )
+
+
+def test_strided_cu_seqlens_gives_what_contiguous_ones_give():
+    # A column of a (S + 1, 2) tensor: stride 2. The per-sample kernel read it as if contiguous
+    # (another segment's offsets, or memory past the tensor).
+    N, V, H = 8, 7, 3
+    g = torch.Generator().manual_seed(0)
+    logits, hidden, weight = (torch.randn(*s, generator=g) for s in ((N, V), (N, H), (V, H)))
+    rows = (torch.randint(0, V, (N,), generator=g), -torch.rand(N, generator=g), torch.randn(3))
+    cu_seqlens = torch.tensor([0, 3, 3, 8])
+    strided = torch.stack([cu_seqlens, torch.full_like(cu_seqlens, 99)], dim=1)[:, 0]
+    assert strided.stride() == (2,)
+    for run in (
+        lambda cu: ftis_loss(logits, *rows, cu_seqlens=cu, loss_type="dr_grpo"),
+        lambda cu: ftis_linear_loss(hidden, weight, *rows, cu_seqlens=cu, chunk_size=3),
+    ):
+        (loss, metrics), (want, want_metrics) = run(strided), run(cu_seqlens)
+        assert torch.equal(loss, want)
+        for name, value in want_metrics.items():
+            assert torch.equal(metrics[name], value), name

@@ -129,7 +129,7 @@ def _per_sample_kernel(
     old_ptr,  # or None
     ref_ptr,  # or None (beta = 0)
     adv_ptr,
-    cu_seqlens_ptr,  # (S + 1,) int32 | int64, or None (padded)
+    cu_seqlens_ptr,  # (S + 1,) int32 | int64, any stride, or None (padded)
     # pointers: outputs
     coef_ptr,  # (rows,) fp32: d loss / d logp over the batch-wide scale
     ecoef_ptr,  # (rows,) fp32: 1 where the entropy bonus reaches the token, or None
@@ -172,6 +172,7 @@ def _per_sample_kernel(
     stride_ref_b,
     stride_ref_t,
     stride_adv,
+    stride_cu,
     # meta-parameters
     KL_ESTIMATOR: tl.constexpr,
     KL_REDUCTION: tl.constexpr,
@@ -195,8 +196,8 @@ def _per_sample_kernel(
 ):
     s = tl.program_id(0).to(tl.int64) + sample_offset
     if PACKED:
-        start = tl.load(cu_seqlens_ptr + s).to(tl.int64)
-        L = tl.load(cu_seqlens_ptr + s + 1).to(tl.int64) - start
+        start = tl.load(cu_seqlens_ptr + s * stride_cu).to(tl.int64)
+        L = tl.load(cu_seqlens_ptr + (s + 1) * stride_cu).to(tl.int64) - start
         b = s * 0  # the (1, N) tensors' only row
     else:
         start = s * 0
@@ -617,6 +618,7 @@ def per_sample_fwd(
         *_strides(old),
         *_strides(ref),
         rows.advantages.stride(0),
+        0 if cu_seqlens is None else cu_seqlens.stride(0),
         KL_ESTIMATOR=KL_ESTIMATOR_CODE[opt.kl_estimator],
         KL_REDUCTION=KL_REDUCTION_CODE[opt.kl_reduction],
         FILTER=FILTER_CODE[opt.filter],
