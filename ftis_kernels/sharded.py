@@ -63,9 +63,10 @@ def check_shards(
     expected = 0
     for rank, (start, size) in enumerate(zip(starts, sizes)):
         if start != expected:
+            where = f"where rank {rank - 1} ends at {expected}" if rank else "instead of at 0"
             raise ValueError(
                 f"vocab_start: expected shards that tile the vocabulary in rank order, got rank "
-                f"{rank} starting at {start} where rank {rank - 1} ends at {expected} "
+                f"{rank} starting at {start} {where} "
                 f"(vocab_start by rank {list(starts)}, V_local by rank {list(sizes)})"
             )
         expected += size

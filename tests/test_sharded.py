@@ -110,6 +110,9 @@ def _compiled_and_refused(rank, logits, hidden, weight, bias, tokens, rows, cols
     wrong_start = {"vocab_start": cols.start + rank, "process_group": group}
     with pytest.raises(ValueError, match="^vocab_start: expected shards that tile"):
         ftis_loss(logits[..., cols], tokens, *rows, **OPTIONS, **wrong_start)
+    first_off = {"vocab_start": cols.start + (rank == 0), "process_group": group}
+    with pytest.raises(ValueError, match="got rank 0 starting at 1 instead of at 0 "):
+        ftis_loss(logits[..., cols], tokens, *rows, **OPTIONS, **first_off)
     h = torch.randn(B, T, H + rank)
     with pytest.raises(ValueError, match="^process_group: expected shards that agree on H"):
         ftis_linear_loss(
