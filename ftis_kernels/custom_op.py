@@ -278,11 +278,12 @@ class Shard:
     @classmethod
     def of(cls, args: ForwardInputs, device: torch.device, width: int, H: int = 0) -> Shard:
         """From the bound inputs; sharded, after one all-gather that checks the shards tile the
-        vocabulary (and agree on H when given)."""
+        vocabulary and agree on the rows' (B, T) (and on H when given)."""
         name, tokens = args["group_name"], shard_tokens(args)
         if name is None:
             return cls(None, width, width, tokens)
-        group, vocab = check_shards(name, device, args["vocab_start"], width, H)
+        rows = tuple(tokens.shape)
+        group, vocab = check_shards(name, device, args["vocab_start"], width, H, rows)
         return cls(group, width, vocab, tokens)
 
     def complete(self, stats: tuple, mask: Optional[torch.Tensor]) -> tuple:

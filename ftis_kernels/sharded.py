@@ -46,16 +46,28 @@ def group_name(process_group: object, vocab_start: object) -> Optional[str]:
 
 
 def check_shards(
-    name: str, device: torch.device, vocab_start: int, V_local: int, H: int = 0
+    name: str,
+    device: torch.device,
+    vocab_start: int,
+    V_local: int,
+    H: int = 0,
+    rows: tuple[int, int] = (0, 0),
 ) -> tuple[dist.ProcessGroup, int]:
-    """(the process group, the global V), after one all-gather of (vocab_start, V_local, H): the
-    shards must tile [0, V) in rank order and agree on H. Raises the same ValueError on every
-    rank."""
+    """(the process group, the global V), after one all-gather of (vocab_start, V_local, H, B, T):
+    the shards must tile [0, V) in rank order and agree on H and on the rows' shape `rows` (B, T)
+    (the all-reduces over (B, T) statistics would otherwise wait forever, or mix other rows).
+    Raises the same ValueError on every rank."""
     group = _resolve_process_group(name)
-    mine = torch.tensor([vocab_start, V_local, H], dtype=torch.int64, device=device)
+    mine = torch.tensor([vocab_start, V_local, H, *rows], dtype=torch.int64, device=device)
     shards = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, mine, group=group)
-    starts, sizes, hs = zip(*(s.tolist() for s in shards))
+    starts, sizes, hs, *shapes = zip(*(s.tolist() for s in shards))
+    by_rank = list(zip(*shapes))
+    if len(set(by_rank)) > 1:
+        raise ValueError(
+            f"tokens: expected the same (B, T) on every rank of process_group, got {by_rank} "
+            "by rank"
+        )
     if len(set(hs)) > 1:
         raise ValueError(
             f"process_group: expected shards that agree on H, got H = {list(hs)} by rank"

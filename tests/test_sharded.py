@@ -113,6 +113,11 @@ def _compiled_and_refused(rank, logits, hidden, weight, bias, tokens, rows, cols
     first_off = {"vocab_start": cols.start + (rank == 0), "process_group": group}
     with pytest.raises(ValueError, match="got rank 0 starting at 1 instead of at 0 "):
         ftis_loss(logits[..., cols], tokens, *rows, **OPTIONS, **first_off)
+    # Rows of another shape on each rank: refused on every rank (the all-reduces waited forever).
+    short = slice(0, T - rank)
+    cut = [x[:, short] if x is not None and x.dim() == 2 else x for x in rows]
+    with pytest.raises(ValueError, match=r"^tokens: expected the same \(B, T\) on every rank"):
+        ftis_loss(logits[:, short, cols], tokens[:, short], *cut, **OPTIONS, **shard)
     h = torch.randn(B, T, H + rank)
     with pytest.raises(ValueError, match="^process_group: expected shards that agree on H"):
         ftis_linear_loss(
