@@ -207,6 +207,25 @@ def test_a_bad_data_line_is_one_line_naming_the_key_file_and_line(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_train_file_of_fewer_problems_than_prompts_per_node_is_refused(model_folder, tmp_path):
+    # A node's prompts of a round would repeat one: its two groups, read by a receiver as one
+    # group of the wrong size, were dropped as a false claim of an honest peer.
+    train, good = tmp_path / "train.jsonl", tmp_path / "good.jsonl"
+    train.write_text(GOOD + "\n")
+    good.write_text(GOOD + "\n")
+    sets = [f"data.train={train}", f"data.test={good}", f"data.ood={good}", "task=jsonl"]
+    args = [a for kv in sets for a in ("--set", kv)] + ["--model", str(model_folder)]
+    rc, err = ftis_grpo("--preset", "smoke", *args, out=tmp_path / "run")
+    assert rc == 2 and err == [
+        "ftis-grpo: data.train: expected at least prompts_per_node = 2 problems (a node's "
+        f"prompts of a round must differ), got '{train}', which holds 1"
+    ], err
+    assert not (tmp_path / "run").exists()
+    train.write_text(GOOD + "\n" + GOOD + "\n")
+    rc, err = ftis_grpo("--preset", "smoke", *args, "--print-config", out=tmp_path / "run")
+    assert rc == 0, err
+
+
 def test_jsonl_schema_reads_gsm8k_math500_and_numbers(tmp_path):
     path = tmp_path / "mixed.jsonl"
     rows = [

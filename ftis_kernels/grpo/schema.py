@@ -396,13 +396,26 @@ class RunConfig:
             for split, path in self.data.items():
                 if Path(path).is_file():
                     try:
-                        load_jsonl(path, split)
+                        found = load_jsonl(path, split)
                     except (OSError, ValueError) as exc:
                         problems.append(
                             (
                                 f"data.{split}",
                                 'a JSONL file of {"question" (or "problem"), "answer"} objects',
                                 Verbatim(str(exc)),
+                            )
+                        )
+                        continue
+                    # A node's prompts of a round are consecutive problems of the file (wrapping
+                    # around): fewer than prompts_per_node repeat a prompt, whose two groups a
+                    # receiver reads as one group of the wrong size and drops as a false claim.
+                    if split == "train" and len(found) < self.prompts_per_node:
+                        problems.append(
+                            (
+                                "data.train",
+                                f"at least prompts_per_node = {self.prompts_per_node} problems "
+                                "(a node's prompts of a round must differ)",
+                                Verbatim(f"{str(path)!r}, which holds {len(found)}"),
                             )
                         )
         for i, spec in enumerate(self.nodes):
