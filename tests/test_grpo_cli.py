@@ -33,6 +33,9 @@ NAMING = [
     (["--is-cap", "0"], "--is-cap: expected a value > 0"),
     (["--timeout", "-1"], "--timeout: expected a value > 0"),
     (["--kl-threshold", "-1"], "--kl-threshold: expected a value >= 0"),
+    # A loss option given in loss_options is named by its key there, not as the op names it.
+    (["--set", "loss_options.epsilon_high=-1"], "loss_options.epsilon_high: expected a finite"),
+    (["--set", "loss_options.is_mode=x"], "loss_options.is_mode: expected one of ('none'"),
 ]
 
 

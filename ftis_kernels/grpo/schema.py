@@ -381,8 +381,10 @@ class RunConfig:
             options = self.ftis_options()
             for rank in range(len(self.nodes)):
                 self.ftis_options(rank)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        except ValueError as exc:  # "<option>: expected ...": an option set in loss_options
+            name, colon, rest = str(exc).partition(": ")  # is named by its key there
+            key = f"loss_options.{name}" if colon and name in self.loss_options else name
+            raise ConfigError(f"{key}{colon}{rest}") from None
         if options.beta > 0:
             raise ConfigError(
                 ("loss_options.beta", "0 (the driver has no reference model)", options.beta)
