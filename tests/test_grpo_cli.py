@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,22 @@ def test_export_refuses_what_it_cannot_do_in_one_line(run_with_ckpt, tmp_path, c
     argv = ["export", str(out), *args] + ([] if "--to" in args else ["--to", str(tmp_path / "m")])
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.splitlines() == [f"ftis-grpo export: {error.format(out=out)}"]
+
+
+def test_export_names_a_model_folder_of_the_run_that_is_not_there(run_with_ckpt, tmp_path, capsys):
+    # It was a traceback from transformers, which took the path for a Hub model id.
+    out, _ = run_with_ckpt
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    config = json.loads((run / "config.json").read_text())
+    config["nodes"][0]["model"] = "models/moved"  # relative: read from the current folder
+    (run / "config.json").write_text(json.dumps(config))
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "m")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "ftis-grpo export: nodes.0.model: expected the run's model folder (a relative path is read "
+        "from the current folder), got 'models/moved', which does not exist"
+    ]
+    assert not (tmp_path / "m").exists()
 
 
 BAD_MODELS = [
