@@ -46,6 +46,18 @@ def test_an_error_names_the_flag_the_value_came_from(tmp_path, args, line):
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"ftis-grpo: {line}"), err
 
 
+def test_a_set_of_a_nodes_model_wins_over_model_as_every_set_wins_over_flags():
+    # --model used to replace every node's model after the --set's, the last layer.
+    def models(*argv: str) -> list:
+        return [n.model for n in cli.config_from_args(cli.parse_args(argv)).nodes]
+
+    assert models("--preset", "smoke", "--model", "a") == ["a", "a"]
+    assert models("--preset", "smoke", "--model", "a", "--set", "nodes.0.model=b") == ["b", "a"]
+    assert models("--preset", "smoke", "--set", "nodes.1={model: c}", "--model", "a") == ["a", "c"]
+    nodes = "nodes=[{model: d}, {model: e}]"
+    assert models("--preset", "smoke", "--model", "a", "--set", nodes) == ["d", "e"]
+
+
 def test_the_resume_refusal_lists_every_key_a_resume_may_change(tmp_path):
     before = build_config("smoke", overrides={"out": str(tmp_path)})
     _fake_run(tmp_path, before, rounds_done=2)
