@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ NAMING = [
     (["--is-cap", "0"], "--is-cap: expected a value > 0"),
     (["--timeout", "-1"], "--timeout: expected a value > 0"),
     (["--kl-threshold", "-1"], "--kl-threshold: expected a value >= 0"),
+    # A loss option given in loss_options is named by its key there, not as the op names it.
+    (["--set", "loss_options.epsilon_high=-1"], "loss_options.epsilon_high: expected a finite"),
+    (["--set", "loss_options.is_mode=x"], "loss_options.is_mode: expected one of ('none'"),
 ]
 
 
@@ -40,6 +44,18 @@ NAMING = [
 def test_an_error_names_the_flag_the_value_came_from(tmp_path, args, line):
     rc, err = ftis_grpo("--preset", "smoke", *args, out=tmp_path / "run")
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"ftis-grpo: {line}"), err
+
+
+def test_a_set_of_a_nodes_model_wins_over_model_as_every_set_wins_over_flags():
+    # --model used to replace every node's model after the --set's, the last layer.
+    def models(*argv: str) -> list:
+        return [n.model for n in cli.config_from_args(cli.parse_args(argv)).nodes]
+
+    assert models("--preset", "smoke", "--model", "a") == ["a", "a"]
+    assert models("--preset", "smoke", "--model", "a", "--set", "nodes.0.model=b") == ["b", "a"]
+    assert models("--preset", "smoke", "--set", "nodes.1={model: c}", "--model", "a") == ["a", "c"]
+    nodes = "nodes=[{model: d}, {model: e}]"
+    assert models("--preset", "smoke", "--model", "a", "--set", nodes) == ["d", "e"]
 
 
 def test_the_resume_refusal_lists_every_key_a_resume_may_change(tmp_path):
@@ -151,6 +167,22 @@ def test_export_refuses_what_it_cannot_do_in_one_line(run_with_ckpt, tmp_path, c
     assert capsys.readouterr().err.splitlines() == [f"ftis-grpo export: {error.format(out=out)}"]
 
 
+def test_export_names_a_model_folder_of_the_run_that_is_not_there(run_with_ckpt, tmp_path, capsys):
+    # It was a traceback from transformers, which took the path for a Hub model id.
+    out, _ = run_with_ckpt
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    config = json.loads((run / "config.json").read_text())
+    config["nodes"][0]["model"] = "models/moved"  # relative: read from the current folder
+    (run / "config.json").write_text(json.dumps(config))
+    assert cli.main(["export", str(run), "--to", str(tmp_path / "m")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "ftis-grpo export: nodes.0.model: expected the run's model folder (a relative path is read "
+        "from the current folder), got 'models/moved', which does not exist"
+    ]
+    assert not (tmp_path / "m").exists()
+
+
 BAD_MODELS = [
     ("{nowhere}", "'{nowhere}', which does not exist"),
     ("{empty}", "'{empty}', which has no readable config.json, no weights"),
@@ -205,6 +237,25 @@ def test_a_bad_data_line_is_one_line_naming_the_key_file_and_line(
     )
     assert f"got {bad}:3: {why}" in err[0], err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_train_file_of_fewer_problems_than_prompts_per_node_is_refused(model_folder, tmp_path):
+    # A node's prompts of a round would repeat one: its two groups, read by a receiver as one
+    # group of the wrong size, were dropped as a false claim of an honest peer.
+    train, good = tmp_path / "train.jsonl", tmp_path / "good.jsonl"
+    train.write_text(GOOD + "\n")
+    good.write_text(GOOD + "\n")
+    sets = [f"data.train={train}", f"data.test={good}", f"data.ood={good}", "task=jsonl"]
+    args = [a for kv in sets for a in ("--set", kv)] + ["--model", str(model_folder)]
+    rc, err = ftis_grpo("--preset", "smoke", *args, out=tmp_path / "run")
+    assert rc == 2 and err == [
+        "ftis-grpo: data.train: expected at least prompts_per_node = 2 problems (a node's "
+        f"prompts of a round must differ), got '{train}', which holds 1"
+    ], err
+    assert not (tmp_path / "run").exists()
+    train.write_text(GOOD + "\n" + GOOD + "\n")
+    rc, err = ftis_grpo("--preset", "smoke", *args, "--print-config", out=tmp_path / "run")
+    assert rc == 0, err
 
 
 def test_jsonl_schema_reads_gsm8k_math500_and_numbers(tmp_path):

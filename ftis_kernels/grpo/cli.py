@@ -299,9 +299,19 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                     f"{len(args.model)} paths",
                 )
             )
+        set_by_set = _set_models(args, len(cfg.nodes))
         for i, spec in enumerate(cfg.nodes):
-            spec.model = args.model[i % len(args.model)]
+            if i not in set_by_set:  # --set comes last: its model stays
+                spec.model = args.model[i % len(args.model)]
     return cfg
+
+
+def _set_models(args: argparse.Namespace, n_nodes: int) -> set[int]:
+    """The nodes whose model a --set gives (`nodes`, `nodes.<i>` or `nodes.<i>.model`)."""
+    keys = {assignment.split("=", 1)[0] for assignment in args.set}
+    if "nodes" in keys:
+        return set(range(n_nodes))
+    return {i for i in range(n_nodes) if {f"nodes.{i}", f"nodes.{i}.model"} & keys}
 
 
 def _layers(args: argparse.Namespace) -> str:
@@ -518,9 +528,8 @@ def _model_flag(args: argparse.Namespace, cfg: RunConfig) -> dict[str, str]:
     """nodes.<i>.model -> "--model" for the nodes whose model --model set."""
     if not args.model:
         return {}
-    set_by_set = {assignment.split("=", 1)[0] for assignment in args.set}
-    keys = (f"nodes.{i}.model" for i in range(len(cfg.nodes)))
-    return {key: "--model" for key in keys if key not in set_by_set}
+    set_by_set = _set_models(args, len(cfg.nodes))
+    return {f"nodes.{i}.model": "--model" for i in range(len(cfg.nodes)) if i not in set_by_set}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

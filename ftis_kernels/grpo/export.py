@@ -16,7 +16,8 @@ from typing import Optional
 
 from ftis_kernels.grpo import checkpoint
 from ftis_kernels.grpo.config import from_dict
-from ftis_kernels.grpo.errors import ConfigError, Verbatim
+from ftis_kernels.grpo.errors import ConfigError, Described, Verbatim
+from ftis_kernels.grpo.model_folder import model_folder_problem
 from ftis_kernels.grpo.schema import RunConfig
 
 
@@ -58,6 +59,12 @@ def export(run: Path, node: int, round_: Optional[int], to: Path) -> Path:
         raise ConfigError(("--round", "an undamaged checkpoint", Verbatim(damage)))
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise ConfigError(("--to", "a new or empty folder", str(to)))
+    spec = cfg.node(node)
+    # The run's model folder, as its config names it (a relative path: from where the run began).
+    found = None if spec.model is None else model_folder_problem(spec.model)
+    if found is not None:
+        expected = "the run's model folder (a relative path is read from the current folder)"
+        raise ConfigError((f"nodes.{node}.model", expected, Described(found)))
 
     from safetensors.torch import load_model
 
@@ -65,7 +72,6 @@ def export(run: Path, node: int, round_: Optional[int], to: Path) -> Path:
     from ftis_kernels.grpo.task import ArithmeticTask
     from ftis_kernels.grpo.tokenizer import build_tokenizer
 
-    spec = cfg.node(node)
     if spec.model is not None:
         model, tokenizer = load_pretrained(spec.model)
     else:

@@ -381,8 +381,10 @@ class RunConfig:
             options = self.ftis_options()
             for rank in range(len(self.nodes)):
                 self.ftis_options(rank)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        except ValueError as exc:  # "<option>: expected ...": an option set in loss_options
+            name, colon, rest = str(exc).partition(": ")  # is named by its key there
+            key = f"loss_options.{name}" if colon and name in self.loss_options else name
+            raise ConfigError(f"{key}{colon}{rest}") from None
         if options.beta > 0:
             raise ConfigError(
                 ("loss_options.beta", "0 (the driver has no reference model)", options.beta)
@@ -396,13 +398,26 @@ class RunConfig:
             for split, path in self.data.items():
                 if Path(path).is_file():
                     try:
-                        load_jsonl(path, split)
+                        found = load_jsonl(path, split)
                     except (OSError, ValueError) as exc:
                         problems.append(
                             (
                                 f"data.{split}",
                                 'a JSONL file of {"question" (or "problem"), "answer"} objects',
                                 Verbatim(str(exc)),
+                            )
+                        )
+                        continue
+                    # A node's prompts of a round are consecutive problems of the file (wrapping
+                    # around): fewer than prompts_per_node repeat a prompt, whose two groups a
+                    # receiver reads as one group of the wrong size and drops as a false claim.
+                    if split == "train" and len(found) < self.prompts_per_node:
+                        problems.append(
+                            (
+                                "data.train",
+                                f"at least prompts_per_node = {self.prompts_per_node} problems "
+                                "(a node's prompts of a round must differ)",
+                                Verbatim(f"{str(path)!r}, which holds {len(found)}"),
                             )
                         )
         for i, spec in enumerate(self.nodes):
