@@ -124,6 +124,10 @@ def test_report_redraws_the_curves_with_a_baseline_run(tmp_path, capsys):
     assert cli.main(["report", str(run), "--baseline", str(tmp_path / "none")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("ftis-grpo report: --baseline: expected the output folder of a run")
+    # A RUN whose path starts with the baseline's (run2 beside run) is still named RUN.
+    assert cli.main(["report", str(tmp_path / "run2"), "--baseline", str(run)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ftis-grpo report: RUN: expected the output folder of a run"), line
 
 
 def test_summary_txt_has_a_legend_of_its_columns(tmp_path):

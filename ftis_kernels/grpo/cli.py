@@ -393,7 +393,9 @@ def report_main(argv: Sequence[str]) -> int:
             path, summary = merge(runs, to, Path(args.baseline) if args.baseline else None)
             print(summary)
     except (OSError, ValueError) as exc:
-        where = "--baseline" if args.baseline and args.baseline in str(exc) else "RUN"
+        # The baseline's error names its metrics file (a RUN's path may start with its folder's).
+        about = str(Path(args.baseline) / "metrics.jsonl") if args.baseline else None
+        where = "--baseline" if about is not None and about in str(exc) else "RUN"
         what = "the output folder of a run (with metrics.jsonl)"
         print(f"ftis-grpo report: {where}: expected {what}, got {exc}", file=sys.stderr)
         return EXIT_USAGE
