@@ -164,3 +164,21 @@ def test_the_environment_line_counts_one_thread_in_the_singular():
     )  # fmt: skip
     assert "1 thread per node" in describe({**env, "threads_per_node": 1})
     assert "2 threads per node" in describe({**env, "threads_per_node": 2})
+
+
+def test_report_merges_over_no_file_that_no_run_or_report_wrote(tmp_path, capsys):
+    from ftis_kernels.grpo import cli
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(4)))
+    (tmp_path / "summary.txt").write_text("a user's notes")  # the runs' common parent folder
+    assert cli.main(["report", *map(str, runs)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("ftis-grpo report: --to: expected a folder without"), line
+    assert (tmp_path / "summary.txt").read_text() == "a user's notes"
+    to = tmp_path / "ab"
+    for _ in range(2):  # a report's own files are replaced by the next report
+        assert cli.main(["report", *map(str, runs), "--to", str(to)]) == 0
+    assert (to / "curves.png").stat().st_size > 10_000

@@ -383,6 +383,7 @@ def report_main(argv: Sequence[str]) -> int:
     from pathlib import Path
 
     from ftis_kernels.grpo.report import merge, redraw
+    from ftis_kernels.grpo.run_folder import check_report_to, mark_report
 
     runs = [Path(r) for r in args.runs]
     try:
@@ -390,8 +391,14 @@ def report_main(argv: Sequence[str]) -> int:
             path = redraw(runs[0], Path(args.baseline) if args.baseline else None)
         else:
             to = Path(args.to or os.path.commonpath([r.resolve() for r in runs]))
+            check_report_to(to)
             path, summary = merge(runs, to, Path(args.baseline) if args.baseline else None)
+            mark_report(to)
             print(summary)
+    except ConfigError as exc:
+        for line in exc.lines:
+            print(f"ftis-grpo report: {line}", file=sys.stderr)
+        return EXIT_USAGE
     except (OSError, ValueError) as exc:
         # The baseline's error names its metrics file (a RUN's path may start with its folder's).
         about = str(Path(args.baseline) / "metrics.jsonl") if args.baseline else None

@@ -32,6 +32,8 @@ log = logging.getLogger("ftis_kernels.grpo")
 LOCK_FILE = ".ftis-grpo.lock"
 # Written into --out when a run starts there: the folder holds a run (`holds_a_run`).
 RUN_MARKER = ".ftis-grpo-run"
+# Written beside the curves.png and summary.txt that `ftis-grpo report` merges into a folder.
+REPORT_MARKER = ".ftis-grpo-report"
 # What a run writes into --out, all that --overwrite deletes (with the marker).
 RUN_OUTPUTS = (
     "ckpt",
@@ -180,6 +182,25 @@ def check_out(cfg: RunConfig, overwrite: bool, peers_resume: bool = False) -> No
         "ftis-grpo writes its run here; --overwrite deletes only this file and its outputs: "
         f"{', '.join(RUN_OUTPUTS)}\n"
     )
+
+
+def check_report_to(to: Path) -> None:
+    """Before `ftis-grpo report` merges runs into `to`: its curves.png and summary.txt may replace
+    only files of those names that a run or an earlier report wrote (a user's are refused)."""
+    mine = [name for name in ("curves.png", "summary.txt") if (to / name).exists()]
+    if mine and not (holds_a_run(to) or (to / REPORT_MARKER).is_file()):
+        raise ConfigError(
+            (
+                "--to",
+                "a folder without a curves.png or summary.txt that no run or report wrote",
+                Verbatim(f"{str(to)!r}, which holds {', '.join(mine)} (move them, or pass --to)"),
+            )
+        )
+
+
+def mark_report(to: Path) -> None:
+    """Marks `to` as a folder `ftis-grpo report` merged runs into (`check_report_to`)."""
+    (to / REPORT_MARKER).write_text("ftis-grpo report writes curves.png and summary.txt here\n")
 
 
 def holds_a_run(out: Path) -> bool:
