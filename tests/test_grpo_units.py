@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -101,6 +102,10 @@ def test_worked_answers_are_correct_and_reward_is_strict():
     assert reward(p.answer, p) == 0.0  # no '####': no answer
     assert reward(f"#### {p.answer} and more", p) == 0.0
     assert extract_answer("x #### 1,200") == "1200"
+    # Exact at any size: no float rounding (2^53 + 1 is not 2^53), no overflow past 1e308.
+    big = dataclasses.replace(p, answer="9007199254740993")
+    assert reward("#### 9007199254740992", big) == 0.0 and reward("#### 9007199254740993", big) == 1
+    assert reward("#### " + "9" * 400, p) == 0.0
 
 
 def test_tokenizer_round_trips_task_text_and_fingerprints_vocabulary():

@@ -24,6 +24,7 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Optional
 
@@ -85,12 +86,18 @@ def extract_answer(text: str) -> Optional[str]:
 
 
 def _normalise(answer: str) -> str:
+    """A number's canonical text, exact at any size ('1,200' and '1200.0' -> '1200'; '2.50' ->
+    '2.5'); any other text as it is."""
     answer = answer.strip().replace(",", "")
     try:
-        value = float(answer)
-    except ValueError:
+        value = Decimal(answer)
+    except InvalidOperation:
         return answer
-    return str(int(value)) if value == int(value) else str(value)
+    if not value.is_finite():
+        return answer
+    if value == value.to_integral_value():
+        return str(int(value))
+    return str(value.normalize())
 
 
 def reward(completion: str, problem: Problem, format_credit: float = 0.0) -> float:
