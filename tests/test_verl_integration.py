@@ -23,13 +23,14 @@ AGG_MODES = [
 ]
 
 
-def actor_config(policy_loss, agg_mode, **global_batch_info):
+def actor_config(policy_loss, agg_mode, clip_ratio_c=3.0, **global_batch_info):
     config = FSDPActorConfig(
         ppo_mini_batch_size=4,
         ppo_micro_batch_size_per_gpu=2,
         rollout_n=1,
         clip_ratio=0.2,
         clip_ratio_high=0.28,
+        clip_ratio_c=clip_ratio_c,
         loss_agg_mode=agg_mode,
         policy_loss=policy_loss,
     )
@@ -83,6 +84,32 @@ def test_reduction_setting_equals_verls_vanilla_loss(agg_mode, global_info):
     assert "actor/pg_clipfrac" in metrics
 
 
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_dual_clip_equals_verls(agg_mode):
+    # A < 0 with R = e^2 > clip_ratio_c = 3 on one token: verl's vanilla loss caps it (dual-clip).
+    logits, tokens, mask, old, adv = batch(seed=1)
+    log_prob = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    adv[0] = -1.0
+    old[0, 0] = log_prob[0, 0] - 2.0
+    vanilla = actor_config(PolicyLossConfig(loss_mode="vanilla"), agg_mode)
+    ours = actor_config(FTISPolicyLossConfig(ftis={"is_mode": "none", "filter": None}), agg_mode)
+    want, want_grad, _ = verl_loss("vanilla", vanilla, logits, tokens, mask, old, adv)
+    got, got_grad, _ = verl_loss("ftis", ours, logits, tokens, mask, old, adv)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
+
+
+def test_dual_clip_settings_verl_decides_or_the_op_cannot_express_are_refused():
+    from ftis_kernels.integrations.verl import ftis_options
+
+    config = actor_config(FTISPolicyLossConfig(ftis={"delta": 2.0}), "token-mean")
+    with pytest.raises(ValueError, match="^policy_loss.ftis.delta: "):
+        ftis_options(config, "token-mean", T=4)
+    config = actor_config(FTISPolicyLossConfig(), "token-mean", clip_ratio_c=1.1)  # < 1.28
+    with pytest.raises(ValueError, match="^clip_ratio_c: "):
+        ftis_options(config, "token-mean", T=4)
+
+
 def test_filter_and_tis_on_equal_our_op():
     logits, tokens, mask, old, adv = batch(seed=3)
     opts = {"is_mode": "tis", "is_cap": 1.5, "filter": "negative_offpolicy", "kl_threshold": 0.05}
@@ -90,7 +117,17 @@ def test_filter_and_tis_on_equal_our_op():
     got, got_grad, metrics = verl_loss("ftis", config, logits, tokens, mask, old, adv)
     x = logits.clone().requires_grad_()
     want, want_metrics = ftis_loss(
-        x, tokens, old, adv, mask, old, loss_type="grpo", epsilon=0.2, epsilon_high=0.28, **opts
+        x,
+        tokens,
+        old,
+        adv,
+        mask,
+        old,
+        loss_type="grpo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        delta=3.0,
+        **opts,
     )
     (want_grad,) = torch.autograd.grad(want, x)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

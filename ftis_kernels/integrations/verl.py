@@ -17,12 +17,14 @@ Mapping:
   seq-mean-token-sum -> "luspo", seq-mean-token-sum-norm -> "dr_grpo" (L = loss_scale_factor or
   T), token-sum -> "luspo" times B; then verl's global-batch scaling (dp_size, batch_num_tokens,
   global_batch_size in `config.global_batch_info`), as its `agg_loss` does.
-- clip_ratio_low / clip_ratio_high (or clip_ratio) -> epsilon / epsilon_high. The other F-TIS
-  options come from `policy_loss.ftis` (a mapping of `FTISOptions` fields) when the policy loss
-  config is an `FTISPolicyLossConfig` (`_target_: ftis_kernels.integrations.verl.
-  FTISPolicyLossConfig`). verl's dual-clip (clip_ratio_c) is not applied; verl's rollout
-  correction weights are refused (F-TIS applies its own truncated IS); verl adds its entropy
-  bonus and KL loss outside the policy loss, as for every loss mode.
+- clip_ratio_low / clip_ratio_high (or clip_ratio) -> epsilon / epsilon_high; clip_ratio_c (verl's
+  dual-clip, default 3) -> delta: for A < 0 verl caps the clipped loss at -A c, which is the op's
+  cap R <= delta of the unclipped branch (for A > 0 neither changes anything while c >= 1 +
+  clip_ratio_high; a smaller c is refused). The other F-TIS options come from `policy_loss.ftis`
+  (a mapping of `FTISOptions` fields) when the policy loss config is an `FTISPolicyLossConfig`
+  (`_target_: ftis_kernels.integrations.verl.FTISPolicyLossConfig`). verl's rollout correction
+  weights are refused (F-TIS applies its own truncated IS); verl adds its entropy bonus and KL
+  loss outside the policy loss, as for every loss mode.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ AGG_LOSS_TYPES = {mode: t.name for t in LOSS_TYPE_TABLE.values() for mode in t.v
 @dataclass
 class FTISPolicyLossConfig(PolicyLossConfig):
     """verl's policy-loss config with the F-TIS options: `ftis` maps `FTISOptions` field names to
-    values (loss_type, epsilon and epsilon_high come from verl's own settings)."""
+    values (loss_type, epsilon, epsilon_high and delta come from verl's own settings)."""
 
     loss_mode: str = LOSS_MODE
     ftis: dict = field(default_factory=dict)
@@ -64,15 +66,27 @@ def ftis_options(config: Any, loss_agg_mode: str, T: int) -> FTISOptions:
         )
     policy_loss = config.get("policy_loss", None) if config is not None else None
     extra = dict((policy_loss.get("ftis", None) if policy_loss is not None else None) or {})
-    for name in ("loss_type", "epsilon", "epsilon_high"):
+    for name in ("loss_type", "epsilon", "epsilon_high", "delta"):
         if name in extra:
             raise ValueError(
-                f"policy_loss.ftis.{name}: set by verl (loss_agg_mode, clip_ratio_low / high)"
+                f"policy_loss.ftis.{name}: set by verl (loss_agg_mode, clip_ratio_low / high / c)"
             )
     clip = config.clip_ratio
     low = config.clip_ratio_low if config.clip_ratio_low is not None else clip
     high = config.clip_ratio_high if config.clip_ratio_high is not None else clip
-    options = {"loss_type": AGG_LOSS_TYPES[loss_agg_mode], "epsilon": low, "epsilon_high": high}
+    # verl's dual-clip bound (its vanilla loss reads it with this default).
+    dual_clip = float(config.get("clip_ratio_c", 3.0))
+    if dual_clip < 1.0 + high:
+        raise ValueError(
+            f"clip_ratio_c: expected >= 1 + clip_ratio_high = {1.0 + high} with loss_mode=ftis "
+            f"(verl's dual-clip is the op's delta only there), got {dual_clip}"
+        )
+    options = {
+        "loss_type": AGG_LOSS_TYPES[loss_agg_mode],
+        "epsilon": low,
+        "epsilon_high": high,
+        "delta": dual_clip,
+    }
     if loss_agg_mode == "seq-mean-token-sum-norm":
         factor = config.global_batch_info.get("loss_scale_factor", None)
         options["max_completion_length"] = T if factor is None else int(factor)
