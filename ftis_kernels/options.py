@@ -191,7 +191,7 @@ class FTISOptions:
     kl_threshold: float = _option(50.0, "g, the upper KL_i threshold.", check="non_negative")
     kl_threshold_low: Optional[float] = _option(
         None,
-        "Lower KL_i threshold (verl's k1 ratio band: -log of its upper ratio); None: none.",
+        "Lower KL_i threshold (verl's k1 band: log of its lower bound); None: none.",
         check="finite",
     )
     kl_estimator: str = _option(
@@ -492,10 +492,10 @@ PRESETS: dict[str, Preset] = {
     "vespo": Preset(
         dict(_ON_POLICY, loss_type="vespo"), "VESPO (TRL 1.16 defaults k 2 / 3, lambda 3 / 2)"
     ),
-    "seq_sum_k1": _verl_rs("sum", "k1", -math.log(0.6), -math.log(1.4)),
+    "seq_sum_k1": _verl_rs("sum", "k1", math.log(1.4), math.log(0.6)),
     "seq_sum_k2": _verl_rs("sum", "k2", 2.5),
     "seq_sum_k3": _verl_rs("sum", "k3", 2.5),
-    "seq_mean_k1": _verl_rs("mean", "k1", -math.log(0.5), -math.log(1.5)),
+    "seq_mean_k1": _verl_rs("mean", "k1", math.log(1.5), math.log(0.5)),
     "seq_mean_k2": _verl_rs("mean", "k2", 2.0),
     "seq_mean_k3": _verl_rs("mean", "k3", 2.0),
     "seq_max_k2": _verl_rs("max", "k2", 2.0),

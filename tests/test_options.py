@@ -253,3 +253,21 @@ def test_resolved_options_are_reused_and_still_validated_by_type():
     base = FTISOptions(is_cap=3.0)
     assert resolve_options(base, {}) is base
     assert resolve_options(base, {"kl_threshold": 5.0}).is_cap == 3.0
+
+
+@pytest.mark.parametrize(
+    "name, lower, upper", [("seq_sum_k1", 0.6, 1.4), ("seq_mean_k1", 0.5, 1.5)]
+)
+def test_verl_k1_presets_keep_what_verls_lower_upper_band_keeps(name, lower, upper):
+    # verl's rollout_rs="seq_*_k1" with threshold "lower_upper" keeps a sequence when the sum
+    # (or mean) over its tokens of k1 = log pi_rollout - log pi_old lies in [log lower, log upper]
+    # (verl/trainer/ppo/rollout_corr_helper.py in volcengine/verl). One token per sample, so sum
+    # and mean agree: 0.9 log(upper) and 0.9 log(lower) are kept, 1.1 log(upper) and 1.1
+    # log(lower) are rejected.
+    bounds = torch.tensor([math.log(upper), math.log(lower)] * 2)
+    d = (bounds * torch.tensor([0.9, 0.9, 1.1, 1.1]))[:, None]
+    old = torch.full_like(d, -1.0)
+    result = per_sample.per_sample_loss(
+        old, old + d, torch.ones(4), None, old, None, FTISOptions.preset(name)
+    )
+    assert result.metrics["filtered"].tolist() == [False, False, True, True]
