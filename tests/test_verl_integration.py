@@ -99,12 +99,18 @@ def test_dual_clip_equals_verls(agg_mode):
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-6, atol=1e-7)
 
 
-def test_dual_clip_settings_verl_decides_or_the_op_cannot_express_are_refused():
+def test_settings_verl_decides_or_the_op_cannot_express_are_refused():
     from ftis_kernels.integrations.verl import ftis_options
 
-    config = actor_config(FTISPolicyLossConfig(ftis={"delta": 2.0}), "token-mean")
-    with pytest.raises(ValueError, match="^policy_loss.ftis.delta: "):
-        ftis_options(config, "token-mean", T=4)
+    for name, value in [
+        ("delta", 2.0),
+        ("entropy_coef", 0.01),
+        ("beta", 0.1),
+        ("temperature", 0.7),
+    ]:
+        config = actor_config(FTISPolicyLossConfig(ftis={name: value}), "token-mean")
+        with pytest.raises(ValueError, match=f"^policy_loss.ftis.{name}: set by verl"):
+            ftis_options(config, "token-mean", T=4)
     config = actor_config(FTISPolicyLossConfig(), "token-mean", clip_ratio_c=1.1)  # < 1.28
     with pytest.raises(ValueError, match="^clip_ratio_c: "):
         ftis_options(config, "token-mean", T=4)

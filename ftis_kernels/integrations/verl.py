@@ -24,7 +24,8 @@ Mapping:
   (a mapping of `FTISOptions` fields) when the policy loss config is an `FTISPolicyLossConfig`
   (`_target_: ftis_kernels.integrations.verl.FTISPolicyLossConfig`). verl's rollout correction
   weights are refused (F-TIS applies its own truncated IS); verl adds its entropy bonus and KL
-  loss outside the policy loss, as for every loss mode.
+  loss outside the policy loss, as for every loss mode (`policy_loss.ftis` refuses entropy_coef,
+  beta and temperature, which would do nothing or fail here).
 """
 
 from __future__ import annotations
@@ -47,12 +48,25 @@ from ftis_kernels.per_sample import per_sample_loss  # noqa: E402
 LOSS_MODE = "ftis"
 # verl's loss_agg_mode -> our loss_type, from the loss-type table.
 AGG_LOSS_TYPES = {mode: t.name for t in LOSS_TYPE_TABLE.values() for mode in t.verl}
+# `FTISOptions` fields that verl's own settings decide (or that have no effect on log-probs: the
+# entropy, the reference KL and the temperature are verl's), with the setting to use instead.
+VERL_SETS = {
+    "loss_type": "loss_agg_mode",
+    "epsilon": "clip_ratio_low",
+    "epsilon_high": "clip_ratio_high",
+    "delta": "clip_ratio_c",
+    "max_completion_length": "loss_scale_factor",
+    "entropy_coef": "entropy_coeff",
+    "beta": "use_kl_loss, kl_loss_coef, kl_loss_type",
+    "use_bias_correction_kl": "use_kl_loss, kl_loss_coef, kl_loss_type",
+    "temperature": "the rollout temperature, which verl's actor applies to the logits",
+}
 
 
 @dataclass
 class FTISPolicyLossConfig(PolicyLossConfig):
     """verl's policy-loss config with the F-TIS options: `ftis` maps `FTISOptions` field names to
-    values (loss_type, epsilon, epsilon_high and delta come from verl's own settings)."""
+    values, but those in `VERL_SETS`, which come from verl's own settings."""
 
     loss_mode: str = LOSS_MODE
     ftis: dict = field(default_factory=dict)
@@ -66,11 +80,9 @@ def ftis_options(config: Any, loss_agg_mode: str, T: int) -> FTISOptions:
         )
     policy_loss = config.get("policy_loss", None) if config is not None else None
     extra = dict((policy_loss.get("ftis", None) if policy_loss is not None else None) or {})
-    for name in ("loss_type", "epsilon", "epsilon_high", "delta"):
+    for name, setting in VERL_SETS.items():
         if name in extra:
-            raise ValueError(
-                f"policy_loss.ftis.{name}: set by verl (loss_agg_mode, clip_ratio_low / high / c)"
-            )
+            raise ValueError(f"policy_loss.ftis.{name}: set by verl ({setting})")
     clip = config.clip_ratio
     low = config.clip_ratio_low if config.clip_ratio_low is not None else clip
     high = config.clip_ratio_high if config.clip_ratio_high is not None else clip
