@@ -131,8 +131,9 @@ def _call(fn: Callable, hidden: torch.Tensor) -> Any:
 class FTISGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose loss is F-TIS (module docstring). Takes `GRPOTrainer`'s arguments,
     with `args` an `FTISGRPOConfig`. Logs TRL's metrics, TRL's `entropy` (the per-token entropy
-    over completion tokens) and ftis/<name> for each name of `LOGGED_METRICS` (and `kl`, the
-    reference KL, when beta > 0); TRL's clip_ratio/* are not computed.
+    over completion tokens) and ftis/<name> for each name of `LOGGED_METRICS` (and `kl`, TRL's
+    k3 to the reference, times R with use_bias_correction_kl, when beta > 0); TRL's
+    clip_ratio/*, cispo_clip_ratio and vespo/phi_seq_mean are not computed.
 
     Several processes: with ftis_op="ftis_linear_loss" it runs under accelerate's DDP, FSDP2 and
     DeepSpeed ZeRO-1/2/3. The decoder runs through the engine's wrapper; the fused loss and the
@@ -293,7 +294,7 @@ class FTISGRPOTrainer(GRPOTrainer):
             self._notice_on_policy(gen, old, metrics["logp"], mask)
         if self.use_adaptive_entropy and mode == "train":
             self._update_entropy_coef(metrics["entropy"], mask)
-        self._log_ftis_metrics(mode, metrics, mask, ref)
+        self._log_ftis_metrics(mode, metrics, mask, old, ref)
         raise_on_bad_values(metrics)  # a bad input raises here, before the backward and the step
         return loss * scale
 
@@ -421,19 +422,35 @@ class FTISGRPOTrainer(GRPOTrainer):
         # dr_grpo: the op divides by B * max_completion_length itself (an option).
         return 1.0 / accumulation
 
-    def _log_ftis_metrics(self, mode: str, metrics: dict[str, torch.Tensor], mask, ref) -> None:
+    def _log_ftis_metrics(self, mode: str, metrics: dict, mask, old, ref) -> None:
+        """ftis/<name> for LOGGED_METRICS, averaged over the processes, and TRL's `entropy` and,
+        with beta > 0, `kl`: token means over every process's completion tokens, as TRL's
+        `global_masked_mean` takes them, the k3 to the reference times the PPO ratio R with
+        use_bias_correction_kl (as TRL logs it)."""
         values = [metrics[name] for name in LOGGED_METRICS]
         names = [f"ftis/{name}" for name in LOGGED_METRICS]
-        # TRL's `entropy` metric: the per-token entropy averaged over completion tokens.
-        values.append((metrics["entropy"] * mask).sum() / mask.sum().clamp(min=1))
-        names.append("entropy")
+        logp = metrics["logp"].float()
+        token_sums = {"entropy": torch.where(mask, metrics["entropy"].float(), 0.0).sum()}
         if ref is not None:
-            # TRL's `kl` metric: the per-token k3 to the reference model, averaged over completion tokens.  # noqa: E501
-            d = torch.where(mask, ref.float() - metrics["logp"], 0.0)
-            values.append((torch.expm1(d) - d).sum() / mask.sum().clamp(min=1))
-            names.append("kl")
-        gathered = (
-            self.accelerator.gather(torch.stack(values).float()[None]).nanmean(dim=0).tolist()
-        )
-        for name, value in zip(names, gathered):
+            d = torch.where(mask, ref.float() - logp, 0.0)
+            kl = torch.expm1(d) - d
+            if self.ftis.use_bias_correction_kl:
+                kl = kl * self._ppo_ratio(logp, old, mask)
+            token_sums["kl"] = torch.where(mask, kl, 0.0).sum()
+        row = torch.stack([*values, *token_sums.values(), mask.sum()]).float()
+        gathered = self.accelerator.gather(row[None])
+        per_process = gathered[:, : len(values)].nanmean(dim=0).tolist()
+        totals = gathered[:, len(values) :].sum(dim=0)
+        token_means = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
+        for name, value in zip([*names, *token_sums], per_process + token_means):
             self._metrics[mode][name].append(value)
+
+    def _ppo_ratio(self, logp: torch.Tensor, old, mask: torch.Tensor) -> torch.Tensor:
+        """R = pi_theta / pi_old per token, or exp(mean log ratio) per sample (B, 1) with
+        importance_sampling_level="sequence"; 1 without TRL's old logprobs. Detached."""
+        if old is None:
+            return torch.ones_like(logp)
+        log_r = torch.where(mask, logp - old.float(), 0.0)
+        if self.ftis.ratio_level == "sequence":
+            log_r = log_r.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        return torch.exp(log_r)
