@@ -332,6 +332,15 @@ NOT_LOGGED = ("clip_ratio/", "cispo_clip_ratio", "vespo/", "step_time", "train_"
 METRIC_CASES = {
     # TRL's kl is the k3 times the PPO ratio (use_bias_correction_kl, its default), != 1 here.
     "grpo-bias-corrected-kl-2-iterations": dict(loss_type="grpo", beta=0.1, num_iterations=2),
+    # With an entropy bonus TRL logs policy_loss (before the accumulation scaling, but for dapo)
+    # and entropy_coef, static or adaptive.
+    "grpo-static-entropy-accumulation": dict(
+        loss_type="grpo",
+        entropy_coef=0.05,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    ),
+    "dapo-adaptive-entropy-accumulation": REDUCTION_CASES["dapo-adaptive-entropy-accumulation"],
 }
 
 
