@@ -255,8 +255,12 @@ class FTISGRPOTrainer(GRPOTrainer):
             gen = sampling
             unscored = torch.isnan(sampling) & mask
             if unscored.any():
-                # Tokens vLLM could not score: no correction there (w = 1, no KL), as in TRL.
-                fallback = old
+                # Tokens vLLM could not score: no correction there (w = 1, no KL), as in TRL:
+                # there pi_gen is the pi_src the IS weight reads (the filter's KL without one),
+                # pi_old or the current policy (not pi_old: it moves after the first iteration).
+                ftis = self.ftis
+                source = ftis.is_source if ftis.is_mode != "none" else ftis.kl_source
+                fallback = old if source == "old" else None
                 if fallback is None:
                     fallback = self._current_logprobs(head, completion_ids, advantages, mask)
                 gen = torch.where(unscored, fallback, sampling)
