@@ -1,7 +1,7 @@
 """FTISGRPOTrainer with ftis_linear_loss under accelerate's multi-process launch (DDP over gloo,
 2 CPU processes): the trainer's loss on each process's half of a fixed global batch, backward
-through the accelerator and one SGD step give the losses and updated weights of one process on the
-whole batch.
+through the accelerator and one SGD step give the losses, updated weights and TRL's token-mean
+metrics (entropy, kl) of one process on the whole batch.
 
 Run by the test as `python tests/test_trl_ddp.py MODEL_DIR OUT` (one process) and under
 `torchrun --nproc_per_node 2`; TRL's generation is left out (its sampling differs with the
@@ -32,6 +32,7 @@ def _batch(V: int) -> dict:
         "completion_mask": (torch.arange(COMPLETION)[None] < lengths[:, None]).long(),
         "advantages": torch.randn(B, generator=g),
         "old_per_token_logps": -torch.rand(B, COMPLETION, generator=g) * 4 - 1,
+        "ref_per_token_logps": -torch.rand(B, COMPLETION, generator=g) * 4 - 1,
         "num_items_in_batch": lengths.sum(),
     }
 
@@ -97,7 +98,7 @@ def _local_batch(trainer, world: int) -> dict:
 
 def _worker(model_dir: str, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = _trainer(model_dir, out, world)
+    trainer = _trainer(model_dir, out, world, beta=0.1)  # ref_per_token_logps: TRL's kl metric
     accelerator = trainer.accelerator
     assert accelerator.num_processes == world
     model = accelerator.prepare_model(trainer.model)
@@ -109,7 +110,8 @@ def _worker(model_dir: str, out: str) -> None:
     with torch.no_grad():
         updated = {n: p - LR * p.grad for n, p in trainer.model.named_parameters()}
     if accelerator.is_main_process:
-        torch.save({"loss": losses.mean(), "weights": updated}, out)
+        logged = {k: trainer._metrics["train"][k] for k in ("entropy", "kl")}
+        torch.save({"loss": losses.mean(), "weights": updated, "logged": logged}, out)
     accelerator.wait_for_everyone()
     _leave()
 
@@ -141,6 +143,8 @@ def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
     single = _launch(1, str(model_dir), str(tmp_path / "one.pt"))
     ddp = _launch(2, str(model_dir), str(tmp_path / "two.pt"))
     torch.testing.assert_close(ddp["loss"], single["loss"], rtol=1e-6, atol=1e-7)
+    # TRL's entropy and kl: token means over every process's tokens (the halves hold 9 and 6).
+    torch.testing.assert_close(ddp["logged"], single["logged"], rtol=1e-6, atol=1e-7)
     for name, want in single["weights"].items():
         torch.testing.assert_close(ddp["weights"][name], want, rtol=1e-6, atol=1e-7, msg=name)
     base = _tiny_qwen2(len(tok), seed=0).state_dict()

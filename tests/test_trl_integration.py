@@ -327,6 +327,47 @@ def test_ftis_metrics_are_logged_and_pi_gen_is_the_rollout_logprobs(ftis_op, mod
         assert 0 <= entry["ftis/is_truncated_frac"] <= 1
 
 
+# TRL's metrics FTISGRPOTrainer does not compute (its docstring says so), and run times.
+NOT_LOGGED = ("clip_ratio/", "cispo_clip_ratio", "vespo/", "step_time", "train_", "total_flos")
+METRIC_CASES = {
+    # TRL's kl is the k3 times the PPO ratio (use_bias_correction_kl, its default), != 1 here.
+    "grpo-bias-corrected-kl-2-iterations": dict(loss_type="grpo", beta=0.1, num_iterations=2),
+    # With an entropy bonus TRL logs policy_loss (before the accumulation scaling, but for dapo)
+    # and entropy_coef, static or adaptive.
+    "grpo-static-entropy-accumulation": dict(
+        loss_type="grpo",
+        entropy_coef=0.05,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    ),
+    "dapo-adaptive-entropy-accumulation": REDUCTION_CASES["dapo-adaptive-entropy-accumulation"],
+}
+
+
+@pytest.mark.parametrize("case", list(METRIC_CASES))
+def test_trls_metrics_are_logged_with_trls_values(case, model_dir, tmp_path):
+    trl_run, _ = _train(
+        trl.GRPOTrainer, trl.GRPOConfig, model_dir, tmp_path / "trl", **METRIC_CASES[case]
+    )
+    ftis_run, _ = _train(
+        FTISGRPOTrainer,
+        FTISGRPOConfig,
+        model_dir,
+        tmp_path / "ftis",
+        is_mode="none",
+        filter=None,
+        **METRIC_CASES[case],
+    )
+    trl_logs, ftis_logs = trl_run.state.log_history, ftis_run.state.log_history
+    assert len(trl_logs) == len(ftis_logs) >= 2
+    for step, (want, got) in enumerate(zip(trl_logs, ftis_logs)):
+        for name, value in want.items():
+            if not name.startswith(NOT_LOGGED):
+                assert got.get(name) == pytest.approx(value, rel=1e-5, abs=1e-6), (
+                    f"log {step}: {name} = {got.get(name)!r}, TRL's {value!r}"
+                )
+
+
 @pytest.mark.parametrize("ftis_op", ["ftis_loss", "ftis_linear_loss"])
 def test_on_policy_batches_take_pi_gen_as_pi_theta_at_the_sampling_temperature(
     ftis_op, model_dir, tmp_path
@@ -361,23 +402,23 @@ class UnscoredRollout(PeerRollout):
 
 def test_rollout_tokens_without_a_logprob_get_no_correction(model_dir, tmp_path):
     # As in TRL's vLLM path, a token the generator could not score is not corrected: pi_gen falls
-    # back to pi_old (here the current policy), so w = 1 and KL = 0 instead of a NaN loss.
+    # back to the policy the weight reads, so w = 1 and KL = 0 instead of a NaN loss, also on the
+    # second iteration, where TRL's pi_old is no longer the current policy.
     trainer, steps = _train(
         FTISGRPOTrainer,
         FTISGRPOConfig,
         model_dir,
         tmp_path,
-        max_steps=1,
+        num_iterations=2,
         rollout_func=UnscoredRollout(_tokenizer(), seed=1),
         filter="offpolicy",
         kl_threshold=0.0,
     )
-    entry = next(e for e in trainer.state.log_history if "ftis/kl_mean" in e)
-    assert (
-        math.isfinite(steps[0][2])
-        and entry["ftis/kl_mean"] == 0
-        and entry["ftis/is_weight_mean"] == 1
-    )
+    entries = [e for e in trainer.state.log_history if "ftis/kl_mean" in e]
+    assert len(entries) == len(steps) == 2
+    for (_, _, loss), entry in zip(steps, entries):
+        assert math.isfinite(loss)
+        assert entry["ftis/kl_mean"] == 0 and entry["ftis/is_weight_mean"] == 1
 
 
 REFUSED = [

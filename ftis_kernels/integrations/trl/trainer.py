@@ -20,7 +20,8 @@ from ftis_kernels.ftis_loss import ftis_loss
 from ftis_kernels.integrations.hf import _active_module, _unwrap_peft, lm_head_inputs
 from ftis_kernels.integrations.trl.config import FTISGRPOConfig, _refuse, check_trl_options
 from ftis_kernels.options import FTISOptions, loss_type
-from ftis_kernels.validate import raise_on_bad_values
+from ftis_kernels.per_sample import REJECT_RULES
+from ftis_kernels.validate import dispatch, raise_on_bad_values
 
 logger = logging.getLogger("ftis_kernels.integrations.trl")
 
@@ -131,8 +132,10 @@ def _call(fn: Callable, hidden: torch.Tensor) -> Any:
 class FTISGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose loss is F-TIS (module docstring). Takes `GRPOTrainer`'s arguments,
     with `args` an `FTISGRPOConfig`. Logs TRL's metrics, TRL's `entropy` (the per-token entropy
-    over completion tokens) and ftis/<name> for each name of `LOGGED_METRICS` (and `kl`, the
-    reference KL, when beta > 0); TRL's clip_ratio/* are not computed.
+    over completion tokens) and ftis/<name> for each name of `LOGGED_METRICS` (and `kl`, TRL's
+    k3 to the reference, times R with use_bias_correction_kl, when beta > 0; `policy_loss` and
+    `entropy_coef` with an entropy bonus); TRL's clip_ratio/*, cispo_clip_ratio and
+    vespo/phi_seq_mean are not computed.
 
     Several processes: with ftis_op="ftis_linear_loss" it runs under accelerate's DDP, FSDP2 and
     DeepSpeed ZeRO-1/2/3. The decoder runs through the engine's wrapper; the fused loss and the
@@ -252,8 +255,12 @@ class FTISGRPOTrainer(GRPOTrainer):
             gen = sampling
             unscored = torch.isnan(sampling) & mask
             if unscored.any():
-                # Tokens vLLM could not score: no correction there (w = 1, no KL), as in TRL.
-                fallback = old
+                # Tokens vLLM could not score: no correction there (w = 1, no KL), as in TRL:
+                # there pi_gen is the pi_src the IS weight reads (the filter's KL without one),
+                # pi_old or the current policy (not pi_old: it moves after the first iteration).
+                ftis = self.ftis
+                source = ftis.is_source if ftis.is_mode != "none" else ftis.kl_source
+                fallback = old if source == "old" else None
                 if fallback is None:
                     fallback = self._current_logprobs(head, completion_ids, advantages, mask)
                 gen = torch.where(unscored, fallback, sampling)
@@ -291,11 +298,33 @@ class FTISGRPOTrainer(GRPOTrainer):
         )
         if not self._on_policy_noticed:
             self._notice_on_policy(gen, old, metrics["logp"], mask)
-        if self.use_adaptive_entropy and mode == "train":
-            self._update_entropy_coef(metrics["entropy"], mask)
-        self._log_ftis_metrics(mode, metrics, mask, ref)
+        loss = loss * scale
+        policy_loss = None
+        if self.use_adaptive_entropy or self.entropy_coef != 0.0:  # TRL's entropy bonus is on
+            policy_loss = self._policy_loss(loss, coef, metrics, mask, mode)
+            if self.use_adaptive_entropy and mode == "train":
+                self._update_entropy_coef(metrics["entropy"], mask)
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        self._log_ftis_metrics(mode, metrics, mask, old, ref, policy_loss)
         raise_on_bad_values(metrics)  # a bad input raises here, before the backward and the step
-        return loss * scale
+        return loss
+
+    def _policy_loss(self, loss, coef: float, metrics, mask, mode: str) -> torch.Tensor:
+        """TRL's `policy_loss` metric: the loss without the entropy bonus (which is coef / the
+        accumulation times the op's mean entropy over the loss's tokens) and, but for the loss
+        types TRL normalises by the generation batch's tokens, before the accumulation scaling."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        policy_loss = loss.detach()
+        if coef > 0:
+            kept = dispatch(REJECT_RULES, self.ftis.reject_mode, "reject_mode")(
+                mask, metrics["filtered"]
+            )
+            entropy = torch.where(kept, metrics["entropy"].float(), 0.0).sum()
+            policy_loss = policy_loss + coef / accumulation * entropy / kept.sum().clamp(min=1)
+        if not loss_type(self.loss_type).trl_global_tokens:
+            policy_loss = policy_loss * accumulation
+        return policy_loss
 
     def _notice_on_policy(self, gen, old, logp, mask) -> None:
         """Logs once per trainer (on the main process) the first batch whose pi_gen is pi_old on
@@ -346,7 +375,6 @@ class FTISGRPOTrainer(GRPOTrainer):
             )
         self._last_world_entropy = world_entropy
         self._entropy_window_stats = None
-        self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -421,19 +449,38 @@ class FTISGRPOTrainer(GRPOTrainer):
         # dr_grpo: the op divides by B * max_completion_length itself (an option).
         return 1.0 / accumulation
 
-    def _log_ftis_metrics(self, mode: str, metrics: dict[str, torch.Tensor], mask, ref) -> None:
+    def _log_ftis_metrics(self, mode: str, metrics: dict, mask, old, ref, policy_loss) -> None:
+        """ftis/<name> for LOGGED_METRICS and TRL's `policy_loss` (when not None), averaged over
+        the processes, and TRL's `entropy` and, with beta > 0, `kl`: token means over every
+        process's completion tokens, as TRL's `global_masked_mean` takes them, the k3 to the
+        reference times the PPO ratio R with use_bias_correction_kl (as TRL logs it)."""
         values = [metrics[name] for name in LOGGED_METRICS]
         names = [f"ftis/{name}" for name in LOGGED_METRICS]
-        # TRL's `entropy` metric: the per-token entropy averaged over completion tokens.
-        values.append((metrics["entropy"] * mask).sum() / mask.sum().clamp(min=1))
-        names.append("entropy")
+        if policy_loss is not None:
+            values.append(policy_loss)
+            names.append("policy_loss")
+        logp = metrics["logp"].float()
+        token_sums = {"entropy": torch.where(mask, metrics["entropy"].float(), 0.0).sum()}
         if ref is not None:
-            # TRL's `kl` metric: the per-token k3 to the reference model, averaged over completion tokens.  # noqa: E501
-            d = torch.where(mask, ref.float() - metrics["logp"], 0.0)
-            values.append((torch.expm1(d) - d).sum() / mask.sum().clamp(min=1))
-            names.append("kl")
-        gathered = (
-            self.accelerator.gather(torch.stack(values).float()[None]).nanmean(dim=0).tolist()
-        )
-        for name, value in zip(names, gathered):
+            d = torch.where(mask, ref.float() - logp, 0.0)
+            kl = torch.expm1(d) - d
+            if self.ftis.use_bias_correction_kl:
+                kl = kl * self._ppo_ratio(logp, old, mask)
+            token_sums["kl"] = torch.where(mask, kl, 0.0).sum()
+        row = torch.stack([*values, *token_sums.values(), mask.sum()]).float()
+        gathered = self.accelerator.gather(row[None])
+        per_process = gathered[:, : len(values)].nanmean(dim=0).tolist()
+        totals = gathered[:, len(values) :].sum(dim=0)
+        token_means = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
+        for name, value in zip([*names, *token_sums], per_process + token_means):
             self._metrics[mode][name].append(value)
+
+    def _ppo_ratio(self, logp: torch.Tensor, old, mask: torch.Tensor) -> torch.Tensor:
+        """R = pi_theta / pi_old per token, or exp(mean log ratio) per sample (B, 1) with
+        importance_sampling_level="sequence"; 1 without TRL's old logprobs. Detached."""
+        if old is None:
+            return torch.ones_like(logp)
+        log_r = torch.where(mask, logp - old.float(), 0.0)
+        if self.ftis.ratio_level == "sequence":
+            log_r = log_r.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        return torch.exp(log_r)
