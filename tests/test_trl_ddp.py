@@ -116,20 +116,41 @@ def _worker(model_dir: str, out: str) -> None:
     _leave()
 
 
-def _launch(P: int, model_dir: str, out: str) -> dict:
+def _bad_worker(model_dir: str, out: str) -> None:
+    """Rank 1's batch fails the value check (a NaN advantage): every rank raises in the loss,
+    none waits in the backward's all-reduce for the others; each writes its error."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = _trainer(model_dir, out, world)
+    model = trainer.accelerator.prepare_model(trainer.model)
+    inputs = _local_batch(trainer, world)
+    rank = trainer.accelerator.process_index
+    if rank == 1:
+        inputs["advantages"] = inputs["advantages"].clone()
+        inputs["advantages"][0] = float("nan")
+    try:
+        trainer.accelerator.backward(trainer.compute_loss(model, inputs))
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(error)
+    _leave()
+
+
+def _launch(P: int, model_dir: str, out: str, *mode: str, timeout: int = 300) -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     with socket.socket() as s:  # torchrun's --master_port=0 does not rendezvous here
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # As a module, not a script path: a script puts tests/ first on sys.path, where its folders
     # would shadow packages a dependency imports.
-    command = [sys.executable, "-m", "tests.test_trl_ddp", model_dir, out]
+    command = [sys.executable, "-m", "tests.test_trl_ddp", model_dir, out, *mode]
     if P > 1:  # the reference is one plain process: the trainer's unwrapped-model path
         launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={P}", f"--master_port={port}"]
         command[1:1] = launcher
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out)
+    return {} if mode else torch.load(out)
 
 
 def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
@@ -152,5 +173,21 @@ def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
     assert moved > 0  # the step moved the weights: the comparison is not vacuous
 
 
+def test_a_bad_batch_on_one_process_raises_on_every_process(tmp_path):
+    pytest.importorskip("trl")
+    from tests.test_trl_integration import _tiny_qwen2, _tokenizer
+
+    model_dir = tmp_path / "model"
+    tok = _tokenizer()
+    _tiny_qwen2(len(tok), seed=0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    out = str(tmp_path / "bad")
+    _launch(2, str(model_dir), out, "bad", timeout=120)  # a rank left waiting: TimeoutExpired
+    errors = [open(f"{out}.{rank}").read() for rank in (0, 1)]
+    assert errors[1].startswith("advantages: "), errors
+    assert errors[0].startswith("value check: another process's batch failed it"), errors
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])  # exits through _leave
+    worker = _bad_worker if sys.argv[3:] == ["bad"] else _worker
+    worker(sys.argv[1], sys.argv[2])  # exits through _leave

@@ -306,8 +306,14 @@ class FTISGRPOTrainer(GRPOTrainer):
                 self._update_entropy_coef(metrics["entropy"], mask)
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-        self._log_ftis_metrics(mode, metrics, mask, old, ref, policy_loss)
+        faults = self._log_ftis_metrics(mode, metrics, mask, old, ref, policy_loss)
         raise_on_bad_values(metrics)  # a bad input raises here, before the backward and the step
+        if faults:  # another process's input: it raises there, and here too, so that no process
+            # waits for it in the backward's all-reduce
+            raise ValueError(
+                f"value check: another process's batch failed it ({faults:.0f} failing "
+                "positions in all; that process raises its error)"
+            )
         return loss
 
     def _policy_loss(self, loss, coef: float, metrics, mask, mode: str) -> torch.Tensor:
@@ -449,11 +455,12 @@ class FTISGRPOTrainer(GRPOTrainer):
         # dr_grpo: the op divides by B * max_completion_length itself (an option).
         return 1.0 / accumulation
 
-    def _log_ftis_metrics(self, mode: str, metrics: dict, mask, old, ref, policy_loss) -> None:
+    def _log_ftis_metrics(self, mode: str, metrics: dict, mask, old, ref, policy_loss) -> float:
         """ftis/<name> for LOGGED_METRICS and TRL's `policy_loss` (when not None), averaged over
         the processes, and TRL's `entropy` and, with beta > 0, `kl`: token means over every
         process's completion tokens, as TRL's `global_masked_mean` takes them, the k3 to the
-        reference times the PPO ratio R with use_bias_correction_kl (as TRL logs it)."""
+        reference times the PPO ratio R with use_bias_correction_kl (as TRL logs it). Returns the
+        value checks' failing positions over all processes (read in the same gather)."""
         values = [metrics[name] for name in LOGGED_METRICS]
         names = [f"ftis/{name}" for name in LOGGED_METRICS]
         if policy_loss is not None:
@@ -467,13 +474,15 @@ class FTISGRPOTrainer(GRPOTrainer):
             if self.ftis.use_bias_correction_kl:
                 kl = kl * self._ppo_ratio(logp, old, mask)
             token_sums["kl"] = torch.where(mask, kl, 0.0).sum()
-        row = torch.stack([*values, *token_sums.values(), mask.sum()]).float()
+        faults = metrics["value_faults"][:, 0].sum()
+        row = torch.stack([*values, *token_sums.values(), mask.sum(), faults]).float()
         gathered = self.accelerator.gather(row[None])
         per_process = gathered[:, : len(values)].nanmean(dim=0).tolist()
         totals = gathered[:, len(values) :].sum(dim=0)
-        token_means = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
+        token_means = (totals[:-2] / totals[-2].clamp(min=1.0)).tolist()
         for name, value in zip([*names, *token_sums], per_process + token_means):
             self._metrics[mode][name].append(value)
+        return float(totals[-1])
 
     def _ppo_ratio(self, logp: torch.Tensor, old, mask: torch.Tensor) -> torch.Tensor:
         """R = pi_theta / pi_old per token, or exp(mean log ratio) per sample (B, 1) with
