@@ -16,6 +16,21 @@ from pathlib import Path
 from bench.linear_memory import REPO, SEQ, TRL_IMPLS, _metadata, _worker_env, measure_one
 
 
+def _record(peak: dict, timed: dict, impl: str, run: dict, **extra) -> dict:
+    """One implementation's record: its peak memory (`measure_one`), `extra` fields, and the
+    times of one timed run (`timed`, as the timing subprocess prints it) and the run's metadata."""
+    ms = timed["ms"][impl]
+    return dict(
+        peak,
+        **extra,
+        time_ms=ms,
+        min_ms=min(ms),
+        median_ms=statistics.median(ms),
+        loadavg_1min=timed["loadavg_1min"],
+        run=run,
+    )
+
+
 def compare(
     base: str,
     tokens: list[int],
@@ -59,19 +74,7 @@ def compare(
                         repo=repo,
                         seq=seq,
                     )
-                    ms = timed["ms"][impl]
-                    records.append(
-                        dict(
-                            peak,
-                            version=version,
-                            commit=commit,
-                            time_ms=ms,
-                            min_ms=min(ms),
-                            median_ms=statistics.median(ms),
-                            loadavg_1min=timed["loadavg_1min"],
-                            run=run,
-                        )
-                    )
+                    records.append(_record(peak, timed, impl, run, version=version, commit=commit))
                     print(json.dumps(records[-1]), flush=True)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(dict(base=base, records=records), indent=1) + "\n")
@@ -140,17 +143,7 @@ def trl_baselines(
         timed = json.loads(proc.stdout.strip().splitlines()[-1])
         for impl in TRL_IMPLS:
             peak = measure_one(impl, n, vocab=vocab, hidden_size=hidden_size, dtype=dtype, seq=seq)
-            ms = timed["ms"][impl]
-            records.append(
-                dict(
-                    peak,
-                    time_ms=ms,
-                    min_ms=min(ms),
-                    median_ms=statistics.median(ms),
-                    loadavg_1min=timed["loadavg_1min"],
-                    run=run,
-                )
-            )
+            records.append(_record(peak, timed, impl, run))
             print(json.dumps(records[-1]), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(impls=TRL_IMPLS, records=records), indent=1) + "\n")

@@ -153,7 +153,8 @@ def _launch(P: int, model_dir: str, out: str, *mode: str, timeout: int = 300) ->
     return {} if mode else torch.load(out)
 
 
-def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
+def _model_dir(tmp_path) -> str:
+    """The tiny model and its tokenizer saved for the workers."""
     pytest.importorskip("trl")
     from tests.test_trl_integration import _tiny_qwen2, _tokenizer
 
@@ -161,8 +162,16 @@ def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
     tok = _tokenizer()
     _tiny_qwen2(len(tok), seed=0).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    single = _launch(1, str(model_dir), str(tmp_path / "one.pt"))
-    ddp = _launch(2, str(model_dir), str(tmp_path / "two.pt"))
+    return str(model_dir)
+
+
+def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
+    model_dir = _model_dir(tmp_path)
+    from tests.test_trl_integration import _tiny_qwen2, _tokenizer
+
+    tok = _tokenizer()
+    single = _launch(1, model_dir, str(tmp_path / "one.pt"))
+    ddp = _launch(2, model_dir, str(tmp_path / "two.pt"))
     torch.testing.assert_close(ddp["loss"], single["loss"], rtol=1e-6, atol=1e-7)
     # TRL's entropy and kl: token means over every process's tokens (the halves hold 9 and 6).
     torch.testing.assert_close(ddp["logged"], single["logged"], rtol=1e-6, atol=1e-7)
@@ -174,15 +183,8 @@ def test_two_ddp_processes_give_the_single_process_loss_and_weights(tmp_path):
 
 
 def test_a_bad_batch_on_one_process_raises_on_every_process(tmp_path):
-    pytest.importorskip("trl")
-    from tests.test_trl_integration import _tiny_qwen2, _tokenizer
-
-    model_dir = tmp_path / "model"
-    tok = _tokenizer()
-    _tiny_qwen2(len(tok), seed=0).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
     out = str(tmp_path / "bad")
-    _launch(2, str(model_dir), out, "bad", timeout=120)  # a rank left waiting: TimeoutExpired
+    _launch(2, _model_dir(tmp_path), out, "bad", timeout=120)  # a rank left waiting: TimeoutExpired
     errors = [open(f"{out}.{rank}").read() for rank in (0, 1)]
     assert errors[1].startswith("advantages: "), errors
     assert errors[0].startswith("value check: another process's batch failed it"), errors
