@@ -391,6 +391,11 @@ def test_peer_and_local_swarm_usage_errors_are_one_line_naming_the_key(tmp_path)
     assert got.stderr.strip().splitlines() == [
         "ftis-grpo peer: nodes: expected one node spec: this peer's, got '2 specs'"
     ]
+    one = tmp_path / "one.yaml"
+    one.write_text("nodes: [{name: a}]\n")
+    got = _cli("peer", "--config", str(one), "--out", str(tmp_path / "p"), "--swarm-key", "")
+    assert got.returncode == 2
+    assert got.stderr.strip().splitlines() == ["ftis-grpo peer: --swarm-key: must not be empty"]
     got = _cli("peer", "--config", str(two), "--rounds", "0")
     assert got.returncode == 2 and got.stderr.startswith("ftis-grpo peer: --rounds: expected")
     got = _cli("--preset", "smoke", "--transport", "hivemind", "--collab", "horizontal")

@@ -284,6 +284,19 @@ def test_untrusted_and_incompatible_peers_are_refused(swarm):
     ]
 
 
+def test_an_announcement_of_fingerprints_not_text_is_refused_not_fatal(swarm):
+    a = swarm("a")
+    # Our fingerprints plus a bytes key whose value, None, equals what ours lack: no key differs,
+    # and such keys cannot be digested (sorted with text ones, or written as JSON).
+    prints = {"configuration": "c1", "vocabulary": "v1", "wire": "w1", b"extra": None}
+    odd = swarm("odd", joins=a, fingerprints=prints)
+    incoming, rejected = a.collect(0, max_staleness=0, timeout_s=1.0)
+    assert incoming == []
+    assert [(r.peer, r.kind, r.reason) for r in rejected] == [
+        (odd.peer_id, "incompatible", "round 0: wire (a malformed announcement)")
+    ]
+
+
 def test_size_cap(swarm):
     a = swarm("a", max_payload_bytes=100_000)
     b = swarm("b", joins=a, max_payload_bytes=1000)

@@ -475,6 +475,8 @@ def peer_main(argv: Sequence[str]) -> int:
     """`ftis-grpo peer --config FILE ...`; every usage error, and an unreachable or malformed
     multiaddr, is one line naming the flag or key, exit code 2."""
     args = build_peer_parser().parse_args(argv)
+    if not args.swarm_key:
+        return _usage_lines("ftis-grpo peer", ConfigError("--swarm-key: must not be empty"))
     overrides = {"out": args.out, "rounds": args.rounds, "resume": args.resume}
     try:
         cfg = build_config(

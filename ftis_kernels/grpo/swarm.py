@@ -324,7 +324,11 @@ class HivemindTransport:
         """Why a peer's announcement makes its records refused ("kind: reason"), or None."""
         if self.trusted_peers is not None and peer not in self.trusted_peers:
             return "untrusted: not in the trusted peers", -1
-        if not isinstance(value, dict) or not isinstance(value.get("fingerprints"), dict):
+        theirs = value.get("fingerprints") if isinstance(value, dict) else None
+        # Fingerprints are text by text (keys of other types could not be compared or digested).
+        if not isinstance(theirs, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in theirs.items()
+        ):
             return "incompatible: wire (a malformed announcement)", -1
         round_ = value.get("round")
         round_ = round_ if type(round_) is int and 0 <= round_ < 2**31 else -1
@@ -333,7 +337,6 @@ class HivemindTransport:
                 f"incompatible: wire (version {value.get('wire')!r}, ours {SWARM_WIRE_VERSION})",
                 round_,
             )
-        theirs = value["fingerprints"]
         differ = sorted(
             str(k)
             for k in set(theirs) | set(self.fingerprints)
