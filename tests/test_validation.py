@@ -301,6 +301,18 @@ def test_non_finite_logits_at_a_completion_row_are_refused(fault, impl):
 
 @numpy_warnings
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("big", [math.inf, 3e38])  # 3e38 / 0.5 is +inf
+def test_a_row_with_nan_and_plus_inf_logits_is_named_alike_by_both_backends(big, impl):
+    args = dict(good_args(), mask=None)
+    x, token = args["logits"].clone(), int(args["tokens"][1, 2])
+    x[1, 2, (token + 1) % V], x[1, 2, (token + 2) % V] = math.nan, big
+    args["logits"] = x
+    with pytest.raises(ValueError, match=r"the first at \(1, 2\): \+inf among its logits"):
+        call("ftis_loss", args, impl, temperature=0.5)
+
+
+@numpy_warnings
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("fault", ["nan", "+inf"])
 def test_non_finite_hidden_at_a_completion_row_is_refused(fault, impl):
     args = dict(good_args(), mask=None)

@@ -93,6 +93,7 @@ def logp_lse_fwd_torch(
     if _fused_wanted(logits) and _fused_call(
         _logp_lse_fwd_fused, logits, tokens, mask, temperature, out
     ):
+        _inf_beside_nan(logits, row_max, temperature)
         return out
     scratch = _scratch(B, T, V, logits.device)
     scratch_e = torch.empty_like(scratch) if with_entropy else None
@@ -138,7 +139,19 @@ def logp_lse_fwd_torch(
         logp[b, t0:t1] = chunk[:, 2]
         if with_entropy:
             entropy[b, t0:t1] = chunk[:, 3]
+    _inf_beside_nan(logits, row_max, temperature)
     return logp, row_max, log_sum, entropy
+
+
+def _inf_beside_nan(logits: torch.Tensor, row_max: torch.Tensor, temperature: float) -> None:
+    """row_max = +inf, as the Triton kernels' max (which skips NaN) gives it, at the rows whose
+    max here is NaN and that also hold +inf after dividing by temperature: the value check then
+    names the same fault on both backends. Reads only those rows (a bad input's)."""
+    nan = row_max.isnan()
+    if bool(nan.any()):  # CPU tensors: no device synchronisation
+        x = logits[nan].float()
+        top = torch.where(x.isnan(), -torch.inf, x).amax(dim=-1) / temperature
+        row_max[nan] = torch.where(top == torch.inf, torch.inf, row_max[nan])
 
 
 def _logits_bwd_entropy_chunk(x, tokens, row_max, log_sum, c, ec, entropy, temperature, V):
