@@ -242,11 +242,12 @@ def raise_on_bad_values(metrics: dict) -> None:
     """The value checks of a call made with value_check="deferred", from its metrics (one
     synchronisation): the ValueError the op would have raised for a bad input, or nothing. Call
     it where the training step reads the host anyway (logging a metric, the optimizer's step)."""
-    if "value_faults" not in metrics:
+    if not isinstance(metrics, dict) or "value_faults" not in metrics:
+        got = f"keys {sorted(metrics)}" if isinstance(metrics, dict) else repr(metrics)[:80]
         refuse(
             "metrics",
             'the metrics of a call with value_check="deferred" (they hold "value_faults")',
-            f"metrics without them (keys {sorted(metrics)})",
+            f"metrics without them ({got})",
         )
     raise_on_faults(metrics["value_faults"])
 

@@ -553,3 +553,13 @@ def test_variant_names_map_to_the_paper_options():
     assert FTISOptions.for_variant("nois") == FTISOptions(is_mode="none", filter=None)
     with pytest.raises(ValueError, match="^variant: expected"):
         FTISOptions.for_variant("f-xis")
+
+
+@pytest.mark.parametrize("metrics", [None, {"loss": 1.0}, ("value_faults",)])
+def test_raise_on_bad_values_refuses_what_is_not_a_deferred_calls_metrics(metrics):
+    from ftis_kernels import raise_on_bad_values
+
+    with pytest.raises(
+        ValueError, match=r'^metrics: expected the metrics of a call with value_check="deferred"'
+    ):
+        raise_on_bad_values(metrics)
