@@ -335,8 +335,11 @@ def test_sampled_logprobs_are_the_training_forward_logprobs(tiny_model):
     assert bool((batch["gen_logprobs"][m] < 0).all())
 
 
-def test_micro_batches_accumulate_to_the_full_batch_gradient():
-    opts = FTISOptions.for_variant("f-tis")
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
+    """dr_grpo too: its L (max_completion_length unset) is the batch's longest completion, not
+    each micro-batch's."""
+    opts = FTISOptions.for_variant("f-tis").replace(loss_type=loss_type)
     pids = [make_prompt_id("train", i) for i in range(5)]
     g = torch.Generator().manual_seed(1)
     samples = []
