@@ -99,6 +99,29 @@ def test_node_scores_with_format_credit_and_its_accuracy_counts_right_answers_on
     assert node.accuracy("test") == 0.25
 
 
+def test_verify_rewards_keeps_an_honest_partial_credit_reward_as_the_wire_carries_it(tmp_path):
+    """A reward of 0.1 crosses the wire as float32 (0.10000000149...): the rescored 0.1 is the
+    same claim, not a lie."""
+    from ftis_kernels.grpo.rollout import vertical_advantages
+
+    node = _bare_node(tmp_path, verify_rewards=True, format_credit=0.1)
+    pid = make_prompt_id("train", 0)
+    p = node.problems.problem(pid)
+    right = node.tokenizer(f"{p.solution} #### {p.answer}")["input_ids"]
+    wrong = node.tokenizer(f"{p.solution} #### {int(p.answer) + 1}")["input_ids"]
+    texts = [right, wrong, wrong, wrong]
+    rewards = [node.score(pid, torch.tensor(t)) for t in texts]
+    assert rewards == [1.0, 0.1, 0.1, 0.1]
+    advantages = vertical_advantages(torch.tensor([rewards]))[0].tolist()
+    sent = [
+        Sample(pid, 1, torch.tensor(t, dtype=torch.int32), torch.full((len(t),), -0.5), r, a)
+        for t, r, a in zip(texts, rewards, advantages)
+    ]
+    received, _ = unpack(pack(sent), sender=1, vocab_size=len(node.tokenizer), max_tokens=99)
+    kept, drops = node.check_advantages(received)
+    assert drops == [] and [s.advantage for s in kept] == advantages
+
+
 def test_signal_metrics_count_right_answers_and_groups_without_advantage():
     def s(pid: int, r: float, a: float) -> Sample:
         return Sample(pid, 0, torch.tensor([5]), torch.tensor([-1.0]), r, a)

@@ -173,6 +173,25 @@ def test_horizontal_advantages_normalise_over_the_swarm_group():
     assert not torch.allclose(got[0], vertical_advantages(swarm[0]))
 
 
+def test_a_group_of_equal_partial_credit_rewards_has_no_advantage():
+    """A group whose completions all earn a `format_credit` of 0.1 teaches nothing: advantages
+    exactly 0 (not float32's rounding over std + eps), so zero_adv_groups counts the group."""
+    from ftis_kernels.grpo.node import signal_metrics
+
+    rewards = torch.tensor([[0.1] * 8, [0.3] * 8, [1.0, 0.1, 0.0, 0.1, 0.1, 0.0, 0.1, 0.1]])
+    got = vertical_advantages(rewards)
+    assert got[:2].eq(0).all() and got[2].ne(0).all()
+    assert horizontal_advantages(torch.full((2, 1, 3), 0.7)).eq(0).all()
+    own = [
+        Sample(
+            make_prompt_id("train", p), 0, torch.ones(1, dtype=torch.int32), -torch.ones(1), r, a
+        )
+        for p in range(3)
+        for r, a in zip(rewards[p].tolist(), got[p].tolist())
+    ]
+    assert signal_metrics(own)["zero_adv_groups"] == pytest.approx(2 / 3)
+
+
 def test_advantages_refuse_groups_of_one():
     with pytest.raises(ValueError, match="rewards"):
         vertical_advantages(torch.ones(3, 1))
@@ -316,8 +335,11 @@ def test_sampled_logprobs_are_the_training_forward_logprobs(tiny_model):
     assert bool((batch["gen_logprobs"][m] < 0).all())
 
 
-def test_micro_batches_accumulate_to_the_full_batch_gradient():
-    opts = FTISOptions.for_variant("f-tis")
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
+    """dr_grpo too: its L (max_completion_length unset) is the batch's longest completion, not
+    each micro-batch's."""
+    opts = FTISOptions.for_variant("f-tis").replace(loss_type=loss_type)
     pids = [make_prompt_id("train", i) for i in range(5)]
     g = torch.Generator().manual_seed(1)
     samples = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 from collections.abc import Callable
 from typing import Optional
 
@@ -60,7 +61,8 @@ def check_claims(
             continue
         true = [s.reward for s in group]
         if score is not None:
-            true = [score(prompt_id, s.tokens) for s in group]
+            # As the wire carries a reward (float32): a rescored 0.1 is the claim 0.1 it sent.
+            true = [_float32(score(prompt_id, s.tokens)) for s in group]
             rescored, _ = _group_advantages(group, true, group_size)
         for i, s in enumerate(group):
             if not math.isclose(s.advantage, expected[i], rel_tol=1e-5, abs_tol=1e-5):
@@ -82,6 +84,10 @@ def check_claims(
     if len(drops) > 3:
         log.warning("dropped %d more peer samples whose claims failed", len(drops) - 3)
     return kept, drops
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 def _group_advantages(

@@ -100,14 +100,17 @@ def sample(
 def group_advantages(rewards: torch.Tensor, eps: float = ADVANTAGE_EPS) -> torch.Tensor:
     """A = (r - mean(r)) / (std(r) + eps) along the last dim (the group; std unbiased, as TRL).
 
-    rewards (..., G) float with G >= 2; returns the same shape in float32.
+    rewards (..., G) float with G >= 2; returns the same shape in float32. A group of equal
+    rewards gets exactly 0: float32's mean of G rewards of 0.1 (a `format_credit`) is not 0.1,
+    and the rounding divided by std + eps would be an advantage of about 1e-4.
     """
     if rewards.shape[-1] < 2:
         raise ValueError(
             f"rewards: expected groups of at least 2, got shape {tuple(rewards.shape)}"
         )
     r = rewards.float()
-    return (r - r.mean(dim=-1, keepdim=True)) / (r.std(dim=-1, keepdim=True) + eps)
+    advantages = (r - r.mean(dim=-1, keepdim=True)) / (r.std(dim=-1, keepdim=True) + eps)
+    return advantages.masked_fill((r == r[..., :1]).all(dim=-1, keepdim=True), 0.0)
 
 
 def vertical_advantages(rewards: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The batch is cut into micro-batches whose gradients accumulate before one optimizer step (the
 paper's one update per batch, so pi_old = stop_grad(pi_theta) and `old_logprobs` is None). Each
 micro-batch's loss is weighted by its share of the batch's normaliser, so the accumulated gradient
-equals the full batch's: samples for "grpo"/"dr_grpo", completion tokens for "bnpo"/"dapo".
+equals the full batch's: samples for "grpo"/"dr_grpo", completion tokens for "bnpo"/"dapo"
+(dr_grpo's L, `max_completion_length` when unset, is the batch's longest completion).
 
 A step whose loss or gradient is not finite is skipped whole (no parameter or optimizer state
 changes): one peer sample that the trainer finds far likelier than its generator claims overflows
@@ -216,6 +217,11 @@ def grpo_update(
     n_samples = len(samples)
     n_tokens = sum(s.n_tokens for s in samples)
     by_tokens = loss_type(options.loss_type).batch_normalised  # token means
+    if loss_type(options.loss_type).reduction == "constant" and not options.max_completion_length:
+        # dr_grpo's L unset is the call's longest completion: the batch's, not each chunk's.
+        options = options.replace(
+            max_completion_length=max((s.n_tokens for s in samples), default=1)
+        )
     totals = dict.fromkeys(
         ("loss", "kl_mean", "filtered_frac", "clip_frac", "is_weight_mean", "is_truncated_frac"),
         0.0,
