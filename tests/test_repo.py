@@ -176,3 +176,14 @@ def test_no_test_folder_or_module_shadows_a_package_a_dependency_imports():
         }
         clashes = sorted(names & taken)
         assert not clashes, f"{folder}/ holds names a dependency may import instead: {clashes}"
+
+
+def test_the_layout_page_names_every_module_of_the_package():
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    modules = sorted((ROOT / "ftis_kernels").rglob("*.py"))
+    unnamed = [
+        str(p.relative_to(ROOT))
+        for p in modules
+        if p.name != "__init__.py" and f"`{p.name}`" not in layout
+    ]
+    assert not unnamed, f"docs/layout.md does not name: {unnamed}"
