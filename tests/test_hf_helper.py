@@ -251,6 +251,38 @@ def test_architectures_that_transform_the_lm_head_output_are_refused(arch, field
         lm_head_inputs(model, *batch()[:3])
 
 
+@pytest.mark.parametrize(
+    "arch, match",
+    [
+        ("Dory", "logit_scale"),  # learned per-token scale inside its nn.Linear lm-head
+        ("Roberta", "inside another module"),  # dense, gelu, norm before lm_head.decoder
+        ("Electra", "generator_predictions"),  # dense, gelu, norm before generator_lm_head
+    ],
+)
+def test_heads_that_are_not_one_linear_map_on_the_decoder_output_are_refused(arch, match):
+    """Their logits differ from hidden @ weight.T with the output embedding the helper found."""
+    if not hasattr(transformers, f"{arch}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {arch}")
+    config = dict(
+        vocab_size=V,
+        hidden_size=32,
+        embedding_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        is_decoder=True,
+        pad_token_id=0,
+    )
+    cfg = getattr(transformers, f"{arch}Config")(**config)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg)
+    with pytest.raises(ValueError, match=f"^model: .*{match}"):
+        lm_head_inputs(model, *batch()[:3])
+
+
 def test_completion_in_column_zero_is_refused():
     model = tiny_qwen2()
     ids, attention, completion, _, _ = batch()

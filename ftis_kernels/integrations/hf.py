@@ -22,7 +22,10 @@ states are shifted so that hidden[b, j] is the state that predicts tokens[b, j].
   disabled adapters are the base layer, as in peft's forward. Adapter variants that are not a
   low-rank sum (DoRA and friends) are refused.
 - `modules_to_save` copies of the lm-head are followed to the active copy.
-- Models whose logits are not the lm-head output (soft-capping, logit scales) are refused.
+- Models whose logits are not the lm-head output (soft-capping, logit scales) are refused, as are
+  heads that are not one linear map on the decoder's output (a prediction head's dense and norm
+  before it, another module with parameters beside it, a learned logit scale in it, a vocabulary
+  slice after it).
 
 Only module-level adapters (LoRA and the like) are supported on peft models; prompt-learning
 adapters change the input sequence and are refused.
@@ -44,6 +47,7 @@ _LOGIT_TRANSFORMS = {
     "logits_scaling": 1.0,
     "lm_head_multiplier": 1.0,  # Falcon-H1
     "output_multiplier_scale": 1.0,
+    "logits_mup_width_multiplier": 1.0,  # Inkling divides the final hidden states by it
 }
 
 
@@ -113,7 +117,18 @@ def linear_head(head: nn.Module, hidden: torch.Tensor) -> tuple:
             f"model: expected an nn.Linear lm-head (or a LoRA-wrapped one), "
             f"got {type(head).__name__}"
         )
+    _check_no_extra_parameters(head)
     return hidden.to(head.weight.dtype), head.weight, head.bias
+
+
+def _check_no_extra_parameters(head: nn.Linear) -> None:
+    """An nn.Linear subclass with parameters of its own (Dory's logit scale) is not W x + b."""
+    extra = sorted({name for name, _ in head.named_parameters()} - {"weight", "bias"})
+    if extra:
+        raise ValueError(
+            f"model: its lm-head {type(head).__name__} has parameters beside weight and bias "
+            f"({', '.join(extra)}); its output is not hidden @ weight.T + bias"
+        )
 
 
 def _lora_linear_head(layer: nn.Module, hidden: torch.Tensor):
@@ -123,6 +138,7 @@ def _lora_linear_head(layer: nn.Module, hidden: torch.Tensor):
         raise ValueError(
             f"model: expected a LoRA lm-head over an nn.Linear, got {type(base).__name__}"
         )
+    _check_no_extra_parameters(base)
     dtype = base.weight.dtype
     x = hidden.to(dtype)
     if layer.disable_adapters:
@@ -162,6 +178,38 @@ def _check_plain_logits(config) -> None:
                 f"model: its logits are not the lm-head output ({field}={value!r}); "
                 "ftis_linear_loss would compute another loss"
             )
+
+
+def _check_head_on_decoder(causal_lm: nn.Module, decoder: nn.Module, head: nn.Module) -> None:
+    """The output embedding must be a child of the causal LM applied to the decoder's output: no
+    prediction head around it (BERT's `cls`, RoBERTa's `lm_head`: dense, activation, norm), no other
+    module with parameters beside it (Electra's `generator_predictions`, a final norm)."""
+    if not any(child is head for child in causal_lm.children()):
+        raise ValueError(
+            f"model: its output embedding ({type(head).__name__}) sits inside another module; "
+            "the logits are not the lm-head of the decoder's hidden states"
+        )
+    for name, child in causal_lm.named_children():
+        if child is head or any(m is decoder for m in child.modules()):
+            continue
+        if any(True for _ in child.parameters()):
+            raise ValueError(
+                f"model: module {name!r} ({type(child).__name__}) holds parameters beside the "
+                "decoder and the lm-head; the logits may not be the lm-head of the decoder's output"
+            )
+    active = _active_module(head)
+    lora_cls = _lora_layer_cls()
+    if lora_cls is not None and isinstance(active, lora_cls):
+        active = active.get_base_layer()
+    if isinstance(active, nn.Linear):
+        _check_no_extra_parameters(active)
+    unpadded = getattr(causal_lm.config, "unpadded_vocab_size", None)
+    weight = getattr(head, "weight", None)
+    if unpadded is not None and weight is not None and unpadded < weight.shape[0]:
+        raise ValueError(
+            f"model: its logits are sliced to unpadded_vocab_size={unpadded} of the lm-head's "
+            f"{weight.shape[0]} rows; ftis_linear_loss would compute another loss"
+        )
 
 
 def lm_head_inputs(
@@ -222,10 +270,12 @@ def lm_head_inputs(
     causal_lm = _unwrap_peft(model)
     _check_plain_logits(causal_lm.config)
     decoder = causal_lm.get_decoder()
+    head = causal_lm.get_output_embeddings()
+    _check_head_on_decoder(causal_lm, decoder, head)
     if states is None:
         states = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     # The head sees every position, as in the model's forward, so LoRA dropout draws the same masks.
-    hidden, weight, bias = linear_head(causal_lm.get_output_embeddings(), states)
+    hidden, weight, bias = linear_head(head, states)
     hidden = hidden[:, start - 1 : L - 1]
     mask = comp[:, start:]
     if attention_mask is not None:
