@@ -138,6 +138,27 @@ def test_dead_node_stops_the_swarm_with_a_clear_error_and_resume_continues(smoke
     assert comparable(rows_of(tmp_path)) == comparable(rows_of(smoke[0]))
 
 
+def test_a_resumed_run_counts_the_skipped_steps_before_its_checkpoint(tmp_path):
+    # Node 1 sends a sample whose untruncated IS weight overflows: node 0 skips every step. With
+    # max_skipped_steps=2 a 2-round run stops after round 1; stopped and resumed there, too.
+    run = ["--preset", "smoke", "--out", str(tmp_path), "--loss", "vis"]
+    for key in (
+        "nodes.1.hostile=improbable_logprobs",
+        "blame_peers=false",
+        "max_skipped_steps=2",
+        "nodes.0.warmup_steps=0",
+        "nodes.1.warmup_steps=0",
+        "eval_size=2",
+    ):
+        run += ["--set", key]
+    rc, log, _ = ftis_grpo(*run, "--rounds", "1")
+    assert rc == 0, log[-4000:]
+    assert [r["skipped"] for r in rows_of(tmp_path) if r["node"] == 0] == [1]
+    rc, log, _ = ftis_grpo(*run, "--rounds", "2", "--resume")
+    assert rc == 4, log[-4000:]
+    assert "node 0 (tiny-full) skipped its optimizer step 2 rounds in a row" in log
+
+
 def test_nodes_with_different_vocabularies_refuse_to_start(tmp_path):
     from ftis_kernels.grpo.models import build_model
     from ftis_kernels.grpo.tokenizer import build_tokenizer

@@ -43,6 +43,7 @@ from ftis_kernels.grpo.report import (
     append_metrics,
     metric_rows,
     read_metrics,
+    skipped_in_a_row,
     start_metrics,
     write_outputs,
     write_run_config,
@@ -548,6 +549,13 @@ class Node:
             f"{hint}. The limit is max_skipped_steps={self.cfg.max_skipped_steps}"
         )
 
+    def skips_before(self, previous: list[dict], start: int) -> list[int]:
+        """Every node's skipped steps in a row before round `start` (from rank 0's `previous`
+        rows): a --resume counts them towards `max_skipped_steps`, as an uninterrupted run."""
+        in_row = skipped_in_a_row([r for r in previous if r["round"] < start])
+        counts = [float(in_row.get(i, 0)) if self.rank == 0 else 0.0 for i in range(self.world)]
+        return [int(n) for n in self.transport.gather(counts)[0]]
+
     def run(
         self,
         join: Optional[Callable[[], int]] = None,
@@ -586,7 +594,7 @@ class Node:
                 start_sample_log(self.out / SAMPLE_LOG, start if cfg.resume else None)
             if cfg.progress:
                 bar = progress_bar(cfg.rounds, f"GRPO {cfg.loss}", "round", initial=round_)
-        skips_in_row = [0] * self.world
+        skips_in_row = self.skips_before(previous, start) if cfg.resume else [0] * self.world
         saved = start
         while round_ < cfg.rounds:
             self.round_began = time.monotonic()
