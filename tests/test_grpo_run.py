@@ -30,13 +30,14 @@ REQUIRED = (
 SMOKE = dict(rounds=4, nodes=2, prompts=2, group=4)  # the smoke preset's shape
 
 
-def ftis_grpo(*args: str, timeout: float = 240) -> tuple[int, str, float]:
-    """Run the CLI as a user would; returns (exit code, combined output, wall seconds)."""
+def ftis_grpo(*args: str, timeout: float = 240, path: str = "") -> tuple[int, str, float]:
+    """Run the CLI as a user would; returns (exit code, combined output, wall seconds). `path`:
+    a folder put on every process's PYTHONPATH after the repository's."""
     env = dict(os.environ, FTIS_LOG_LEVEL="INFO")
     # conftest turns the Triton interpreter on for this process; the driver on CPU should take
     # ftis_loss's PyTorch path, as a user's run does.
     env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path, env.get("PYTHONPATH")) if p)
     t0 = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "ftis_kernels.grpo", "--no-progress", *args],
@@ -157,6 +158,34 @@ def test_a_resumed_run_counts_the_skipped_steps_before_its_checkpoint(tmp_path):
     rc, log, _ = ftis_grpo(*run, "--rounds", "2", "--resume")
     assert rc == 4, log[-4000:]
     assert "node 0 (tiny-full) skipped its optimizer step 2 rounds in a row" in log
+
+
+CRASH_AT_ROUND_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    from ftis_kernels.grpo.node import Node
+    run_round = Node.run_round
+    def crash(self, round_):
+        if round_ == 1:
+            raise RuntimeError("out of memory (injected)")
+        return run_round(self, round_)
+    Node.run_round = crash
+"""
+
+
+def test_a_node_that_raises_is_named_as_the_cause_not_its_peers_lost_contact(tmp_path):
+    # A node's own error (out of memory, say), injected into node 1's process at round 1.
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(CRASH_AT_ROUND_1)
+    run = ["--preset", "smoke", "--out", str(tmp_path / "run"), "--timeout", "20"]
+    for key in ("nodes.0.warmup_steps=0", "nodes.1.warmup_steps=0", "eval_size=2"):
+        run += ["--set", key]
+    rc, log, _ = ftis_grpo(*run, path=str(tmp_path / "inject"), timeout=180)
+    assert rc == 6, log[-3000:]
+    (line,) = [x for x in log.splitlines() if "the swarm stopped" in x]
+    assert "exit code 6: node 1: RuntimeError: out of memory (injected)" in line, line
+    assert "Continue from the checkpoint of round 0" in line and "--resume" in line
+    assert "node1 ERROR" in log and 'raise RuntimeError("out of memory' in log  # its traceback
 
 
 def test_nodes_with_different_vocabularies_refuse_to_start(tmp_path):

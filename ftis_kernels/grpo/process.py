@@ -24,6 +24,7 @@ EXIT_USAGE = 2  # a configuration or usage error (`errors.ConfigError`): nothing
 EXIT_SWARM = 3  # a peer died or stopped answering
 EXIT_DIVERGED = 4  # a node skipped max_skipped_steps non-finite optimizer steps in a row
 EXIT_WRITE = 5  # a node could not write its output (a full disk, say)
+EXIT_ERROR = 6  # a node failed with an error of its own (out of memory, say): its traceback
 EXIT_FAULT_INJECTION = 17  # a node's `fail_at_round` fired: it dies as a crashing machine would
 
 # Set by the launcher for the nodes: its PID. Without it (torchrun by hand) rank 0 checks --out.

@@ -6,8 +6,9 @@ around a `node.Node`.
 turn a peer that dies or falls silent into a `SwarmError` naming the phase (after at most
 `timeout_s`, the process group's timeout): the node then stops with a clear message and exit code
 `EXIT_SWARM` instead of hanging. A node whose optimizer steps keep coming out non-finite
-(`max_skipped_steps` in a row) stops the whole swarm with exit code `EXIT_DIVERGED`. Each way out
-is reported to the launcher (`process.report_exit`).
+(`max_skipped_steps` in a row) stops the whole swarm with exit code `EXIT_DIVERGED`; any other
+error of its own (out of memory, say), logged with its traceback, with `EXIT_ERROR`. Each way out
+is reported to the launcher (`process.report_exit`), which names the cause, not its effects.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ftis_kernels.grpo.exchange import SwarmError, record_bytes
 from ftis_kernels.grpo.node import Diverged, Node
 from ftis_kernels.grpo.process import (
     EXIT_DIVERGED,
+    EXIT_ERROR,
     EXIT_REFUSED,
     EXIT_SWARM,
     EXIT_WRITE,
@@ -145,6 +147,13 @@ def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
         why = f"node {rank}: cannot write {exc.filename or 'its output'}: {exc.strerror or exc}"
         log.error("%s; stopping (the last complete checkpoint is kept)", why)
         leave(EXIT_WRITE, rank, why)
+    except Exception as exc:  # anything else (out of memory, say): the cause, not its effect
+        # Left to torchrun, this node's exit said nothing to the launcher, which then reported
+        # its peers' lost contact (EXIT_SWARM) as the swarm's exit code and reason.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        why = f"node {rank}: {type(exc).__name__}{': ' + first if first else ''}"
+        log.exception("%s; stopping", why)
+        leave(EXIT_ERROR, rank, why)
     finally:  # the ways out through leave() release it as the process ends
         lock.release()
     dist.destroy_process_group()
