@@ -335,11 +335,17 @@ def test_sampled_logprobs_are_the_training_forward_logprobs(tiny_model):
     assert bool((batch["gen_logprobs"][m] < 0).all())
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
-def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
+@pytest.mark.parametrize(
+    ("loss_type", "reject_mode"),
+    [("grpo", "advantage"), ("dr_grpo", "advantage"), ("dapo", "mask")],
+)
+def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, reject_mode):
     """dr_grpo too: its L (max_completion_length unset) is the batch's longest completion, not
-    each micro-batch's."""
-    opts = FTISOptions.for_variant("f-tis").replace(loss_type=loss_type)
+    each micro-batch's; and a token mean whose rejected samples leave the mask: it divides by the
+    batch's kept tokens, not each micro-batch's."""
+    opts = FTISOptions.for_variant("f-tis").replace(
+        loss_type=loss_type, reject_mode=reject_mode, kl_threshold=3.0
+    )
     pids = [make_prompt_id("train", i) for i in range(5)]
     g = torch.Generator().manual_seed(1)
     samples = []
@@ -355,27 +361,30 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type):
                 float(i) - 2.0,
             )
         )
-    grads = []
+    grads, stats = [], []
     for micro in (5, 2):
         model = build_model("tiny", TOKENIZER, seed=0)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
-        grpo_update(
-            model,
-            opt,
-            samples,
-            _prompt,
-            opts,
-            micro_batch=micro,
-            pad_id=TOKENIZER.pad_token_id,
-            grad_clip=1e9,
-            device=torch.device("cpu"),
+        stats.append(
+            grpo_update(
+                model,
+                opt,
+                samples,
+                _prompt,
+                opts,
+                micro_batch=micro,
+                pad_id=TOKENIZER.pad_token_id,
+                grad_clip=1e9,
+                device=torch.device("cpu"),
+            )
         )
         grads.append(
             torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
         )
-    assert grads[0].abs().max() > 0
+    assert grads[0].abs().max() > 0 and 0 < stats[0]["filtered_frac"] < 1
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    assert stats[1]["loss"] == pytest.approx(stats[0]["loss"], rel=1e-5)
 
 
 def test_left_pad_right_aligns_prompts():

@@ -4,7 +4,9 @@ The batch is cut into micro-batches whose gradients accumulate before one optimi
 paper's one update per batch, so pi_old = stop_grad(pi_theta) and `old_logprobs` is None). Each
 micro-batch's loss is weighted by its share of the batch's normaliser, so the accumulated gradient
 equals the full batch's: samples for "grpo"/"dr_grpo", completion tokens for "bnpo"/"dapo"
-(dr_grpo's L, `max_completion_length` when unset, is the batch's longest completion).
+(with `reject_mode="mask"` the tokens the filter kept, counted after each forward: the gradient
+is divided by the batch's at the end), dr_grpo's L (`max_completion_length` when unset) the
+batch's longest completion.
 
 A step whose loss or gradient is not finite is skipped whole (no parameter or optimizer state
 changes): one peer sample that the trainer finds far likelier than its generator claims overflows
@@ -217,6 +219,11 @@ def grpo_update(
     n_samples = len(samples)
     n_tokens = sum(s.n_tokens for s in samples)
     by_tokens = loss_type(options.loss_type).batch_normalised  # token means
+    # Token means whose rejected samples leave the mask divide by the tokens the filter kept, known
+    # only after each forward: each micro-batch's loss is weighted by its kept tokens, the sum
+    # divided by the batch's at the end.
+    by_kept = by_tokens and options.reject_mode == "mask"
+    kept_total = 0
     if loss_type(options.loss_type).reduction == "constant" and not options.max_completion_length:
         # dr_grpo's L unset is the call's longest completion: the batch's, not each chunk's.
         options = options.replace(
@@ -247,9 +254,13 @@ def grpo_update(
             **packing,
             options=options,
             # The backward below: a gradient written in the forward is final (an empty chunk's
-            # share is 0, which scales nothing: not announced).
-            grad_scale=share or None,
+            # share is 0, which scales nothing: not announced; nor is a share by kept tokens).
+            grad_scale=None if by_kept else share or None,
         )
+        if by_kept:
+            kept = metrics["filtered"].logical_not().cpu().tolist()
+            share = sum(s.n_tokens for s, k in zip(chunk, kept) if k)
+            kept_total += share
         (loss * share).backward()
         if per_sample is not None:
             for key, values in sample_stats(metrics).items():
@@ -261,6 +272,11 @@ def grpo_update(
         for key in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
             totals[key] += float(metrics[key]) * token_share
     params = [p for p in model.parameters() if p.requires_grad]
+    if by_kept:
+        totals["loss"] /= max(kept_total, 1)
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(max(kept_total, 1))
     # The norm before clipping: a non-finite one means a non-finite gradient (or one too large
     # for float32), and clipping would only spread it over every parameter.
     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
