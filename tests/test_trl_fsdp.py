@@ -12,6 +12,8 @@ What runs on this CPU machine (torch 2.13 CPU, accelerate 1.15):
   so that the loss all-gathers it), "fsdp2-accelerate" with accelerate's own
   `fsdp2_prepare_model` (its [norm, lm_head] group, kept gathered after the forward; the
   embedding apart or, tied, in that group), as accelerate's FSDP2 plugin does on GPUs.
+- FSDP1 with ftis_op="ftis_loss" (the fused loss refuses it): `FullyShardedDataParallel` on the
+  CPU, applied by the worker as well.
 - DeepSpeed ZeRO-2 and -3 (deepspeed 0.19.8, `DS_ACCELERATOR=cpu`, gloo): run through
   accelerate once its state is made before the trainer with `PartialState(backend="gloo")`
   (without it, accelerate finds no backend on a CPU-only machine and counts one process).
@@ -147,6 +149,42 @@ def _worker(mode: str, model_dir: str, out: str) -> None:
     _leave()
 
 
+def _fsdp1_worker(model_dir: str, out: str) -> None:
+    """FSDP1 (`FullyShardedDataParallel`, its parameters flattened) with ftis_op="ftis_loss", the
+    configuration docs/integrations.md gives for it: the pi_old pass and the loss."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = _trainer(model_dir, out, world, ftis_op="ftis_loss")
+    model = FullyShardedDataParallel(
+        trainer.model, device_id=torch.device("cpu"), use_orig_params=True
+    )
+    inputs = _local_batch(trainer, world)
+    T = inputs["completion_ids"].shape[1]
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, T)
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    accelerator = trainer.accelerator
+    with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        updated = {n: p.detach() - LR * p.grad for n, p in trainer.model.named_parameters()}
+    result = {
+        "loss": accelerator.gather(loss.detach()[None]).mean(),
+        "logps": accelerator.gather(logps),
+        "weights": updated,
+    }
+    trainer.args.ftis_op = "ftis_linear_loss"  # the fused pass: refused on every process
+    try:
+        trainer._get_per_token_logps_and_entropies(model, ids, attention, T)
+    except ValueError as exc:
+        result["refused"] = str(exc)
+    if accelerator.is_main_process:
+        torch.save(result, out)
+    accelerator.wait_for_everyone()
+    _leave()
+
+
 def _launch(mode: str, model_dir: str, out: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     with socket.socket() as s:  # torchrun's --master_port=0 does not rendezvous here
@@ -263,5 +301,23 @@ def test_a_lora_lm_head_under_zero3_is_refused_naming_ftis_op():
         _zero3_lm_head(model)
 
 
+def test_fsdp1_with_ftis_loss_gives_the_single_process_loss_logprobs_and_weights(single, tmp_path):
+    """FSDP1 is refused for the fused loss, and the refusal sends the user to ftis_op="ftis_loss";
+    there the pi_old / reference pass is TRL's own (the lm-head weight is in FSDP1's flat
+    parameter), not the fused pass that refused FSDP1 whatever ftis_op was. 2 processes,
+    FULL_SHARD; the weights after an SGD step from the gathered gradients."""
+    model_dir, _, want = single
+    got = _launch("fsdp1", model_dir, str(tmp_path / "fsdp1.pt"))
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["logps"], want["logps"], rtol=1e-5, atol=1e-5)
+    for name, w in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    assert got["refused"].startswith("ftis_op='ftis_linear_loss' is not supported") and (
+        "FSDP1" in got["refused"]
+    )
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "fsdp1":
+        _fsdp1_worker(*sys.argv[2:4])
     _worker(*sys.argv[1:4])  # exits through _leave

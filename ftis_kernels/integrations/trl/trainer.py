@@ -51,6 +51,15 @@ def _lm_head_module(unwrapped: nn.Module) -> nn.Module:
     return _unwrap_peft(unwrapped).get_output_embeddings()
 
 
+def _is_fsdp1(model: nn.Module, unwrapped: nn.Module) -> bool:
+    """Whether FSDP1 (`FullyShardedDataParallel`) wraps `model` or a module of it."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in [model, *unwrapped.modules()])
+
+
 def _sharding(model: nn.Module, unwrapped: nn.Module) -> Optional[str]:
     """How the engine holds the lm-head weight on this process: None, whole (one process, DDP,
     DeepSpeed ZeRO-1/2); "fsdp2", sharded by torch's `fully_shard` (accelerate's FSDP2);
@@ -58,11 +67,11 @@ def _sharding(model: nn.Module, unwrapped: nn.Module) -> Optional[str]:
     accelerate's flags, so that it holds for however the model was wrapped."""
     if not torch.distributed.is_available():
         return None
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp import FSDPModule
 
-    modules = [model, *unwrapped.modules()]
-    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+    if _is_fsdp1(model, unwrapped):
         _refuse_fsdp1()
+    modules = [model, *unwrapped.modules()]
     if any(isinstance(m, FSDPModule) for m in modules):
         return "fsdp2"
     if any(hasattr(p, "ds_id") for p in _lm_head_module(unwrapped).parameters()):
@@ -395,8 +404,14 @@ class FTISGRPOTrainer(GRPOTrainer):
     ):
         """TRL's pi_old and reference passes (no grad: the F-TIS loss computes its own log pi_theta)
         with `ftis_logprobs` from the hidden states and the lm-head, the row kernels of the loss:
-        (B, logits_to_keep) log-probabilities at the temperature, 0 at padding."""
-        if compute_aux_loss or any(v is not None for v in multimodal.values()):
+        (B, logits_to_keep) log-probabilities at the temperature, 0 at padding. TRL's own pass
+        under FSDP1 (ftis_op="ftis_loss"), for an MoE aux loss or multimodal inputs."""
+        # FSDP1 (with ftis_op="ftis_loss"; the fused loss refuses it) leaves no lm-head weight
+        # to read whole: TRL's own pass, from the logits.
+        fsdp1 = self.args.ftis_op == "ftis_loss" and _is_fsdp1(
+            model, self.accelerator.unwrap_model(model)
+        )
+        if fsdp1 or compute_aux_loss or any(v is not None for v in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
