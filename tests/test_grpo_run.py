@@ -161,31 +161,39 @@ def test_a_resumed_run_counts_the_skipped_steps_before_its_checkpoint(tmp_path):
 
 
 CRASH_AT_ROUND_1 = """
-import os
+import os, signal
 if os.environ.get("RANK") == "1":
     from ftis_kernels.grpo.node import Node
     run_round = Node.run_round
     def crash(self, round_):
         if round_ == 1:
-            raise RuntimeError("out of memory (injected)")
+            {crash}
         return run_round(self, round_)
     Node.run_round = crash
 """
+CRASHES = {  # how node 1 fails at round 1: (the code injected, exit code, the launcher's reason)
+    "error": ('raise RuntimeError("out of memory (injected)")', 6, "RuntimeError: out of memory"),
+    "sigkill": ("os.kill(os.getpid(), signal.SIGKILL)", 137, "killed by SIGKILL"),
+}
 
 
-def test_a_node_that_raises_is_named_as_the_cause_not_its_peers_lost_contact(tmp_path):
-    # A node's own error (out of memory, say), injected into node 1's process at round 1.
+@pytest.mark.parametrize("crash", CRASHES)
+def test_a_node_that_fails_is_named_as_the_cause_not_its_peers_lost_contact(tmp_path, crash):
+    # A node's own error (out of memory, say) or a kill by the out-of-memory killer, injected
+    # into node 1's process; node 0 then loses contact or gets torchrun's SIGTERM.
+    code, rc_want, reason = CRASHES[crash]
     (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / "sitecustomize.py").write_text(CRASH_AT_ROUND_1)
+    (tmp_path / "inject" / "sitecustomize.py").write_text(CRASH_AT_ROUND_1.format(crash=code))
     run = ["--preset", "smoke", "--out", str(tmp_path / "run"), "--timeout", "20"]
     for key in ("nodes.0.warmup_steps=0", "nodes.1.warmup_steps=0", "eval_size=2"):
         run += ["--set", key]
     rc, log, _ = ftis_grpo(*run, path=str(tmp_path / "inject"), timeout=180)
-    assert rc == 6, log[-3000:]
+    assert rc == rc_want, log[-3000:]
     (line,) = [x for x in log.splitlines() if "the swarm stopped" in x]
-    assert "exit code 6: node 1: RuntimeError: out of memory (injected)" in line, line
+    assert f"exit code {rc_want}: node 1: {reason}" in line, line
     assert "Continue from the checkpoint of round 0" in line and "--resume" in line
-    assert "node1 ERROR" in log and 'raise RuntimeError("out of memory' in log  # its traceback
+    if crash == "error":  # its traceback, logged by the node
+        assert "node1 ERROR" in log and 'raise RuntimeError("out of memory' in log
 
 
 def test_nodes_with_different_vocabularies_refuse_to_start(tmp_path):

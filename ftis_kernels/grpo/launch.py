@@ -43,6 +43,7 @@ from ftis_kernels.grpo.process import (
     die_with_parent,
     read_exit_reports,
     read_peer_file,
+    report_exit,
     threads_per_node,
 )
 from ftis_kernels.grpo.report import merge, read_metrics, skipped_in_a_row
@@ -272,7 +273,9 @@ def swarm_exit(rc: int, reports: dict[int, tuple[int, str]]) -> tuple[int, str]:
             return 0
         if code == EXIT_SWARM:
             return 2
-        return 3 if code >= 128 else 1
+        # Stopped by a signal it handles (torchrun's SIGTERM to the rest, say): an effect. Killed
+        # by one it cannot handle (SIGKILL, SIGSEGV; `_report_the_killed`): its own failure.
+        return 3 if code - 128 in STOP_SIGNALS else 1
 
     failed = sorted((rank_of(c), rank, c, why) for rank, (c, why) in reports.items() if c != 0)
     if not failed:
@@ -291,9 +294,30 @@ def _torchrun(argv: Sequence[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         run(parse_args(list(argv)))
-    except ChildFailedError:
+    except ChildFailedError as exc:
+        _report_the_killed({rank: f.exitcode for rank, f in exc.failures.items()})
         return 1
     return 0
+
+
+def _report_the_killed(exit_codes: dict[int, int]) -> None:
+    """For the launcher, the exit report of each node that torchrun saw killed by a signal (a
+    negative exit code) and that left none: a node killed by SIGKILL (the out-of-memory killer
+    sends it) or crashed by SIGSEGV cannot write its own, and its peers' lost contact, or
+    torchrun's SIGTERM to them, would be reported in its place."""
+    folder = os.environ.get(EXIT_REPORTS_ENV)
+    if not folder:
+        return
+    reported = read_exit_reports(Path(folder))
+    for rank, code in exit_codes.items():
+        if code >= 0 or rank in reported:
+            continue
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (the out-of-memory killer sends it)" if -code == signal.SIGKILL else ""
+        report_exit(rank, 128 - code, f"node {rank}: killed by {name}{why}")
 
 
 def _resume_args(argv: Sequence[str]) -> list[str]:
