@@ -217,3 +217,31 @@ def test_nodes_with_different_vocabularies_refuse_to_start(tmp_path):
     assert len(said) == 2 and all(x.count("vocabulary mismatch") == 1 for x in said), said
     assert "node0 ERROR" in said[0] and "the swarm stopped with exit code 1: vocabulary" in said[1]
     assert "Continue from" not in log and "Traceback" not in log
+
+
+def test_a_model_with_fewer_embeddings_than_tokenizer_tokens_is_a_refusal(tmp_path):
+    from ftis_kernels.grpo.models import build_model
+    from ftis_kernels.grpo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(["alien", "words"])
+    model = build_model("tiny", tok, seed=0)
+    tok.add_tokens(["<added>"])  # the embedding not resized
+    model.save_pretrained(tmp_path / "short")
+    tok.save_pretrained(tmp_path / "short")
+    rc, log, _ = ftis_grpo(
+        "--preset",
+        "smoke",
+        "--out",
+        str(tmp_path / "run"),
+        "--set",
+        f"nodes.1.model={tmp_path / 'short'}",
+        timeout=120,
+    )
+    assert rc == 1, log[-3000:]
+    (line,) = [x for x in log.splitlines() if "the swarm stopped" in x]
+    n = len(tok)
+    assert (
+        f"exit code 1: node 1: tokenizer has {n} tokens but the model's embedding only {n - 1}"
+        in (line)
+    )
+    assert "Continue from" not in log and "Traceback" not in log

@@ -152,9 +152,9 @@ class Node:
         """All nodes must share one token -> id map, or exchanged token ids mean nothing; and one
         run configuration, which fixes the exchange's buffer sizes."""
         if len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
-            raise ValueError(
-                f"node {self.rank}: tokenizer has {len(self.tokenizer)} tokens but "
-                f"the model only {self.model.get_input_embeddings().num_embeddings}"
+            raise SystemExit(  # a refusal to start, as a vocabulary mismatch between nodes is
+                f"node {self.rank}: tokenizer has {len(self.tokenizer)} tokens but the model's "
+                f"embedding only {self.model.get_input_embeddings().num_embeddings} (resize it)"
             )
         self.transport.agree("configuration", self.cfg.swarm_fingerprint())
         self.transport.agree("vocabulary", vocab_fingerprint(self.tokenizer))
