@@ -146,6 +146,8 @@ def test_three_peers_train_on_each_others_samples_with_their_staleness(
         log = _rows(tmp_path / pid, "received.jsonl")
         senders = {r["sender"] for r in log if r["dropped"] is None}
         assert senders and senders <= {source_of(p) for p in ids if p != pid}
+        # Each received sample also names its peer by id, beside the exchange's source number.
+        assert all(r["sender"] == source_of(r["peer"]) for r in log if r["dropped"] is None)
         heard |= senders
         # Each sample is used once, at most max_staleness (1) rounds after it was generated.
         assert {r["staleness"] for r in log} <= {0, 1}
@@ -183,6 +185,9 @@ def test_a_malformed_peers_records_are_dropped_over_a_swarm_transport(
     log = _rows(tmp_path / "QmGood", "received.jsonl")
     from_bad = [r for r in log if r["sender"] == source_of("QmBad")]
     assert from_bad and all(r["dropped"] is not None for r in from_bad)
+    # The drops name the peer by its id, as the swarm's log lines do, not by a 31-bit number alone.
+    assert all(r["peer"] == "QmBad" for r in from_bad)
+    assert all(f"peer QmBad (node {source_of('QmBad')})" in r["reason"] for r in from_bad)
     rows = _rows(tmp_path / "QmGood")
     assert sum(r["dropped"] for r in rows) == len(from_bad)
     assert sum(r["samples_received"] for r in rows) == 0

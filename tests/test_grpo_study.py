@@ -19,7 +19,7 @@ from ftis_kernels.grpo.audit import (
     start_sample_log,
 )
 from ftis_kernels.grpo.config import ConfigError, build_config
-from ftis_kernels.grpo.exchange import Drop, Sample, make_hostile, pack, unpack
+from ftis_kernels.grpo.exchange import Drop, Sample, make_hostile, pack, record_bytes, unpack
 from ftis_kernels.grpo.node import signal_metrics
 from ftis_kernels.grpo.task import (
     ArithmeticTask,
@@ -355,6 +355,12 @@ def test_a_swarm_with_a_replaying_and_a_max_weight_peer_logs_what_each_defence_d
     assert {round(r["advantage"], 3) for r in forged} == {1.5, -0.5}
     rows = rows_of(tmp_path)
     assert all(r["recv_truncated_frac"] > 0.3 for r in rows if r["node"] != 2)
+    # What node 1 put on the wire is counted, not the honest samples it kept: nothing in round 0.
+    sent1 = {r["round"]: r for r in rows if r["node"] == 1}
+    replayed_tokens = sum(r["n_tokens"] for r in replayed)
+    assert (sent1[0]["tokens_sent"], sent1[0]["bytes_sent"]) == (0, 0)
+    assert sent1[1]["tokens_sent"] == replayed_tokens
+    assert sent1[1]["bytes_sent"] == sum(record_bytes(r["n_tokens"]) for r in replayed)
 
 
 def test_verify_rewards_drops_carry_their_kind_and_sender(tmp_path):

@@ -57,7 +57,7 @@ def check_claims(
         else:
             expected, problem = _group_advantages(group, [s.reward for s in group], group_size)
         if problem is not None:
-            drops += [Drop(f"node {source}: {problem}", "advantage", source) for _ in group]
+            drops += [Drop(f"{s.sender}: {problem}", "advantage", source, s.peer) for s in group]
             continue
         true = [s.reward for s in group]
         if score is not None:
@@ -70,14 +70,23 @@ def check_claims(
                     f"claimed advantage {s.advantage:g} for prompt {prompt_id}, its group's "
                     f"rewards give {expected[i]:g}"
                 )
-                drops.append(Drop(f"node {source}: {why}", "advantage", source))
+                drops.append(Drop(f"{s.sender}: {why}", "advantage", source, s.peer))
             elif true[i] != s.reward:
                 why = f"claimed reward {s.reward:g}, completion scores {true[i]:g}"
-                drops.append(Drop(f"node {source}: {why}", "verify", source))
+                drops.append(Drop(f"{s.sender}: {why}", "verify", source, s.peer))
             else:
                 adv = rescored[i] if score is not None and not horizontal else expected[i]
                 kept.append(
-                    Sample(s.prompt_id, s.source, s.tokens, s.logprobs, s.reward, adv, s.staleness)
+                    Sample(
+                        s.prompt_id,
+                        s.source,
+                        s.tokens,
+                        s.logprobs,
+                        s.reward,
+                        adv,
+                        s.staleness,
+                        s.peer,
+                    )
                 )
     for reason in drops[:3]:
         log.warning("dropped peer sample: %s", reason)
@@ -152,7 +161,8 @@ def blame_peers(
         if stats["skipped"]:
             continue
         cause = skip_cause(skipped)
-        names = ", ".join(f"node {p}" for p in left_out)
+        sender = {s.source: s.sender for s in received}
+        names = ", ".join(sender[p] for p in left_out)
         log.warning(
             "%s: the update with every peer's samples was skipped (%s); "
             "without those of %s it is finite and was taken: their samples are dropped",
@@ -162,9 +172,10 @@ def blame_peers(
         )
         drops = [
             Drop(
-                f"node {s.source}: its samples made the update non-finite ({cause})",
+                f"{s.sender}: its samples made the update non-finite ({cause})",
                 "diverged",
                 s.source,
+                s.peer,
             )
             for s in received
             if s.source in left_out

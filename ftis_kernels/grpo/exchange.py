@@ -32,6 +32,7 @@ from ftis_kernels.grpo.transport import (
     TorchTransport,
     Transport,
     collective,  # noqa: F401 (callers import it from here too)
+    peer_label,
     source_of,
 )
 
@@ -78,19 +79,20 @@ DROP_KINDS = (
 
 class Drop(str):
     """A dropped record's reason as logged, with the `kind` of check (one of DROP_KINDS) that
-    dropped it and the `sender` node (None: a record the transport refused that no known peer
-    signed)."""
+    dropped it, the `sender` node (None: a record the transport refused that no known peer
+    signed) and its transport `peer` id ("" where unknown)."""
 
     kind: str
     sender: Optional[int]
+    peer: str
 
-    def __new__(cls, reason: str, kind: str, sender: Optional[int]) -> Drop:
+    def __new__(cls, reason: str, kind: str, sender: Optional[int], peer: str = "") -> Drop:
         drop = super().__new__(cls, reason)
-        drop.kind, drop.sender = kind, sender
+        drop.kind, drop.sender, drop.peer = kind, sender, peer
         return drop
 
     def __reduce__(self):
-        return Drop, (str(self), self.kind, self.sender)
+        return Drop, (str(self), self.kind, self.sender, self.peer)
 
 
 @dataclass
@@ -104,6 +106,12 @@ class Sample:
     reward: float
     advantage: float
     staleness: int = 0  # rounds between its generation and its use (received samples)
+    peer: str = ""  # the transport's id of the peer it came from (received samples)
+
+    @property
+    def sender(self) -> str:
+        """How messages name the peer it came from (`transport.peer_label`)."""
+        return peer_label(self.peer or str(self.source))
 
     @property
     def n_tokens(self) -> int:
@@ -134,8 +142,10 @@ def unpack(
     vocab_size: int,
     max_tokens: int,
     prompt_ok: Callable[[int], bool] = lambda pid: True,
+    peer: str = "",
 ) -> tuple[list[Sample], list[Drop]]:
-    """Parse and validate `sender`'s payload; returns (valid samples, one `Drop` per dropped record).
+    """Parse and validate `sender`'s payload (from the transport's `peer`, "" for the rank
+    `sender`); returns (valid samples, one `Drop` per dropped record).
 
     A record is dropped when its source is not `sender`, its length is outside [1, max_tokens], a
     token id is outside [0, vocab_size), a logprob is non-finite or > 0, the reward or advantage is
@@ -145,14 +155,16 @@ def unpack(
     """  # noqa: E501
     samples, drops = [], []
     offset, index = 0, 0
+    name = peer_label(peer or str(sender))
     while offset < len(payload):
-        where = f"sample {index} from node {sender}"
+        where = f"sample {index} from {name}"
         if len(payload) - offset < HEADER_BYTES:
             drops.append(
                 Drop(
                     f"{where}: truncated header ({len(payload) - offset} bytes left)",
                     "length",
                     sender,
+                    peer,
                 )
             )
             break
@@ -163,6 +175,7 @@ def unpack(
                     f"{where}: length {n} outside [1, {max_tokens}]; rest of payload dropped",
                     "length",
                     sender,
+                    peer,
                 )
             )
             break
@@ -173,6 +186,7 @@ def unpack(
                     f"{where}: record of {n} tokens runs past the payload; rest dropped",
                     "length",
                     sender,
+                    peer,
                 )
             )
             break
@@ -194,7 +208,7 @@ def unpack(
         elif not prompt_ok(prompt_id):
             reason, kind = f"prompt id {prompt_id} is not a training problem", "prompt"
         if reason is not None:
-            drops.append(Drop(f"{where}: {reason}", kind, sender))
+            drops.append(Drop(f"{where}: {reason}", kind, sender, peer))
             continue
         samples.append(
             Sample(
@@ -204,6 +218,7 @@ def unpack(
                 torch.from_numpy(logprobs.astype(np.float32)),
                 rew,
                 adv,
+                peer=peer,
             )
         )
     return samples, drops
@@ -243,17 +258,25 @@ def exchange(
     incoming, rejected = transport.collect(round_, max_staleness=max_staleness, timeout_s=timeout_s)
     # A refusal is charged to the peer that signed the record; to nobody (sender None) when no
     # known key did, so that nobody is blamed for a record forged in its name.
-    drops = [Drop(r.reason, r.kind, source_of(r.peer) if r.peer else None) for r in rejected]
+    drops = [
+        Drop(r.reason, r.kind, source_of(r.peer) if r.peer else None, r.peer) for r in rejected
+    ]
     received = []
     for got in incoming:
         sender = source_of(got.peer)
         body = got.payload
         if len(body) > cap:
             body = body[:cap]
-            why = f"node {sender}: payload of {len(got.payload)} bytes cut at the cap {cap}"
-            drops.append(Drop(why, "size", sender))
+            size = len(got.payload)
+            why = f"{peer_label(got.peer)}: payload of {size} bytes cut at the cap {cap}"
+            drops.append(Drop(why, "size", sender, got.peer))
         samples_in, dropped = unpack(
-            body, sender=sender, vocab_size=vocab_size, max_tokens=max_tokens, prompt_ok=prompt_ok
+            body,
+            sender=sender,
+            vocab_size=vocab_size,
+            max_tokens=max_tokens,
+            prompt_ok=prompt_ok,
+            peer=got.peer,
         )
         for s in samples_in:
             s.staleness = round_ - got.round

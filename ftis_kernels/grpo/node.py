@@ -423,7 +423,7 @@ class Node:
         acc_id = self.accuracy("test") if evaluate else math.nan
         acc_ood = self.accuracy("ood") if evaluate else math.nan
         own = self.rollout(round_)
-        received, drops, sent = [], [], 0
+        received, drops, sent, tokens_sent = [], [], 0, 0
         if cfg.loss != "on-policy":
             hostile_gen = torch.Generator().manual_seed(hostile_seed(cfg.seed, round_, self.source))
             outgoing = make_hostile(
@@ -441,6 +441,7 @@ class Node:
                 timeout_s=cfg.collect_timeout_s,
             )
             self.last_received = received  # what a "replay" node sends next round
+            tokens_sent = sum(s.n_tokens for s in outgoing)  # a hostile node's, not its own
         if received:
             received, refused = self.check_advantages(received)
             drops += refused
@@ -467,7 +468,6 @@ class Node:
                 round_,
                 skip_cause(stats),
             )
-        tokens_sent = sum(s.n_tokens for s in own) if cfg.loss != "on-policy" else 0
         return dict(
             reward_mean=sum(s.reward for s in own) / len(own),
             **signal_metrics(own),

@@ -68,6 +68,15 @@ def source_of(peer_id: str) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
+def peer_label(peer_id: str) -> str:
+    """How messages name a peer: "node 3" under torch (peer ids are ranks); under hivemind its
+    peer id with the exchange's source beside it, "peer QmX... (node 123)", as the swarm's own
+    log lines and `received.jsonl`'s `peer` name it."""
+    if not peer_id or peer_id.isdigit():
+        return f"node {peer_id or '?'}"
+    return f"peer {peer_id} (node {source_of(peer_id)})"
+
+
 class Transport(Protocol):
     """What the round loop needs from the network. Lockstep-only steps (barriers, the
     checkpoint agreement, the gathers of metrics and sample-log rows) are methods too: under
