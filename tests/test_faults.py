@@ -45,6 +45,11 @@ from ftis_kernels.grpo.config import (  # noqa: E402
 from ftis_kernels.grpo.exchange import IMPROBABLE_LOGPROB, Sample, make_hostile, pack, unpack  # noqa: E402
 from ftis_kernels.grpo.launch import _resume_hint  # noqa: E402
 from ftis_kernels.grpo.models import build_model  # noqa: E402
+from ftis_kernels.grpo.process import (  # noqa: E402
+    EXIT_REPORTS_ENV,
+    LAUNCHER_ENV,
+    read_exit_reports,
+)
 from ftis_kernels.grpo.run_folder import LOCK_FILE, RUN_MARKER, OutLock, check_out  # noqa: E402
 from ftis_kernels.grpo.task import ArithmeticTask, format_prompt, make_prompt_id  # noqa: E402
 from ftis_kernels.grpo.tokenizer import build_tokenizer  # noqa: E402
@@ -1039,3 +1044,44 @@ def test_resume_with_a_bad_metrics_line_before_the_last_names_the_line(four_roun
     rc, log, _ = run_swarm("--preset", "smoke", "--out", str(out), "--resume", "--rounds", "9")
     assert rc == 2 and "starting a local swarm" not in log  # the launcher refuses at once
     assert "ftis-grpo: --resume: " in log and "metrics.jsonl, line 3: " in log
+
+
+_BUSY_NODE = """
+import os, sys, torch
+from ftis_kernels.grpo import worker
+torch.set_num_threads(1)
+worker.stop_on_signals(0)
+worker.watch_parent(0, poll_s=0.02, grace_s=30.0)
+a = torch.randn(4000, 4000)
+print(os.getpid(), flush=True)
+while True:
+    torch.mm(a, a)  # most of a second in C, the GIL released: no Python signal handler runs
+"""
+
+
+def test_a_stop_signal_that_comes_with_its_torchruns_end_is_what_the_node_reports(tmp_path):
+    """The launcher stopping a swarm signals the nodes, then kills torchrun: a node busy in a
+    long kernel sees its parent gone before its main thread can run the signal's handler. It
+    reports the signal (128 + SIGTERM), not its torchrun's end (128 + SIGHUP)."""
+    env = {k: v for k, v in _env().items() if k != LAUNCHER_ENV}
+    env[EXIT_REPORTS_ENV] = str(tmp_path)
+    torchrun = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_BUSY_NODE!r}])"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", torchrun],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        node = psutil.Process(int(parent.stdout.readline()))
+        time.sleep(0.3)  # inside a matmul
+        node.send_signal(signal.SIGTERM)
+        parent.kill()
+        node.wait(timeout=60)  # not this process's child: its code is in its exit report
+        code, why = read_exit_reports(tmp_path)[0]
+        assert (code, why) == (128 + signal.SIGTERM, "node 0: stopped by SIGTERM")
+    finally:
+        parent.kill()
+        for p in psutil.Process().children(recursive=True):
+            p.kill()

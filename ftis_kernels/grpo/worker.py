@@ -63,11 +63,13 @@ def stop_on_signals(rank: int) -> None:
         signal.signal(sig, stop)
 
 
-def watch_parent(rank: int, poll_s: float = 0.5) -> None:
-    """Stop the node within `poll_s` seconds of its torchrun, or of the launcher that started
-    torchrun, being gone (killed by SIGKILL, say), with one log line and exit code 128 + SIGHUP:
-    the lock on --out it holds is then released, and no orphan keeps writing into a folder
-    another run may take."""
+def watch_parent(rank: int, poll_s: float = 0.5, grace_s: float = 1.0) -> None:
+    """Stop the node within `poll_s` + `grace_s` seconds of its torchrun, or of the launcher that
+    started torchrun, being gone (killed by SIGKILL, say), with one log line and exit code
+    128 + SIGHUP: the lock on --out it holds is then released, and no orphan keeps writing into a
+    folder another run may take. The grace lets a stop signal delivered with the parent's end
+    (the launcher stopping the swarm signals the nodes, then kills torchrun) be handled first by
+    the main thread, so that the node reports that signal, not its torchrun's end."""
     torchrun = os.getppid()
     launcher_pid = os.environ.get(LAUNCHER_ENV)
     try:
@@ -85,6 +87,7 @@ def watch_parent(rank: int, poll_s: float = 0.5) -> None:
                 gone = f"its launcher (PID {launcher.pid})"
             else:
                 continue
+            time.sleep(grace_s)  # a stop signal's handler, if one is due, exits the node here
             log.error("node %d: %s is gone; stopping", rank, gone)
             leave(128 + signal.SIGHUP, rank, f"node {rank}: {gone} is gone")
 
