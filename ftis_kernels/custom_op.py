@@ -345,8 +345,10 @@ def finish_forward(
         per_sample = (out.kl, out.filtered, out.truncated)
         coef, entropy_coef = out.coef, out.ecoef
     else:
+        # ref_logprobs are read only by the beta penalty, and checked only then (as on Triton).
+        read = rows if opt.beta > 0 else rows._replace(ref_logprobs=None)
         record = fault_record(
-            vocab, rows, (logp, row_max, log_sum), from_hidden=logits_name != "logits"
+            vocab, read, (logp, row_max, log_sum), from_hidden=logits_name != "logits"
         )
         bool_rows = rows._replace(mask=completion_mask(rows.mask))
         packing = (args["cu_seqlens"], args["max_seqlen"])

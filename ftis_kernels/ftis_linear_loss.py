@@ -589,8 +589,8 @@ def ftis_linear_loss(
             backward (8 N H V: each chunk's logits again). "auto" takes the forward whenever it
             is exact (`grad_in_forward_blocker`: every chunk holds whole samples, i.e. T, or the
             longest segment, <= the chunk size, and no option couples samples: reject_mode="mask"
-            with a filter on pi_theta and a batch-wide normaliser or entropy bonus, or a sharded
-            vocabulary); True raises a ValueError naming the reason there. Both orders give the
+            with a filter on pi_theta and a batch-wide normaliser, or any filter and a bonus, or a
+            sharded vocabulary); True raises a ValueError naming the reason there. Both give the
             same loss and metrics and the same gradients up to the matmuls' rounding. Without
             any gradient to compute (torch.no_grad(), no input requiring grad) neither order
             does gradient work. In the forward order the gradients are held from the forward

@@ -16,7 +16,15 @@ import torch
 
 from ftis_kernels import chunks
 from ftis_kernels.kernels import FORWARD, select_backend
+from ftis_kernels.options import CHECKS
 from ftis_kernels.validate import LOGIT_DTYPES, TOKEN_DTYPES, check_tensor
+
+
+def _described(x: object) -> str:
+    """x for an error message, in one line: a tensor by its shape, anything else by its repr."""
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return repr(x)[:80]
 
 
 def _check_tokens(tokens: torch.Tensor, mask: Optional[torch.Tensor], V: int) -> None:
@@ -54,16 +62,18 @@ def ftis_logprobs(
         weight: (V, H) lm-head weight in the hidden dtype, or None (inputs are logits).
         bias: (V,) in the hidden dtype, or None; only with `weight`.
         mask: (*) bool, positions to compute; None = all. Masked positions read nothing and give 0.
-        temperature: > 0, as the sampler's.
+        temperature: a finite number > 0, as the sampler's (and the losses' option).
         chunk_size: rows per chunk from hidden states (None: AUTO_CHUNK_ELEMENTS logits a chunk).
 
     Returns:
         logp, entropy: (*) fp32. Non-finite logits give non-finite values, as log_softmax would.
     """
     if not isinstance(inputs, torch.Tensor) or inputs.dim() < 1 or inputs.numel() < 1:
-        raise ValueError(f"inputs: expected a non-empty (*, V) or (*, H) tensor, got {inputs!r}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
+        got = _described(inputs)
+        raise ValueError(f"inputs: expected a non-empty (*, V) or (*, H) tensor, got {got}")
+    what, valid = CHECKS["positive_finite"]  # as the losses' temperature option
+    if not valid(temperature):
+        raise ValueError(f"temperature: expected {what}, got {temperature!r}")
     lead, device = tuple(inputs.shape[:-1]), inputs.device
     check_tensor("inputs", inputs, tuple(inputs.shape), LOGIT_DTYPES, device)
     check_tensor("tokens", tokens, lead, TOKEN_DTYPES, device)
@@ -84,7 +94,7 @@ def ftis_logprobs(
     else:
         H = inputs.shape[-1]
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < 1:
-            raise ValueError(f"weight: expected a (V, {H}) tensor, got {weight!r}")
+            raise ValueError(f"weight: expected a (V, {H}) tensor, got {_described(weight)}")
         V = weight.shape[0]
         check_tensor("weight", weight, (V, H), (inputs.dtype,), device)
         if bias is not None:

@@ -3,6 +3,8 @@ logits and from hidden states, padded and packed, on both backends."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -99,3 +101,22 @@ def test_logprobs_carry_no_graph_and_refuse_bad_tokens():
     ftis_logprobs(logits, tokens, mask=mask)  # a masked position is never read
     with pytest.raises(ValueError, match="^weight: "):
         ftis_logprobs(torch.randn(2, 3, 4), tokens, torch.randn(11, 5))
+
+
+@pytest.mark.parametrize(
+    "kwargs,argument",
+    [
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"weight": torch.randn(64)}, "weight"),
+        ({"weight": torch.randn(64, 3, 1)}, "weight"),
+    ],
+)
+def test_bad_arguments_raise_a_one_line_error_naming_them(kwargs, argument):
+    """As the losses' options: temperature is a finite number > 0 (inf gave NaN log-probs, True
+    passed as 1); a weight of the wrong rank is described by its shape, in one line."""
+    hidden, tokens = torch.randn(2, 3, 4), torch.randint(0, 11, (2, 3))
+    kwargs = {"weight": torch.randn(11, 4), **kwargs}
+    with pytest.raises(ValueError, match=rf"^{argument}: expected") as error:
+        ftis_logprobs(hidden, tokens, **kwargs)
+    assert "\n" not in str(error.value)

@@ -377,6 +377,21 @@ def test_gradient_in_forward_matches_reference_and_three_passes(opts, dtype, dev
             numerics.assert_close("grad", one.float(), three.float())
 
 
+@pytest.mark.parametrize(
+    "mask_dtype", [torch.uint8, torch.int64, torch.float16, torch.bfloat16, torch.float32]
+)
+def test_gradient_in_forward_takes_a_0_1_mask_of_any_dtype(mask_dtype, device):
+    """The forward's count of each sample's tokens (batch- and sample-normalised loss types)
+    reads a 0/1 mask in its own dtype: the result of the bool mask (a bf16 mask failed there
+    under Triton's interpreter)."""
+    case = make_case(3, 5, 70, seed=24, mask="empty_row", device=device)
+    zero_one = replace(case, mask=case.mask.to(mask_dtype))
+    for name in ("grpo", "bnpo"):
+        want = run_op(case, None, loss_type=name)
+        got = run_op(zero_one, None, loss_type=name)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), name
+
+
 def test_gradient_in_forward_zeroes_rejected_samples_and_scales(device):
     # Samples 1 and 2 negative and far off-policy: rejected after the forward wrote their rows.
     case = make_case(3, 4, 70, seed=22, gen_spread=3.0, device=device)

@@ -540,6 +540,18 @@ def test_garbage_at_masked_positions_of_logprob_inputs_is_accepted():
     assert torch.isfinite(loss)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_ref_logprobs_are_not_read_without_a_penalty(op, impl):
+    """With beta = 0 the penalty is off and ref_logprobs are never read, on every backend: any
+    values they hold change nothing and raise nothing."""
+    args = good_args()
+    want, _ = call(op, args, impl, value_check="call")
+    args["ref_logprobs"] = torch.full_like(args["ref_logprobs"], float("nan"))
+    got, _ = call(op, args, impl, value_check="call")
+    assert torch.equal(got, want)
+
+
 def test_float_and_integer_masks_are_accepted():
     args = good_args()
     want, _ = ftis_loss(**args)

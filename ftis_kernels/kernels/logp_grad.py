@@ -61,8 +61,9 @@ def _mask_counts_kernel(
     n = tl.zeros([BLOCK_T], dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        mv = tl.load(mask_ptr + b * stride_mb + t.to(tl.int64) * stride_mt, mask=t < T, other=0)
-        n += (mv != 0).to(tl.float32)
+        # No `other`: Triton's interpreter fails on one for a bf16 pointer (a bf16 0/1 mask).
+        mv = tl.load(mask_ptr + b * stride_mb + t.to(tl.int64) * stride_mt, mask=t < T)
+        n += ((t < T) & (mv != 0)).to(tl.float32)
     tl.store(counts_ptr + b, tl.sum(n, axis=0))
 
 

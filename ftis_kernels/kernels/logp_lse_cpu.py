@@ -323,11 +323,40 @@ def _fused_wanted(logits: torch.Tensor) -> bool:
 
 def _compiled(name: str):
     """The torch.compile'd row function `name`; compiled at its first call, with dynamic shapes
-    (one compilation serves every run length and vocabulary)."""
+    (one compilation serves most run lengths and vocabularies; `_past_recompile_limit` where
+    torch.compile gives up)."""
     if name not in _FUSED:
         fn = {"fwd": _fwd_rows, "bwd": _bwd_rows, "bwd_inplace": _bwd_rows_inplace}[name]
-        _FUSED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+        _FUSED[name] = _past_recompile_limit(
+            name, fn, torch.compile(fn, dynamic=True, fullgraph=True)
+        )
     return _FUSED[name]
+
+
+def _past_recompile_limit(name: str, fn, compiled):
+    """`compiled`, or `fn` uncompiled once torch.compile has specialised it for as many shapes as
+    its recompile limit allows (0/1 sizes, views of bases of other shapes, vocabulary ranges):
+    under fullgraph it then raises before running anything. That run and the rest of its call
+    take `fn` (the call may have written runs already: the in-place backward over its own input
+    cannot start again), and later calls the eager passes, after one warning."""
+    import torch._dynamo
+
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+
+    def run(*args):
+        try:
+            return compiled(*args)
+        except limit_hit as err:
+            _FUSED["broken"], _FUSED[name] = True, fn
+            warnings.warn(
+                "ftis_kernels: torch.compile reached its recompile limit on the fused CPU row "
+                f"passes ({str(err).splitlines()[0]}); the eager ones run instead",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return fn(*args)
+
+    return run
 
 
 def _fwd_rows_fused(x: torch.Tensor, scale: torch.Tensor, with_entropy: bool):

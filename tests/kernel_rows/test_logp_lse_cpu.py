@@ -281,3 +281,45 @@ def test_cpu_row_functions_fall_back_to_the_compiled_ones_where_the_cpp_cannot_b
     out = torch.empty_like(x)
     logp_lse_cpu._bwd_rows_fused(x, got[0], scale, torch.ones(5, 1), out)
     assert len(builds) == 1 and not cpu_rows.usable("bwd", x)
+
+
+def test_fused_cpu_row_passes_run_uncompiled_past_torch_compiles_recompile_limit(monkeypatch):
+    """torch.compile gives up on a row function after `recompile_limit` shapes (fullgraph: it
+    raises): that run and the rest of the call take the function uncompiled, after one warning,
+    and later calls the eager passes. Here the limit is hit by the second run of live rows of a
+    call, so the in-place backward has written its first run already: the fall-back must not
+    start the call again on overwritten logits. fp16 rows take the compiled functions."""
+    import torch._dynamo
+
+    def limited_compile(fn, **kwargs):
+        calls = []
+
+        def compiled(*args):
+            calls.append(fn.__name__)
+            if len(calls) > 1:
+                raise torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure, fullgraph=True")
+            return fn(*args)
+
+        return compiled
+
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 2, 6, 40
+    x = (torch.randn(B, T, V, generator=g) * 3).half()
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, [1, 4]] = False  # runs of live rows: (0, 1), (2, 4), (5, 6) in each sample
+    coef = torch.randn(B, T, generator=g) * mask
+    eager_fwd = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, 0.7)
+    eager_grad = logp_lse_cpu.logits_bwd_torch(x, tokens, *eager_fwd[1:3], coef, 0.7, x.clone())
+    monkeypatch.setattr(logp_lse_cpu, "CPU_FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(logp_lse_cpu, "_FUSED", {})
+    monkeypatch.setattr(torch, "compile", limited_compile)
+    with pytest.warns(RuntimeWarning, match="recompile limit"):
+        fwd = logp_lse_cpu.logp_lse_fwd_torch(x, tokens, mask, 0.7)
+    for got, want in zip(fwd, eager_fwd):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+    monkeypatch.setattr(logp_lse_cpu, "_FUSED", {})  # the backward's turn to hit the limit
+    x_in = x.clone()  # the gradient is written over it
+    with pytest.warns(RuntimeWarning, match="recompile limit"):
+        grad = logp_lse_cpu.logits_bwd_torch(x_in, tokens, *fwd[1:3], coef, 0.7, x_in)
+    torch.testing.assert_close(grad, eager_grad, rtol=2.0**-10, atol=0)
