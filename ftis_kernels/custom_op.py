@@ -341,14 +341,20 @@ def finish_forward(
                 length=dr_grpo_length(args, shape[1]),
                 cu_seqlens=args["cu_seqlens"],
             )
-        loss, scalars, record = finish_fwd(out, opt, shape, vocab, logits_name != "logits")
+        # A packed call's per-token tensors are (N,): its record says (N, 0), as the caller's.
+        dims = shape if args["cu_seqlens"] is None else (shape[0] * shape[1], 0)
+        loss, scalars, record = finish_fwd(out, opt, dims, vocab, logits_name != "logits")
         per_sample = (out.kl, out.filtered, out.truncated)
         coef, entropy_coef = out.coef, out.ecoef
     else:
         # ref_logprobs are read only by the beta penalty, and checked only then (as on Triton).
         read = rows if opt.beta > 0 else rows._replace(ref_logprobs=None)
         record = fault_record(
-            vocab, read, (logp, row_max, log_sum), from_hidden=logits_name != "logits"
+            vocab,
+            read,
+            (logp, row_max, log_sum),
+            from_hidden=logits_name != "logits",
+            packed=args["cu_seqlens"] is not None,
         )
         bool_rows = rows._replace(mask=completion_mask(rows.mask))
         packing = (args["cu_seqlens"], args["max_seqlen"])

@@ -182,9 +182,11 @@ def fault_record(
     rows: Rows,
     row_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     from_hidden: bool = False,
+    packed: bool = False,
 ) -> torch.Tensor:
     """The value-check record (`CHECKS`) of the inputs and the logits, in PyTorch, without a
-    synchronisation: what the Triton path's per-sample kernels write.
+    synchronisation: what the Triton path's per-sample kernels write (`packed`: the caller's
+    per-token tensors are (N,), held here as (1, N); the record says (N, 0)).
 
     Token ids are checked at every position (they index memory); gen/old/ref logprobs only at
     completion positions, where they are used (padding may hold anything there), and in float32,
@@ -214,11 +216,12 @@ def fault_record(
         )
     checks.append((code, code != 0, torch.full((), from_hidden, device=device)))
     B, T = tokens.shape
+    per_token = (B * T, 0) if packed else (B, T)
     record = []
     for x, bad, hint in checks:
         bad = bad.expand(x.shape)
         first = bad.flatten().to(torch.int8).argmax()
-        dims = (x.shape[0], 0) if x.dim() == 1 else (B, T)
+        dims = (x.shape[0], 0) if x.dim() == 1 else per_token
         record.append(
             torch.stack(
                 [
@@ -272,7 +275,7 @@ def raise_on_faults(record: torch.Tensor) -> None:
         count, first, value, hint, dim0, dim1, V = row
         if not count:
             continue
-        shape = (int(dim0),) if not dim1 and name == "advantages" else (int(dim0), int(dim1))
+        shape = (int(dim0),) if not dim1 else (int(dim0), int(dim1))  # (N, 0): a 1-D tensor
         name = logits_name if name == "logits" else name
         position = _position(int(first), shape)
         unit = "rows" if name == logits_name else "positions"

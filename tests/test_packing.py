@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from ftis_kernels import ftis_linear_loss, ftis_loss
 from ftis_kernels.kernels import logp_lse, logp_lse_cpu
-from tests.cases import options
+from ftis_kernels.validate import raise_on_bad_values
+from tests.cases import backend, implementations, options
 
 
 @pytest.fixture(autouse=True)
@@ -168,6 +169,38 @@ def test_packed_advantages_are_one_per_segment():
             torch.randn(2),
             cu_seqlens=torch.tensor([0, 2, 6]),
         )
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's NumPy, on inf and NaN
+@pytest.mark.parametrize("impl", implementations(torch.device("cpu")))
+@pytest.mark.parametrize("value_check", ["call", "backward", "deferred"])
+@pytest.mark.parametrize("linear", [False, True])
+def test_a_packed_calls_bad_value_is_located_in_the_packed_stream(impl, value_check, linear):
+    """The first failing position of a packed call is its index among the N tokens, (i,), as the
+    caller's (N,) tensors have it, not (0, i) of the op's inner (1, N) view; likewise the row of
+    a non-finite logit."""
+    N, V, H = 6, 5, 3
+    g = torch.Generator().manual_seed(0)
+    tokens, gen = torch.randint(0, V, (N,), generator=g), -torch.rand(N, generator=g)
+    gen[4] = float("nan")
+    cu_seqlens, advantages = torch.tensor([0, 2, 6]), torch.randn(2, generator=g)
+    hidden = torch.randn(N, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g)
+    want = r"^gen_logprobs: .* got 1 of 6 positions outside that, the first at \(4,\): nan"
+    with backend(impl), pytest.raises(ValueError, match=want):
+        kw = dict(cu_seqlens=cu_seqlens, value_check=value_check)
+        if linear:
+            loss, metrics = ftis_linear_loss(hidden, weight, tokens, gen, advantages, **kw)
+        else:
+            loss, metrics = ftis_loss(hidden @ weight.T, tokens, gen, advantages, **kw)
+        if value_check == "deferred":
+            raise_on_bad_values(metrics)
+        loss.backward()
+    logits = torch.randn(1, N, V, generator=g)
+    logits[0, 3, 1] = float("inf")
+    gen = -torch.rand(1, N, generator=g)
+    with backend(impl), pytest.raises(ValueError, match=r"^logits: .* the first at \(3,\)"):
+        ftis_loss(logits, tokens[None], gen, advantages, cu_seqlens=cu_seqlens, value_check="call")
 
 
 def test_strided_cu_seqlens_gives_what_contiguous_ones_give():

@@ -38,7 +38,7 @@ def _finish_kernel(
     from_hidden,  # 1.0 when the logits come from hidden states (the error names hidden)
     # sizes
     n_samples,
-    B,  # the per-token tensors' shape (packed: 1, N)
+    B,  # the per-token tensors' shape as the caller gave it (packed: N, 0)
     T,
     V,
     # meta-parameters
@@ -142,7 +142,8 @@ def finish_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch: (loss () fp32, scalars (N_SCALAR_METRICS + 2,) fp32 = the scalar metrics then
     the backward's two scales, the value-check record (N_CHECKS, RECORD_COLUMNS) fp64) from the
-    per-sample outputs; shape = the per-token tensors' (B, T) ((1, N) packed)."""
+    per-sample outputs; shape = the per-token tensors' (B, T) as the caller gave them ((N, 0)
+    packed)."""
     device = out.parts.device
     loss = torch.empty((), dtype=torch.float32, device=device)
     scalars = torch.empty(N_SCALAR_METRICS.value + 2, dtype=torch.float32, device=device)
