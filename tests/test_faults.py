@@ -1085,3 +1085,33 @@ def test_a_stop_signal_that_comes_with_its_torchruns_end_is_what_the_node_report
         parent.kill()
         for p in psutil.Process().children(recursive=True):
             p.kill()
+
+
+def test_a_stopped_local_swarm_exits_with_the_signal_not_a_peer_the_launcher_killed():
+    """Ctrl-C to `ftis-grpo --transport hivemind`'s launcher: the peers get the signal, one that
+    outlives the grace is killed by the launcher. The swarm's code is the signal's, not that
+    peer's 137, which would rank as a failure of its own."""
+    import threading
+
+    from ftis_kernels.grpo.launch import supervise_peers, swarm_exit
+
+    polite = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))"
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"{code}; print(1, flush=True); time.sleep(60)"],
+            stdout=subprocess.PIPE,
+        )
+        for code in (polite, stubborn)
+    ]
+    try:
+        for p in procs:
+            p.stdout.readline()  # its handler is set
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        codes, stopped_by = supervise_peers(procs, grace_s=1.0)
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == {0: 143, 1: 137} and stopped_by == signal.SIGTERM
+    reports = {k: (c, f"peer {k} exited with code {c}.") for k, c in codes.items()}
+    assert swarm_exit(128 + stopped_by, reports)[0] == 128 + signal.SIGTERM

@@ -447,3 +447,28 @@ def test_the_address_others_are_told_to_join_by_is_not_loopback_when_there_is_an
     lo, lan = "/ip4/127.0.0.1/tcp/31337/p2p/QmA", "/ip4/10.0.0.1/tcp/31337/p2p/QmA"
     assert join_address([lo, lan]) == lan
     assert join_address([lo]) == lo
+
+
+def test_a_peers_own_error_exits_with_code_6_and_its_traceback(tmp_path, torch_kernels, caplog):
+    """An error of the peer's own (not the swarm's, not a refusal): logged with its traceback,
+    exit code 6, as a torch node's, and the peer's folder unlocked."""
+    from ftis_kernels.grpo.peer import run_peer
+    from ftis_kernels.grpo.process import EXIT_ERROR
+
+    class Broken(MemoryTransport):
+        def publish(self, round_, payload):
+            raise RuntimeError("the device fell over")
+
+    def connect(out, fingerprints, max_payload_bytes):
+        return Broken(MemorySwarm(), "QmBroken", fingerprints)
+
+    caplog.set_level(logging.INFO, logger="ftis_kernels.grpo")
+    cfg = _peer_cfg(tmp_path, "QmBroken", rounds=1)
+    assert run_peer(cfg, connect) == EXIT_ERROR
+    (record,) = [r for r in caplog.records if "the device fell over" in r.getMessage()]
+    assert "peer QmBroken: RuntimeError: the device fell over; stopping" == record.getMessage()
+    assert record.exc_info is not None
+    from ftis_kernels.grpo.run_folder import OutLock
+
+    with OutLock(Path(cfg.out)):  # free again
+        pass

@@ -245,3 +245,5 @@ def test_a_model_with_fewer_embeddings_than_tokenizer_tokens_is_a_refusal(tmp_pa
         in (line)
     )
     assert "Continue from" not in log and "Traceback" not in log
+    # Node 1 says it too (under torchrun by hand, no launcher line would).
+    assert sum("tokenizer has" in x for x in log.splitlines()) == 2, log[-3000:]

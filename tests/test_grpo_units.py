@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftis_kernels.grpo.config import build_config
+from ftis_kernels.grpo.config import ConfigError, build_config
 from ftis_kernels.grpo.exchange import (
     BYTES_PER_TOKEN,
     HEADER_BYTES,
@@ -335,16 +335,18 @@ def test_sampled_logprobs_are_the_training_forward_logprobs(tiny_model):
     assert bool((batch["gen_logprobs"][m] < 0).all())
 
 
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 @pytest.mark.parametrize(
     ("loss_type", "reject_mode"),
     [("grpo", "advantage"), ("dr_grpo", "advantage"), ("dapo", "mask")],
 )
-def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, reject_mode):
+def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, reject_mode, entropy_coef):
     """dr_grpo too: its L (max_completion_length unset) is the batch's longest completion, not
-    each micro-batch's; and a token mean whose rejected samples leave the mask: it divides by the
-    batch's kept tokens, not each micro-batch's."""
+    each micro-batch's; a token mean whose rejected samples leave the mask: it divides by the
+    batch's kept tokens, not each micro-batch's; and the entropy bonus, a mean over the batch's
+    tokens whatever the loss type (micro-batches weighted by samples rescale it)."""
     opts = FTISOptions.for_variant("f-tis").replace(
-        loss_type=loss_type, reject_mode=reject_mode, kl_threshold=3.0
+        loss_type=loss_type, reject_mode=reject_mode, kl_threshold=3.0, entropy_coef=entropy_coef
     )
     pids = [make_prompt_id("train", i) for i in range(5)]
     g = torch.Generator().manual_seed(1)
@@ -385,6 +387,15 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(loss_type, reject_m
     assert grads[0].abs().max() > 0 and 0 < stats[0]["filtered_frac"] < 1
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
     assert stats[1]["loss"] == pytest.approx(stats[0]["loss"], rel=1e-5)
+
+
+def test_an_entropy_bonus_with_rejection_by_mask_needs_a_token_mean_loss_type():
+    """The bonus's mean over the batch's kept tokens cannot be split over micro-batches weighted by
+    samples: the driver refuses it there, and takes it with a token mean."""
+    sets = ("loss_options.reject_mode=mask", "loss_options.entropy_coef=0.01")
+    with pytest.raises(ConfigError, match=r"loss_options\.reject_mode: expected \"advantage\""):
+        build_config("smoke", None, {}, (*sets, "loss_options.loss_type=grpo"), 2).validate(2)
+    build_config("smoke", None, {}, (*sets, "loss_options.loss_type=dapo"), 2).validate(2)
 
 
 def test_left_pad_right_aligns_prompts():

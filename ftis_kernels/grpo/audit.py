@@ -9,7 +9,9 @@ sample whose advantage was 0 already; `changed` is a filtered sample with a non-
 the ones the filter acted on.
 
 `received.jsonl` (`sample_log: true`, written by node 0) has one line per received record and
-receiving node: round, receiver, sender, prompt_id, n_tokens, reward, advantage, kl (the loss's
+receiving node: round, receiver, sender, peer (the sender's transport id: its rank as text under
+torch, a peer id under hivemind; null for a drop no known peer signed), prompt_id, n_tokens,
+reward, advantage, kl (the loss's
 per-sample KL, in its `kl_reduction`), filtered, changed, truncated (the share of the sample's
 tokens whose IS weight the cap truncated) and dropped (null; for a record a defence dropped, the
 `Drop` kind, with `reason`, and null statistics) and staleness (the rounds between the sample's

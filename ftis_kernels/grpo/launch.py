@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import yaml
@@ -206,11 +207,13 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False, argv: Sequence[str] = 
             if not start_file.exists() and (ready or any(p.poll() is not None for p in procs)):
                 start_file.touch()
 
-        codes = supervise_peers(procs, tick=start_when_ready)
+        codes, stopped_by = supervise_peers(procs, tick=start_when_ready)
     reports = {
         k: (c, f"peer {k} ({cfg.node(k).name}) exited with code {c}.") for k, c in codes.items()
     }
-    code, reason = swarm_exit(1 if any(codes.values()) else 0, reports)
+    # Stopped by a signal to the launcher: that signal's code first, as `launch` gives it.
+    rc = 128 + stopped_by if stopped_by else int(any(codes.values()))
+    code, reason = swarm_exit(rc, reports)
     try:
         _, table = merge([peer_folder(out, k) for k in range(n)], out)
         print(
@@ -228,11 +231,11 @@ def launch_peers(cfg: RunConfig, overwrite: bool = False, argv: Sequence[str] = 
 
 def supervise_peers(
     procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S, tick=lambda: None
-) -> dict[int, int]:
+) -> tuple[dict[int, int], Optional[int]]:
     """Wait for every peer; SIGINT, SIGTERM or SIGHUP to this process is forwarded to each (a
     second one kills them), and what is alive `grace_s` seconds after the first is killed.
-    `tick()` runs every poll. Returns {peer: exit code}, a peer stopped by a signal as 128 + its
-    number."""
+    `tick()` runs every poll. Returns ({peer: exit code}, a peer stopped by a signal as 128 + its
+    number; the first signal forwarded, None when none was)."""
     received: list[int] = []
 
     def forward(signum: int, _frame) -> None:
@@ -256,9 +259,10 @@ def supervise_peers(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return {
+    codes = {
         k: (128 - p.returncode if p.returncode < 0 else p.returncode) for k, p in enumerate(procs)
     }
+    return codes, (received[0] if received else None)
 
 
 def swarm_exit(rc: int, reports: dict[int, tuple[int, str]]) -> tuple[int, str]:

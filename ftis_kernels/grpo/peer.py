@@ -37,6 +37,7 @@ from ftis_kernels.grpo.exchange import WIRE_VERSION, SwarmError, record_bytes
 from ftis_kernels.grpo.node import Diverged, Node
 from ftis_kernels.grpo.process import (
     EXIT_DIVERGED,
+    EXIT_ERROR,
     EXIT_REFUSED,
     EXIT_SWARM,
     EXIT_WRITE,
@@ -297,6 +298,11 @@ def run_peer(cfg: RunConfig, connect: Connect, overwrite: bool = False) -> int:
             "peer %s: %s; stopping (the last complete checkpoint is kept)", transport.peer_id, why
         )
         return EXIT_WRITE
+    except Exception as exc:  # anything else (out of memory, say): its traceback, then code 6
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        why = f"{type(exc).__name__}{': ' + first if first else ''}"
+        log.exception("peer %s: %s; stopping", transport.peer_id, why)
+        return EXIT_ERROR
     finally:
         transport.close()
         _HELD.clear()

@@ -21,6 +21,7 @@ from ftis_kernels.grpo.model_folder import model_folder_problem
 from ftis_kernels.grpo.task import OPERATIONS, Difficulty, load_jsonl
 from ftis_kernels.options import OPTION_NAMES, FTISOptions, option_choices, option_help
 from ftis_kernels.options import PRESETS as LOSS_PRESETS
+from ftis_kernels.options import loss_type as loss_type_of
 
 COLLABS = ("vertical", "horizontal")
 # What moves the exchange's bytes (`transport.Transport`): torchrun's lockstep world on this host,
@@ -389,6 +390,21 @@ class RunConfig:
             raise ConfigError(
                 ("loss_options.beta", "0 (the driver has no reference model)", options.beta)
             )
+        for rank in range(len(self.nodes)):
+            opt = self.ftis_options(rank)
+            rejects = opt.reject_mode == "mask" and opt.filter is not None
+            by_tokens = loss_type_of(opt.loss_type).batch_normalised
+            if rejects and opt.entropy_coef > 0 and not by_tokens:
+                raise ConfigError(
+                    (
+                        "loss_options.reject_mode",
+                        f'"advantage" with an entropy bonus and loss_type {opt.loss_type!r} (the '
+                        "bonus is a mean over the kept tokens of the whole batch, known only "
+                        "after every micro-batch's forward; a token-mean loss type (bnpo, dapo, "
+                        "cispo, vespo) takes it)",
+                        opt.reject_mode,
+                    )
+                )
 
     def input_problems(self) -> list[tuple[str, str, Any]]:
         """What is wrong with the files the run reads, before any node starts: every line of

@@ -6,7 +6,10 @@ micro-batch's loss is weighted by its share of the batch's normaliser, so the ac
 equals the full batch's: samples for "grpo"/"dr_grpo", completion tokens for "bnpo"/"dapo"
 (with `reject_mode="mask"` the tokens the filter kept, counted after each forward: the gradient
 is divided by the batch's at the end), dr_grpo's L (`max_completion_length` when unset) the
-batch's longest completion.
+batch's longest completion. The entropy bonus is a mean over the batch's completion tokens
+whatever the loss type: where micro-batches are weighted by samples, each one's `entropy_coef` is
+rescaled by its share of tokens over its share of samples (`RunConfig.validate` refuses the bonus
+with `reject_mode="mask"` there, whose token count is known only after every forward).
 
 A step whose loss or gradient is not finite is skipped whole (no parameter or optimizer state
 changes): one peer sample that the trainer finds far likelier than its generator claims overflows
@@ -245,6 +248,10 @@ def grpo_update(
             packing = dict(cu_seqlens=batch["cu_seqlens"])
         chunk_tokens = sum(s.n_tokens for s in chunk)
         share = chunk_tokens / max(n_tokens, 1) if by_tokens else len(chunk) / n_samples
+        chunk_options = options
+        if options.entropy_coef > 0 and not by_tokens:  # the bonus: a mean over the batch's tokens
+            token_share = chunk_tokens / max(n_tokens, 1)
+            chunk_options = options.replace(entropy_coef=options.entropy_coef * token_share / share)
         loss, metrics = ftis_loss(
             logits,
             batch["tokens"],
@@ -252,7 +259,7 @@ def grpo_update(
             batch["advantages"],
             mask,
             **packing,
-            options=options,
+            options=chunk_options,
             # The backward below: a gradient written in the forward is final (an empty chunk's
             # share is 0, which scales nothing: not announced; nor is a share by kept tokens).
             grad_scale=None if by_kept else share or None,

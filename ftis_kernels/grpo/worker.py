@@ -140,10 +140,10 @@ def run_worker(cfg: RunConfig, overwrite: bool = False) -> int:
         report_exit(rank, EXIT_DIVERGED, str(exc))
         dist.destroy_process_group()
         return EXIT_DIVERGED
-    except SystemExit as exc:  # a refusal to start: the same line on every node, said once
-        if not isinstance(exc.code, str):
+    except SystemExit as exc:  # a refusal to start: the same line on every node, said once,
+        if not isinstance(exc.code, str):  # or this node's own (torchrun by hand shows no other)
             raise
-        if rank == 0:
+        if rank == 0 or exc.code.startswith(f"node {rank}:"):
             log.error("%s", exc.code)
         leave(EXIT_REFUSED, rank, exc.code)
     except OSError as exc:  # a full disk, a folder gone: the path and the cause, in one line
