@@ -196,22 +196,24 @@ def test_a_node_that_fails_is_named_as_the_cause_not_its_peers_lost_contact(tmp_
         assert "node1 ERROR" in log and 'raise RuntimeError("out of memory' in log
 
 
+def _smoke_with_node1_model(tmp_path, model, tok) -> tuple[int, str]:
+    """The smoke preset with node 1's model folder holding `model` and `tok`: (exit code, log)."""
+    model.save_pretrained(tmp_path / "node1_model")
+    tok.save_pretrained(tmp_path / "node1_model")
+    rc, log, _ = ftis_grpo(
+        *("--preset", "smoke", "--out", str(tmp_path / "run")),
+        *("--set", f"nodes.1.model={tmp_path / 'node1_model'}"),
+        timeout=120,
+    )
+    return rc, log
+
+
 def test_nodes_with_different_vocabularies_refuse_to_start(tmp_path):
     from ftis_kernels.grpo.models import build_model
     from ftis_kernels.grpo.tokenizer import build_tokenizer
 
     tok = build_tokenizer(["alien", "words"])
-    build_model("tiny", tok, seed=0).save_pretrained(tmp_path / "alien")
-    tok.save_pretrained(tmp_path / "alien")
-    rc, log, _ = ftis_grpo(
-        "--preset",
-        "smoke",
-        "--out",
-        str(tmp_path / "run"),
-        "--set",
-        f"nodes.1.model={tmp_path / 'alien'}",
-        timeout=120,
-    )
+    rc, log = _smoke_with_node1_model(tmp_path, build_model("tiny", tok, seed=0), tok)
     assert rc == 1, log[-3000:]
     said = [x for x in log.splitlines() if "vocabulary mismatch" in x]
     assert len(said) == 2 and all(x.count("vocabulary mismatch") == 1 for x in said), said
@@ -226,17 +228,7 @@ def test_a_model_with_fewer_embeddings_than_tokenizer_tokens_is_a_refusal(tmp_pa
     tok = build_tokenizer(["alien", "words"])
     model = build_model("tiny", tok, seed=0)
     tok.add_tokens(["<added>"])  # the embedding not resized
-    model.save_pretrained(tmp_path / "short")
-    tok.save_pretrained(tmp_path / "short")
-    rc, log, _ = ftis_grpo(
-        "--preset",
-        "smoke",
-        "--out",
-        str(tmp_path / "run"),
-        "--set",
-        f"nodes.1.model={tmp_path / 'short'}",
-        timeout=120,
-    )
+    rc, log = _smoke_with_node1_model(tmp_path, model, tok)
     assert rc == 1, log[-3000:]
     (line,) = [x for x in log.splitlines() if "the swarm stopped" in x]
     n = len(tok)

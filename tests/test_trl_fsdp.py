@@ -120,10 +120,7 @@ def _worker(mode: str, model_dir: str, out: str) -> None:
     assert hasattr(head, "placements") == mode.startswith("fsdp2")  # a DTensor
     assert (head.numel() == 0) == (mode == "zero3")  # a ZeRO-3 partition lives in head.ds_tensor
     inputs = _local_batch(trainer, world)
-    T = inputs["completion_ids"].shape[1]
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, T)
+    logps = _completion_logps(trainer, model, inputs)
     loss = trainer.compute_loss(model, inputs)
     if mode.startswith("zero"):
         accelerator.backward(loss)  # DeepSpeed's backward and optimizer step
@@ -149,6 +146,14 @@ def _worker(mode: str, model_dir: str, out: str) -> None:
     _leave()
 
 
+def _completion_logps(trainer, model, inputs) -> torch.Tensor:
+    """TRL's per-token log-probabilities of the batch's completions under `model`."""
+    T = inputs["completion_ids"].shape[1]
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    return trainer._get_per_token_logps_and_entropies(model, ids, attention, T)[0]
+
+
 def _fsdp1_worker(model_dir: str, out: str) -> None:
     """FSDP1 (`FullyShardedDataParallel`, its parameters flattened) with ftis_op="ftis_loss", the
     configuration docs/integrations.md gives for it: the pi_old pass and the loss."""
@@ -160,10 +165,7 @@ def _fsdp1_worker(model_dir: str, out: str) -> None:
         trainer.model, device_id=torch.device("cpu"), use_orig_params=True
     )
     inputs = _local_batch(trainer, world)
-    T = inputs["completion_ids"].shape[1]
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, attention, T)
+    logps = _completion_logps(trainer, model, inputs)
     loss = trainer.compute_loss(model, inputs)
     loss.backward()
     accelerator = trainer.accelerator
@@ -176,7 +178,7 @@ def _fsdp1_worker(model_dir: str, out: str) -> None:
     }
     trainer.args.ftis_op = "ftis_linear_loss"  # the fused pass: refused on every process
     try:
-        trainer._get_per_token_logps_and_entropies(model, ids, attention, T)
+        _completion_logps(trainer, model, inputs)
     except ValueError as exc:
         result["refused"] = str(exc)
     if accelerator.is_main_process:
