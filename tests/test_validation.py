@@ -575,3 +575,18 @@ def test_raise_on_bad_values_refuses_what_is_not_a_deferred_calls_metrics(metric
         ValueError, match=r'^metrics: expected the metrics of a call with value_check="deferred"'
     ):
         raise_on_bad_values(metrics)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 0)])
+def test_an_empty_batch_is_refused_naming_the_input(shape):
+    """docs/method.md, "Errors": B, T and V (H) at least 1, on both ops, before any kernel."""
+    B, T = shape
+    rows = (torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T), torch.zeros(B))
+    with pytest.raises(
+        ValueError, match=r"^logits: expected a \(B, T, V\) tensor with B, T, V >= 1"
+    ):
+        ftis_loss(torch.randn(B, T, 5), *rows)
+    with pytest.raises(
+        ValueError, match=r"^hidden: expected a \(B, T, H\) tensor with B, T, H >= 1"
+    ):
+        ftis_linear_loss(torch.randn(B, T, 3), torch.randn(5, 3), *rows)
