@@ -5,7 +5,12 @@ Triton compiles for a named target on any machine and ships ptxas and cuobjdump,
 the kernels as they launch on an H200 in the benchmark (contiguous logits, sizes divisible by 16,
 unit vocabulary stride; `bench/sm90.py` gives them Triton's launch-time specialisations) can be
 read without device time: registers, shared memory, and per loop iteration the instructions per
-logit, the exp units (MUFU), barriers and the width of the loads and stores. At the copy roofline
+logit, the exp units (MUFU), barriers and the width of the loads and stores.
+
+`python -m bench.hopper_asm --kernels [--json PATH] [--compare PATH]` compiles every launch of a
+fixed set of switch configurations (`bench/switch_configs.py`) and prints each binary's
+instructions, registers and spills; `--compare` a file written by `--json` before a change (with
+this or another Triton: run it with that Python) says which binaries differ. At the copy roofline
 an H200 moves 4.21 TB/s / 132 SMs / 1.98 GHz = 16.1 B per SM per clock, i.e. 8.1 bf16 logits per
 clock in the forward (read only): an SM issues at most 128 thread-instructions per clock, so a
 forward loop above ~16 instructions per logit is bound by instruction issue, not memory, in bf16.
@@ -224,6 +229,96 @@ def loop_stats(kernel: str, dtype: str, V: int, width: Optional[int] = None) -> 
     )
 
 
+def binary_counts(compiled) -> dict:
+    """A compiled kernel's size: instructions in its SASS, registers a thread, local-memory loads
+    and stores (spills), and its stack bytes."""
+    lines, usage = _sass(compiled)
+    reg, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return dict(
+        instructions=len(lines),
+        registers=int(reg.group(1)) if reg else -1,
+        spills=sum(bool(re.search(r"\b(LDL|STL)\b", ln)) for ln in lines),
+        stack=int(stack.group(1)) if stack else -1,
+    )
+
+
+def switch_config_counts(record_with: Optional[str] = None) -> list[dict]:
+    """`binary_counts` of every launch `bench.switch_configs` records, keyed by its configuration,
+    its kernel and its rank among that kernel's launches in the configuration. The recording runs
+    under the interpreter in a subprocess of `record_with` (a Python; this one by default: another
+    Triton's interpreter may not run every kernel), the compiles here, with this Triton."""
+    import json
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "launches.json")
+        python = record_with or sys.executable
+        subprocess.run([python, "-m", "bench.switch_configs", path], env=env, check=True)
+        with open(path) as f:
+            launches = json.load(f)
+    rows, rank, cache = [], {}, {}
+    for launch in launches:
+        key = (launch["config"], launch["kernel"])
+        rank[key] = rank.get(key, -1) + 1
+        fn = sm90._kernel(launch["kernel"])
+        args = tuple(sm90._value(a) for a in launch["args"])
+        kwargs = {k: sm90._value(v) for k, v in launch["kwargs"].items()}
+        options, signature, constexprs, attrs = sm90.specialise(fn, args, kwargs)
+        spec = repr((launch["kernel"], options, sorted(signature.items()), constexprs, attrs))
+        if spec not in cache:
+            src = sm90.ASTSource(fn, signature, constexprs, attrs)
+            compiled = triton.compile(src, target=sm90.TARGET, options=options.__dict__)
+            cache[spec] = binary_counts(compiled)
+        kernel = launch["kernel"].split(":")[1]
+        rows.append(dict(config=key[0], kernel=kernel, rank=rank[key], **cache[spec]))
+    return rows
+
+
+def _kernels_main(json_path: Optional[str], compare: Optional[str], record_with) -> int:
+    import json
+
+    rows = switch_config_counts(record_with)
+    before = {}
+    if compare:
+        with open(compare) as f:
+            before = {(r["config"], r["kernel"], r["rank"]): r for r in json.load(f)["rows"]}
+    print(f"sm_90, Triton {triton.__version__}: the launches of bench/switch_configs.py")
+    print(
+        "| config | kernel | # | instructions | registers | spills | stack B |"
+        + (" before |" if compare else "")
+    )
+    print("|---" * (7 + bool(compare)) + "|")
+    differ = 0
+    for r in rows:
+        line = (
+            f"| {r['config']} | {r['kernel']} | {r['rank']} | {r['instructions']} "
+            f"| {r['registers']} | {r['spills']} | {r['stack']} |"
+        )
+        if compare:
+            old = before.get((r["config"], r["kernel"], r["rank"]))
+            fields = ("instructions", "registers", "spills", "stack")
+            if old is None:
+                line += " absent |"
+                differ += 1
+            elif all(old[k] == r[k] for k in fields):
+                line += " same |"
+            else:
+                line += " " + "/".join(str(old[k]) for k in fields) + " |"
+                differ += 1
+        print(line)
+    if compare:
+        missing = set(before) - {(r["config"], r["kernel"], r["rank"]) for r in rows}
+        print(
+            f"{len(rows) - differ} of {len(rows)} binaries with the same instructions, registers,"
+            f" spills and stack as {compare}; {differ} differ; {len(missing)} no longer launched"
+        )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"triton": triton.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> None:
     from ftis_kernels.kernels.logp_lse import MAX_BLOCK_V
 
@@ -238,7 +333,23 @@ def main(argv=None) -> None:
         help="rows this many logits wide, of which the first V are read (a sliced vocabulary)",
     )
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="instead: instructions, registers and spills of every binary the switch "
+        "configurations of bench/switch_configs.py launch",
+    )
+    ap.add_argument("--json", help="with --kernels: write the counts here")
+    ap.add_argument("--compare", help="with --kernels: a file --json wrote, to compare with")
+    ap.add_argument(
+        "--record-with",
+        help="with --kernels: the Python whose Triton interpreter records the launches (default: "
+        "this one); e.g. this machine's, when compiling with another Triton",
+    )
     args = ap.parse_args(argv)
+    if args.kernels:
+        _kernels_main(args.json, args.compare, args.record_with)
+        return
     rows = f" of rows {args.width} wide" if args.width else ""
     print(
         f"V={args.V}{rows}; each kernel's BLOCK_V and warps as it launches "
