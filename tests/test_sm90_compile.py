@@ -76,7 +76,12 @@ def _rows(B, T, V, g, with_mask=True, causal=False):
 
 
 def _run_ftis_loss(g):
-    options = ({}, {"entropy_coef": 0.05, "beta": 0.04}, {"inplace_backward": "force"})
+    options = (
+        {},
+        {"entropy_coef": 0.05, "beta": 0.04},
+        {"inplace_backward": "force"},
+        {"loss_type": "dapo"},  # the gradient-in-forward kernel's batch-wide token count
+    )
     for B, T, V, layout in LOGITS_SHAPES:
         for dtype in DTYPES:
             for k, opts in enumerate(options):

@@ -39,9 +39,9 @@ from ftis_kernels.kernels.loss_terms import token_coef
 from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1, launch
 
 # Tokens one program of `_mask_counts_kernel` sums per step; samples the row kernel sums per
-# step for a batch-wide token count.
+# step for a batch-wide token count (a constexpr: the kernel reads it as a global).
 BLOCK_T = 1024
-BLOCK_S = 1024
+BLOCK_S = tl.constexpr(1024)
 # A full-block `_logp_grad_fwd_kernel` program (`grad_meta`): its warps, and its largest block
 # (the tests lower it to cover the vocabulary loop with small vocabularies).
 GRAD_WARPS = 32
