@@ -183,8 +183,10 @@ def _h200_launch(kernel: str, dtype: str, V: int, width: Optional[int] = None) -
         rows.update(stride_adv=1, n_samples=16, length=T)
         scalars = dict(is_cap=2.0, is_cap_min=0.0, lo=0.8, hi=1.2, clip_high=0.2, delta=1e30)
         scalars.update(tau_pos=1.0, tau_neg=1.05, beta=0.0, grad_scale=1.0)
-        codes = dict(IS_MODE=2, IS_FROM_OLD=False, SURROGATE=0, REDUCTION=0, ZERO_NEGATIVE=False)
-        codes.update(BIAS_KL=False)
+        from ftis_kernels.kernels.switches import token_switches
+        from ftis_kernels.options import FTISOptions
+
+        codes = dict(token_switches(FTISOptions(), has_old=False), BIAS_KL=False)
         meta = G.grad_meta(V, getattr(torch, dtype).itemsize)
         args = {**common, **outputs, **mask, **rows, **scalars, **codes, **meta}
         return G._logp_grad_fwd_kernel, args
@@ -242,11 +244,14 @@ def binary_counts(compiled) -> dict:
     )
 
 
-def switch_config_counts(record_with: Optional[str] = None) -> list[dict]:
+def switch_config_counts(
+    record_with: Optional[str] = None, configs: Optional[str] = None
+) -> list[dict]:
     """`binary_counts` of every launch `bench.switch_configs` records, keyed by its configuration,
     its kernel and its rank among that kernel's launches in the configuration. The recording runs
     under the interpreter in a subprocess of `record_with` (a Python; this one by default: another
-    Triton's interpreter may not run every kernel), the compiles here, with this Triton."""
+    Triton's interpreter may not run every kernel), the compiles here, with this Triton; configs:
+    a comma-separated list of their labels (default: all)."""
     import json
     import sys
 
@@ -254,7 +259,8 @@ def switch_config_counts(record_with: Optional[str] = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "launches.json")
         python = record_with or sys.executable
-        subprocess.run([python, "-m", "bench.switch_configs", path], env=env, check=True)
+        command = [python, "-m", "bench.switch_configs", path, *([configs] if configs else [])]
+        subprocess.run(command, env=env, check=True)
         with open(path) as f:
             launches = json.load(f)
     rows, rank, cache = [], {}, {}
@@ -275,10 +281,10 @@ def switch_config_counts(record_with: Optional[str] = None) -> list[dict]:
     return rows
 
 
-def _kernels_main(json_path: Optional[str], compare: Optional[str], record_with) -> int:
+def _kernels_main(json_path, compare, record_with, configs) -> int:
     import json
 
-    rows = switch_config_counts(record_with)
+    rows = switch_config_counts(record_with, configs)
     before = {}
     if compare:
         with open(compare) as f:
@@ -346,9 +352,10 @@ def main(argv=None) -> None:
         help="with --kernels: the Python whose Triton interpreter records the launches (default: "
         "this one); e.g. this machine's, when compiling with another Triton",
     )
+    ap.add_argument("--configs", help="with --kernels: only these labels (comma-separated)")
     args = ap.parse_args(argv)
     if args.kernels:
-        _kernels_main(args.json, args.compare, args.record_with)
+        _kernels_main(args.json, args.compare, args.record_with, args.configs)
         return
     rows = f" of rows {args.width} wide" if args.width else ""
     print(

@@ -57,7 +57,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from bench.impls import prepare, unavailable  # noqa: E402
 from bench.launch_counts import counting, cuda_kernels, cuda_profile, host_syncs  # noqa: E402
 from bench.workload import Case, make_inputs  # noqa: E402
-from ftis_kernels.kernels.per_sample import N_CHECKS, RECORD_COLUMNS  # noqa: E402
+from ftis_kernels.kernels.value_checks import N_CHECKS, RECORD_COLUMNS  # noqa: E402
 
 HOST_IMPLS = (
     "ftis_loss",
@@ -103,7 +103,7 @@ class Launches:
         def run(kernel, *args, grid, warmup, **kwargs):
             self.launches += 1
             self.arguments += len(args) + len(kwargs)
-            for a in args:
+            for a in (*args, *kwargs.values()):
                 if (
                     isinstance(a, torch.Tensor)
                     and a.dtype == torch.float64

@@ -131,14 +131,22 @@ def record(configs=CONFIGS) -> list[dict]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: TRITON_INTERPRET=1 python -m bench.switch_configs OUT.json", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print(
+            "usage: TRITON_INTERPRET=1 python -m bench.switch_configs OUT.json [LABEL,...]",
+            file=sys.stderr,
+        )
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         print("run with TRITON_INTERPRET=1: the launches are recorded by the interpreter")
         return 2
+    labels = argv[1].split(",") if len(argv) == 2 else [name for name, _, _ in CONFIGS]
+    unknown = set(labels) - {name for name, _, _ in CONFIGS}
+    if unknown:
+        print(f"unknown configurations: {sorted(unknown)}", file=sys.stderr)
+        return 2
     with open(argv[0], "w") as f:
-        json.dump(record(), f)
+        json.dump(record(tuple(c for c in CONFIGS if c[0] in labels)), f)
     return 0
 
 

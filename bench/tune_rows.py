@@ -211,7 +211,6 @@ def _tune_grad(logits, tokens, device, fit_v: bool, record) -> None:
     """The gradient-in-forward kernel over GRAD_CONFIGS, the default F-TIS work (TIS, the grpo
     reduction, no mask, half the advantages positive): its bytes from memory are one read and
     one write, so `of_copy` near 1 means the second read came from L2."""
-    from ftis_kernels.ftis_loss import _row_codes
     from ftis_kernels.kernels import logp_grad
     from ftis_kernels.options import FTISOptions
     from ftis_kernels.validate import Rows
@@ -222,7 +221,6 @@ def _tune_grad(logits, tokens, device, fit_v: bool, record) -> None:
     adv = torch.randn(B, device=device, generator=g)
     rows = Rows(tokens, gen, adv, None, None, None)
     opt = FTISOptions()
-    codes = _row_codes(opt, False)
     es = logits.element_size()
     base = None
     for cfg in GRAD_CONFIGS:
@@ -231,7 +229,7 @@ def _tune_grad(logits, tokens, device, fit_v: bool, record) -> None:
         meta = None if cfg is None else _fwd_meta(cfg)
         out = torch.full_like(logits, float("nan"))
         try:
-            stats = logp_grad.logp_grad_fwd(logits, out, rows, opt, codes, T, meta=meta)
+            stats = logp_grad.logp_grad_fwd(logits, out, rows, opt, T, meta=meta)
         except Exception as e:
             print(f"grad_fwd {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
@@ -244,7 +242,7 @@ def _tune_grad(logits, tokens, device, fit_v: bool, record) -> None:
         err = max(float((o32 - base[0]).abs().max()) / scale, _rel_diff(stats[0], base[1]))
         del o32
         ms = _time_ms(
-            lambda m=meta, o=out: logp_grad.logp_grad_fwd(logits, o, rows, opt, codes, T, meta=m),
+            lambda m=meta, o=out: logp_grad.logp_grad_fwd(logits, o, rows, opt, T, meta=m),
             device,
         )
         d = logp_grad.grad_meta(V, es)

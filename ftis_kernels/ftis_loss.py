@@ -32,7 +32,6 @@ from ftis_kernels import custom_op
 from ftis_kernels.grad_buffer import grad_buffer
 from ftis_kernels.kernels import BACKWARD, FORWARD, select_backend
 from ftis_kernels.kernels.logp_grad import grad_finish, logp_grad_fwd
-from ftis_kernels.kernels.per_sample import IS_MODE_CODE, REDUCTION_CODE, SURROGATE_CODE
 from ftis_kernels.options import (
     FTISOptions,
     OptionKeywords,
@@ -199,8 +198,8 @@ def grad_in_forward_reason(opt: FTISOptions) -> Optional[str]:
     if opt.ratio_level != "token":
         return f"ratio_level={opt.ratio_level!r} (a sequence-level ratio needs the whole sample)"
     kind = loss_type(opt.loss_type)
-    if kind.surrogate == "vespo":
-        return "loss_type='vespo' (its sequence weight needs the whole sample)"
+    if kind.sequence_weighted:
+        return f"loss_type={opt.loss_type!r} (its sequence weight needs the whole sample)"
     if opt.entropy_coef > 0:
         return "entropy_coef > 0 (the entropy bonus's gradient)"
     if opt.beta > 0 and opt.filter is not None:
@@ -211,18 +210,6 @@ def grad_in_forward_reason(opt: FTISOptions) -> Optional[str]:
             "the batch-wide token count)"
         )
     return None
-
-
-def _row_codes(opt: FTISOptions, has_old: bool) -> dict:
-    """The gradient-in-forward row kernel's compile-time switches (the per-sample codes)."""
-    kind = loss_type(opt.loss_type)
-    return dict(
-        IS_MODE=IS_MODE_CODE[opt.is_mode],
-        IS_FROM_OLD=opt.is_source == "old" and has_old,
-        SURROGATE=SURROGATE_CODE[kind.surrogate],
-        REDUCTION=REDUCTION_CODE[kind.reduction],
-        ZERO_NEGATIVE=opt.filter in ("negative", "negative_or_offpolicy"),
-    )
 
 
 class _FTISLossGradInForward(torch.autograd.Function):
@@ -238,8 +225,7 @@ class _FTISLossGradInForward(torch.autograd.Function):
         inplace = args["inplace_backward"]
         dlogits = logits if inplace else grad_buffer(logits)
         length = custom_op.dr_grpo_length(args, logits.shape[1])
-        codes = _row_codes(opt, rows.old_logprobs is not None)
-        *stats, coef = logp_grad_fwd(logits, dlogits, rows, opt, codes, length, grad_scale)
+        *stats, coef = logp_grad_fwd(logits, dlogits, rows, opt, length, grad_scale)
         outputs = custom_op.finish_forward(args, logits.shape[-1], tuple(stats))
         named = dict(zip(custom_op.OUTPUT_NAMES, outputs))
         ctx.dlogits, ctx.coef = dlogits, coef

@@ -36,6 +36,11 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_REDUCTIONS = ("sum", "mean", "max")
 REJECT_MODES = ("advantage", "mask")
 RATIO_LEVELS = ("token", "sequence")
+# The loss types' surrogates and reductions (`LossType`), named once: the PyTorch path's tables and
+# the kernels' compile-time codes (`kernels/switches.py`) are keyed by these names.
+CLIPPED, CISPO, SAPO, VESPO = "clipped", "cispo", "sapo", "vespo"
+SURROGATES = (CLIPPED, CISPO, SAPO, VESPO)
+REDUCTIONS = ("sample_mean", "batch_mean", "constant", "sample_sum")
 
 
 def _fail(name: str, expected: str, got: Any) -> NoReturn:
@@ -72,28 +77,36 @@ class LossType:
     @property
     def clipped(self) -> bool:
         """Whether the surrogate is PPO's clipped min (TRL: the loss types `delta` applies to)."""
-        return self.surrogate == "clipped"
+        return self.surrogate == CLIPPED
+
+    @property
+    def sequence_weighted(self) -> bool:
+        """Whether the surrogate weighs every token by a weight of the whole sample (VESPO's phi,
+        which takes the place of the token's IS weight)."""
+        return self.surrogate == VESPO
 
 
 # fmt: off
 _LOSS_TYPE_LIST = (
     #        name       surrogate  reduction      help (docs, --help)
-    LossType("grpo",    "clipped", "sample_mean", "per-sample token mean, then mean",
+    LossType("grpo",    CLIPPED,   "sample_mean", "per-sample token mean, then mean",
              verl=("seq-mean-token-mean",)),
-    LossType("bnpo",    "clipped", "batch_mean",  "token mean"),
-    LossType("dapo",    "clipped", "batch_mean",  "token mean",
+    LossType("bnpo",    CLIPPED,   "batch_mean",  "token mean"),
+    LossType("dapo",    CLIPPED,   "batch_mean",  "token mean",
              trl_global_tokens=True, verl=("token-mean",)),
-    LossType("dr_grpo", "clipped", "constant",    "sum / (B * max_completion_length)",
+    LossType("dr_grpo", CLIPPED,   "constant",    "sum / (B * max_completion_length)",
              verl=("seq-mean-token-sum-norm",)),
-    LossType("cispo",   "cispo",   "batch_mean",  "-sg(min(R, epsilon_high)) A logp, token mean",
+    LossType("cispo",   CISPO,     "batch_mean",  "-sg(min(R, epsilon_high)) A logp, token mean",
              trl_global_tokens=True),
-    LossType("sapo",    "sapo",    "sample_mean", "soft sigmoid gate, grpo's reduction"),
-    LossType("luspo",   "clipped", "sample_sum",  "per-sample token sum, mean over B",
+    LossType("sapo",    SAPO,      "sample_mean", "soft sigmoid gate, grpo's reduction"),
+    LossType("luspo",   CLIPPED,   "sample_sum",  "per-sample token sum, mean over B",
              verl=("seq-mean-token-sum", "token-sum")),
-    LossType("vespo",   "vespo",   "batch_mean",  "gamma-weighted -phi(w) A logp, token mean",
+    LossType("vespo",   VESPO,     "batch_mean",  "gamma-weighted -phi(w) A logp, token mean",
              is_levels=("token",), trl_global_tokens=True),
 )
 # fmt: on
+assert {t.surrogate for t in _LOSS_TYPE_LIST} == set(SURROGATES)
+assert {t.reduction for t in _LOSS_TYPE_LIST} == set(REDUCTIONS)
 # The loss types by name: the one table the op, the reference, the driver, TRL and verl read.
 LOSS_TYPE_TABLE: dict[str, LossType] = {t.name: t for t in _LOSS_TYPE_LIST}
 LOSS_TYPES = tuple(LOSS_TYPE_TABLE)

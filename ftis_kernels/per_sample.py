@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ftis_kernels.options import FTISOptions, LossType, loss_type
+from ftis_kernels.options import CISPO, CLIPPED, SAPO, VESPO, FTISOptions, LossType, loss_type
 from ftis_kernels.validate import dispatch
 
 METRIC_NAMES = (
@@ -284,7 +284,7 @@ def _token_loss(
     # VESPO folds the IS weight into its sequence weight; the others multiply it. A zero advantage
     # (a rejected sample) contributes nothing, even where w is inf (VIS).
     has_adv = adv_hat != 0
-    w = torch.ones_like(weight) if kind.surrogate == "vespo" else weight
+    w = torch.ones_like(weight) if kind.sequence_weighted else weight
     loss_tok = torch.where(has_adv, w, c.zero) * torch.where(has_adv, surrogate_loss, c.zero)
     if opt.beta > 0:
         ref_minus = c.masked(ref_logprobs) - logp
@@ -388,4 +388,4 @@ def _vespo(*, logp, adv, opt, m, old, weight, **_):
 # ratio R, adv (A, 0 for a rejected sample), old, weight (w), all (B, T) fp32, m (m', (B, T) bool),
 # lo, hi (PPO's clip range) and opt, and returns the per-token surrogate loss (B, T) fp32 and the
 # tokens whose ratio was clipped (B, T) bool.
-SURROGATES = {"clipped": _surrogate, "cispo": _cispo, "sapo": _sapo, "vespo": _vespo}
+SURROGATES = {CLIPPED: _surrogate, CISPO: _cispo, SAPO: _sapo, VESPO: _vespo}

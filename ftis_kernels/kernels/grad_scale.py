@@ -139,6 +139,18 @@ def scale_(tensors: tuple[Optional[torch.Tensor], ...], factor: torch.Tensor) ->
     per_tensor = _sm_count(device) * PROGRAMS_PER_SM if cuda else INTERPRETED_PROGRAMS
     grid = (min(blocks, per_tensor), 3)
     sizes = [0 if x is None else x.numel() for x in xs]
-    launch(_scale_kernel, grid, *xs, factor, *sizes, BLOCK=BLOCK, num_warps=WARPS)
+    launch(
+        _scale_kernel,
+        grid,
+        x0_ptr=xs[0],
+        x1_ptr=xs[1],
+        x2_ptr=xs[2],
+        factor_ptr=factor,
+        n0=sizes[0],
+        n1=sizes[1],
+        n2=sizes[2],
+        BLOCK=BLOCK,
+        num_warps=WARPS,
+    )
     for x in present:  # one at a time: older torch takes a single tensor only
         torch.autograd.graph.increment_version(x)

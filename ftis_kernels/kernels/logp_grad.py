@@ -35,8 +35,9 @@ import triton
 import triton.language as tl
 
 from ftis_kernels.kernels.logp_lse import FWD_VEC, _block_v, row_pass, tail_apart
-from ftis_kernels.kernels.loss_terms import token_coef
-from ftis_kernels.kernels.tl_utils import exp_m1_mx, expm1, launch
+from ftis_kernels.kernels.loss_terms import add_k3_penalty, mask_normaliser, token_coef
+from ftis_kernels.kernels.switches import BATCH_MEAN, SAMPLE_MEAN, token_switches
+from ftis_kernels.kernels.tl_utils import launch
 
 # Tokens one program of `_mask_counts_kernel` sums per step; samples the row kernel sums per
 # step for a batch-wide token count (a constexpr: the kernel reads it as a global).
@@ -205,32 +206,11 @@ def _logp_grad_fwd_kernel(
     if HAS_REF:  # beta * k3(ref - logp), times R with the bias correction
         ref = tl.load(ref_ptr + b * stride_rb + t * stride_rt, mask=active, other=0.0)
         u_ref = tl.where(active, ref.to(tl.float32), 0.0) - logp
-        dpen = -expm1(u_ref)  # d pen / d logp = 1 - exp(u)
-        if BIAS_KL:
-            dL_dlogp += beta * dpen * R
-            dL_dR += beta * exp_m1_mx(u_ref)
-        else:
-            dL_dlogp += beta * dpen
+        _, dL_dlogp, dL_dR = add_k3_penalty(0.0, dL_dlogp, dL_dR, u_ref, R, beta, BIAS_KL, False)
     dL_dlogp += dL_dR * R
-    # The reduction's scale (per_sample.REDUCTION_SCALES), the samples' token counts read here.
-    if REDUCTION == 0:
-        n_b = T + 0.0
-        if HAS_COUNTS:
-            n_b = tl.load(counts_ptr + b)
-        factor = 1.0 / (n_samples * tl.maximum(n_b, 1.0))
-    elif REDUCTION == 1:
-        n_all = (n_samples * T) + 0.0
-        if HAS_COUNTS:
-            acc = tl.zeros([BLOCK_S], dtype=tl.float32)
-            for s0 in range(0, n_samples, BLOCK_S):
-                i = s0 + tl.arange(0, BLOCK_S)
-                acc += tl.load(counts_ptr + i, mask=i < n_samples, other=0.0)
-            n_all = tl.sum(acc, axis=0)
-        factor = 1.0 / tl.maximum(n_all, 1.0)
-    elif REDUCTION == 2:
-        factor = 1.0 / (n_samples * length)
-    else:
-        factor = 1.0 / n_samples
+    # The reduction's scale, the samples' token counts read here (`loss_terms` says why they are
+    # the mask's).
+    factor = mask_normaliser(counts_ptr, b, T, n_samples, length, REDUCTION, HAS_COUNTS, BLOCK_S)
     c = tl.where(active, dL_dlogp * factor, 0.0) * (inv_t * grad_scale)
     tl.store(coef_ptr + row, c)
 
@@ -358,7 +338,6 @@ def logp_grad_fwd(
     out: torch.Tensor,
     rows,
     opt,
-    codes: dict,
     length: int,
     grad_scale: float = 1.0,
     *,
@@ -366,9 +345,8 @@ def logp_grad_fwd(
 ) -> tuple[torch.Tensor, ...]:
     """The forward row pass with the gradient: one launch (two with a mask and a token-counting
     normaliser). logits, out (B, T, V) (out: any strides, the logits' dtype); rows the op's
-    `validate.Rows` ((B, T) tensors, advantages (B,)); codes the per-sample kernel's compile-time
-    codes of the options (IS_MODE, IS_FROM_OLD, SURROGATE, REDUCTION, ZERO_NEGATIVE); length
-    dr_grpo's L; meta in place of `grad_meta`'s.
+    `validate.Rows` ((B, T) tensors, advantages (B,)); opt the options (their compile-time
+    switches: `switches.token_switches`); length dr_grpo's L; meta in place of `grad_meta`'s.
 
     Returns logp, row_max, log_sum, entropy, coef, each (B, T) fp32 (0 at masked positions; coef
     is c_r, what `grad_finish` reads), with out holding d loss / d logits of every row as if no
@@ -378,7 +356,9 @@ def logp_grad_fwd(
     f32, dev = torch.float32, logits.device
     mask, old = rows.mask, rows.old_logprobs
     ref = None if opt.beta == 0 else rows.ref_logprobs
-    with_counts = mask is not None and codes["REDUCTION"] in (0, 1)
+    switches = token_switches(opt, old is not None)
+    counted = (SAMPLE_MEAN.value, BATCH_MEAN.value)  # the normalisers that count tokens
+    with_counts = mask is not None and switches["REDUCTION"] in counted
     # One allocation for the five (on a GPU each is host time) and the (B,) counts of a mask's
     # tokens when the normaliser needs them, each a contiguous view starting 128 bytes aligned,
     # as a fresh allocation would (Triton specialises on a pointer's 16-byte alignment: an
@@ -389,49 +369,76 @@ def logp_grad_fwd(
     counts = None
     if with_counts:
         counts = slab[5, :B]
-        _mask_counts_kernel[(B,)](mask, counts, T, *mask.stride(), BLOCK_T=BLOCK_T, num_warps=4)
+        stride_mb, stride_mt = mask.stride()
+        launch(
+            _mask_counts_kernel,
+            (B,),
+            mask_ptr=mask,
+            counts_ptr=counts,
+            T=T,
+            stride_mb=stride_mb,
+            stride_mt=stride_mt,
+            BLOCK_T=BLOCK_T,
+            num_warps=4,
+        )
+    stride_lb, stride_lt, stride_lv = logits.stride()
+    stride_db, stride_dt, stride_dv = out.stride()
+    stride_tb, stride_tt = rows.tokens.stride()
+    stride_mb, stride_mt = _strides(mask)
+    stride_gb, stride_gt = rows.gen_logprobs.stride()
+    stride_ob, stride_ot = _strides(old)
+    stride_rb, stride_rt = _strides(ref)
     launch(
         _logp_grad_fwd_kernel,
         (B * T,),
-        logits,
-        out,
-        rows.tokens,
-        mask,
-        rows.gen_logprobs,
-        old,
-        ref,
-        rows.advantages,
-        counts,
-        logp,
-        row_max,
-        log_sum,
-        entropy,
-        coef,
-        float(grad_scale),
-        float(opt.temperature),
-        float(opt.is_cap),
-        0.0 if opt.is_cap_min is None else float(opt.is_cap_min),
-        1.0 - opt.epsilon,
-        1.0 + opt.clip_high,
-        float(opt.clip_high),
-        float("inf") if opt.delta is None else float(opt.delta),
-        float(opt.sapo_temperature_pos),
-        float(opt.sapo_temperature_neg),
-        float(opt.beta),
-        T,
-        V,
-        B,
-        length,
-        *logits.stride(),
-        *out.stride(),
-        *rows.tokens.stride(),
-        *_strides(mask),
-        *rows.gen_logprobs.stride(),
-        *_strides(old),
-        *_strides(ref),
-        rows.advantages.stride(0),
+        logits_ptr=logits,
+        dlogits_ptr=out,
+        tokens_ptr=rows.tokens,
+        mask_ptr=mask,
+        gen_ptr=rows.gen_logprobs,
+        old_ptr=old,
+        ref_ptr=ref,
+        adv_ptr=rows.advantages,
+        counts_ptr=counts,
+        logp_ptr=logp,
+        row_max_ptr=row_max,
+        log_sum_ptr=log_sum,
+        entropy_ptr=entropy,
+        coef_ptr=coef,
+        grad_scale=float(grad_scale),
+        temperature=float(opt.temperature),
+        is_cap=float(opt.is_cap),
+        is_cap_min=0.0 if opt.is_cap_min is None else float(opt.is_cap_min),
+        lo=1.0 - opt.epsilon,
+        hi=1.0 + opt.clip_high,
+        clip_high=float(opt.clip_high),
+        delta=float("inf") if opt.delta is None else float(opt.delta),
+        tau_pos=float(opt.sapo_temperature_pos),
+        tau_neg=float(opt.sapo_temperature_neg),
+        beta=float(opt.beta),
+        T=T,
+        V=V,
+        n_samples=B,
+        length=length,
+        stride_lb=stride_lb,
+        stride_lt=stride_lt,
+        stride_lv=stride_lv,
+        stride_db=stride_db,
+        stride_dt=stride_dt,
+        stride_dv=stride_dv,
+        stride_tb=stride_tb,
+        stride_tt=stride_tt,
+        stride_mb=stride_mb,
+        stride_mt=stride_mt,
+        stride_gb=stride_gb,
+        stride_gt=stride_gt,
+        stride_ob=stride_ob,
+        stride_ot=stride_ot,
+        stride_rb=stride_rb,
+        stride_rt=stride_rt,
+        stride_adv=rows.advantages.stride(0),
         BIAS_KL=bool(opt.use_bias_correction_kl),
-        **codes,
+        **switches,
         **(meta if meta is not None else grad_meta(V, logits.element_size())),
     )
     return logp, row_max, log_sum, entropy, coef
@@ -452,17 +459,20 @@ def grad_finish(
     `logp_grad_fwd` returned them. Returns dlogits."""
     B, T, V = dlogits.shape
     block_v = _block_v(V)
+    stride_db, stride_dt, stride_dv = dlogits.stride()
     launch(
         _grad_finish_kernel,
         (B * T,),
-        dlogits,
-        coef,
-        final_coef,
-        grad,
-        float(grad_scale),
-        T,
-        V,
-        *dlogits.stride(),
+        dlogits_ptr=dlogits,
+        coef_ptr=coef,
+        final_coef_ptr=final_coef,
+        grad_ptr=grad,
+        grad_scale=float(grad_scale),
+        T=T,
+        V=V,
+        stride_db=stride_db,
+        stride_dt=stride_dt,
+        stride_dv=stride_dv,
         BLOCK_V=block_v,
         num_warps=8 if block_v >= 2048 else 4,
     )

@@ -269,23 +269,29 @@ def logp_lse_fwd(
     else:
         logp, row_max, log_sum, entropy = out
     block_v = _block_v(V)
-    mask_strides = mask.stride() if mask is not None else (0, 0)
+    stride_lb, stride_lt, stride_lv = logits.stride()
+    stride_tb, stride_tt = tokens.stride()
+    stride_mb, stride_mt = mask.stride() if mask is not None else (0, 0)
     launch(
         _logp_lse_fwd_kernel,
         (B * T,),
-        logits,
-        tokens,
-        mask,
-        logp,
-        row_max,
-        log_sum,
-        entropy,
-        float(temperature),
-        T,
-        V,
-        *logits.stride(),
-        *tokens.stride(),
-        *mask_strides,
+        logits_ptr=logits,
+        tokens_ptr=tokens,
+        mask_ptr=mask,
+        logp_ptr=logp,
+        row_max_ptr=row_max,
+        log_sum_ptr=log_sum,
+        entropy_ptr=entropy,
+        temperature=float(temperature),
+        T=T,
+        V=V,
+        stride_lb=stride_lb,
+        stride_lt=stride_lt,
+        stride_lv=stride_lv,
+        stride_tb=stride_tb,
+        stride_tt=stride_tt,
+        stride_mb=stride_mb,
+        stride_mt=stride_mt,
         **(meta if meta is not None else fwd_meta(block_v)),
     )
     return logp, row_max, log_sum, entropy
@@ -471,29 +477,39 @@ def logits_bwd(
     if (rows is None) != (rows_out is None):
         raise ValueError("rows and rows_out: expected both or neither")
     block_v = _block_v(V)
+    stride_lb, stride_lt, stride_lv = logits.stride()
+    stride_db, stride_dt, stride_dv = out.stride()
+    stride_tb, stride_tt = tokens.stride()
+    stride_hr, stride_hh = (0, 0) if rows is None else rows.stride()
     launch(
         _logits_bwd_kernel,
         (B * T,),
-        logits,
-        out,
-        tokens,
-        row_max,
-        log_sum,
-        coef,
-        entropy if entropy_coef is not None else None,
-        entropy_coef,
-        scales,
-        grad,
-        rows,
-        rows_out,
-        float(temperature),
-        T,
-        V,
-        0 if rows is None else rows.shape[1],
-        *logits.stride(),
-        *out.stride(),
-        *tokens.stride(),
-        *((0, 0) if rows is None else rows.stride()),
+        logits_ptr=logits,
+        dlogits_ptr=out,
+        tokens_ptr=tokens,
+        row_max_ptr=row_max,
+        log_sum_ptr=log_sum,
+        coef_ptr=coef,
+        entropy_ptr=entropy if entropy_coef is not None else None,
+        entropy_coef_ptr=entropy_coef,
+        scales_ptr=scales,
+        grad_ptr=grad,
+        rows_ptr=rows,
+        rows_out_ptr=rows_out,
+        temperature=float(temperature),
+        T=T,
+        V=V,
+        H=0 if rows is None else rows.shape[1],
+        stride_lb=stride_lb,
+        stride_lt=stride_lt,
+        stride_lv=stride_lv,
+        stride_db=stride_db,
+        stride_dt=stride_dt,
+        stride_dv=stride_dv,
+        stride_tb=stride_tb,
+        stride_tt=stride_tt,
+        stride_hr=stride_hr,
+        stride_hh=stride_hh,
         **(meta if meta is not None else bwd_meta(block_v)),
     )
     return out

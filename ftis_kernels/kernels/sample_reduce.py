@@ -12,14 +12,28 @@ import torch
 import triton
 import triton.language as tl
 
-from ftis_kernels.kernels.per_sample import (
-    _BIG,
-    N_CHECKS,
+from ftis_kernels.kernels.per_sample import N_SCALAR_METRICS, SampleOutputs
+from ftis_kernels.kernels.sample_passes import (
     N_PARTS,
-    N_SCALAR_METRICS,
-    RECORD_COLUMNS,
-    SampleOutputs,
+    PART_CLIPPED,
+    PART_ENTROPY,
+    PART_FILTERED,
+    PART_IS_WEIGHT,
+    PART_KL,
+    PART_LOSS,
+    PART_LOSS_ENTROPY,
+    PART_LOSS_TOKENS,
+    PART_MASKED,
+    PART_PROBABILITIES,
+    PART_RATIO_MAX,
+    PART_RATIO_MIN,
+    PART_RATIO_SUM,
+    PART_TOKENS,
+    PART_TRUNCATED,
 )
+from ftis_kernels.kernels.switches import CHECK_ADVANTAGES, CHECK_GEN, CHECK_LOGITS
+from ftis_kernels.kernels.tl_utils import launch
+from ftis_kernels.kernels.value_checks import BIG, N_CHECKS, RECORD_COLUMNS
 from ftis_kernels.options import loss_type
 
 BLOCK_S = 256
@@ -65,21 +79,25 @@ def _finish_kernel(
         s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
         ok = s < n_samples
         row = parts_ptr + s * N_PARTS
-        loss += tl.sum(tl.load(row + 0, mask=ok, other=0.0), axis=0)
-        n += tl.sum(tl.load(row + 1, mask=ok, other=0.0), axis=0)
-        n_loss += tl.sum(tl.load(row + 2, mask=ok, other=0.0), axis=0)
-        clip_n += tl.sum(tl.load(row + 3, mask=ok, other=0.0), axis=0)
-        w_sum += tl.sum(tl.load(row + 4, mask=ok, other=0.0), axis=0)
-        trunc_n += tl.sum(tl.load(row + 5, mask=ok, other=0.0), axis=0)
-        masked_n += tl.sum(tl.load(row + 6, mask=ok, other=0.0), axis=0)
-        raw_sum += tl.sum(tl.load(row + 7, mask=ok, other=0.0), axis=0)
-        raw_max = tl.maximum(raw_max, tl.max(tl.load(row + 8, mask=ok, other=-inf), axis=0))
-        raw_min = tl.minimum(raw_min, tl.min(tl.load(row + 9, mask=ok, other=inf), axis=0))
-        ent_sum += tl.sum(tl.load(row + 10, mask=ok, other=0.0), axis=0)
-        ent_loss += tl.sum(tl.load(row + 11, mask=ok, other=0.0), axis=0)
-        filtered_n += tl.sum(tl.load(row + 12, mask=ok, other=0.0), axis=0)
-        kl_sum += tl.sum(tl.load(row + 13, mask=ok, other=0.0), axis=0)
-        probs += tl.sum(tl.load(row + 14, mask=ok, other=0.0), axis=0)
+        loss += tl.sum(tl.load(row + PART_LOSS, mask=ok, other=0.0), axis=0)
+        n += tl.sum(tl.load(row + PART_TOKENS, mask=ok, other=0.0), axis=0)
+        n_loss += tl.sum(tl.load(row + PART_LOSS_TOKENS, mask=ok, other=0.0), axis=0)
+        clip_n += tl.sum(tl.load(row + PART_CLIPPED, mask=ok, other=0.0), axis=0)
+        w_sum += tl.sum(tl.load(row + PART_IS_WEIGHT, mask=ok, other=0.0), axis=0)
+        trunc_n += tl.sum(tl.load(row + PART_TRUNCATED, mask=ok, other=0.0), axis=0)
+        masked_n += tl.sum(tl.load(row + PART_MASKED, mask=ok, other=0.0), axis=0)
+        raw_sum += tl.sum(tl.load(row + PART_RATIO_SUM, mask=ok, other=0.0), axis=0)
+        raw_max = tl.maximum(
+            raw_max, tl.max(tl.load(row + PART_RATIO_MAX, mask=ok, other=-inf), axis=0)
+        )
+        raw_min = tl.minimum(
+            raw_min, tl.min(tl.load(row + PART_RATIO_MIN, mask=ok, other=inf), axis=0)
+        )
+        ent_sum += tl.sum(tl.load(row + PART_ENTROPY, mask=ok, other=0.0), axis=0)
+        ent_loss += tl.sum(tl.load(row + PART_LOSS_ENTROPY, mask=ok, other=0.0), axis=0)
+        filtered_n += tl.sum(tl.load(row + PART_FILTERED, mask=ok, other=0.0), axis=0)
+        kl_sum += tl.sum(tl.load(row + PART_KL, mask=ok, other=0.0), axis=0)
+        probs += tl.sum(tl.load(row + PART_PROBABILITIES, mask=ok, other=0.0), axis=0)
     n_live = tl.maximum(n, 1.0)
     n_all = tl.maximum(n_loss, 1.0)
     if BATCH_MEAN:
@@ -103,25 +121,25 @@ def _finish_kernel(
     # The value checks: counts summed, the first bad position over every sample, its value.
     for check in tl.static_range(N_CHECKS):
         count = tl.zeros([], dtype=tl.float64)
-        first = tl.zeros([], dtype=tl.float64) + _BIG
+        first = tl.zeros([], dtype=tl.float64) + BIG
         value = tl.zeros([], dtype=tl.float64)
         for s0 in range(0, n_samples, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
             ok = s < n_samples
             cell = faults_ptr + s * (N_CHECKS * 3) + check * 3
             count += tl.sum(tl.load(cell + 0, mask=ok, other=0.0), axis=0)
-            f = tl.load(cell + 1, mask=ok, other=_BIG)
+            f = tl.load(cell + 1, mask=ok, other=BIG)
             v = tl.load(cell + 2, mask=ok, other=0.0)
             block_first = tl.min(f, axis=0)
             block_value = tl.sum(tl.where(f == block_first, v, 0.0), axis=0)
             value = tl.where(block_first < first, block_value, value)
             first = tl.minimum(first, block_first)
         hint = tl.zeros([], dtype=tl.float32)
-        if check == 2:  # gen_logprobs that all look like probabilities
+        if check == CHECK_GEN:  # gen_logprobs that all look like probabilities
             hint = tl.where((n > 0) & (probs == n), 1.0, 0.0)
-        if check == 6:  # the logits: whose (their hint flag: from hidden states)
+        if check == CHECK_LOGITS:  # the logits: whose (their hint flag: from hidden states)
             hint = tl.zeros([], dtype=tl.float32) + from_hidden
-        if check == 3:  # advantages: (S,)
+        if check == CHECK_ADVANTAGES:  # advantages: (S,)
             dim0 = n_samples + 0 * B
             dim1 = 0 * B
         else:
@@ -148,18 +166,20 @@ def finish_fwd(
     loss = torch.empty((), dtype=torch.float32, device=device)
     scalars = torch.empty(N_SCALAR_METRICS.value + 2, dtype=torch.float32, device=device)
     record = torch.empty(N_CHECKS.value, RECORD_COLUMNS.value, dtype=torch.float64, device=device)
-    _finish_kernel[(1,)](
-        out.parts,
-        out.faults,
-        loss,
-        scalars,
-        record,
-        float(opt.entropy_coef),
-        float(from_hidden),
-        out.parts.shape[0],
-        shape[0],
-        shape[1],
-        V,
+    launch(
+        _finish_kernel,
+        (1,),
+        parts_ptr=out.parts,
+        faults_ptr=out.faults,
+        loss_ptr=loss,
+        scalars_ptr=scalars,
+        record_ptr=record,
+        entropy_coef=float(opt.entropy_coef),
+        from_hidden=float(from_hidden),
+        n_samples=out.parts.shape[0],
+        B=shape[0],
+        T=shape[1],
+        V=V,
         BATCH_MEAN=loss_type(opt.loss_type).batch_normalised,
         BLOCK_S=BLOCK_S,
         num_warps=4,

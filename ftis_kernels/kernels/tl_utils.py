@@ -1,5 +1,8 @@
 """Triton helpers shared by the kernels of ftis-kernels."""
 
+import functools
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import triton
@@ -36,20 +39,33 @@ def through_heuristics(kernel, args: tuple, kwargs: dict) -> tuple[Any, dict]:
     """(the kernel under its `triton.heuristics` wrappers, kwargs with their values added in
     place), the values computed from one dict of the arguments; each sees the ones before it,
     as in Triton's `Heuristics.run`, which builds that dict anew for every value (with our
-    kernels' 30-60 arguments, host time at every launch: `python -m bench.host_time`)."""
+    kernels' 30-70 arguments, host time at every launch: `python -m bench.host_time`)."""
     named = None
     while isinstance(kernel, Heuristics):
         if named is None:
-            named = dict(zip(kernel.arg_names, args))
-            named.update(kwargs)
+            named = kwargs if not args else {**dict(zip(kernel.arg_names, args)), **kwargs}
         for name, value in kernel.values.items():
             kwargs[name] = named[name] = value(named)
         kernel = kernel.fn
     return kernel, kwargs
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs), the values of the `triton.heuristics` around the kernel
-    computed once (`through_heuristics`)."""
-    kernel, kwargs = through_heuristics(kernel, args, kwargs)
-    kernel[grid](*args, **kwargs)
+# What a launch takes beside the kernel's parameters.
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+@functools.cache
+def _in_order(kernel) -> Callable[[dict], tuple]:
+    return operator.itemgetter(*kernel.arg_names)
+
+
+def launch(kernel, grid: tuple, **kwargs) -> None:
+    """kernel[grid](**kwargs). Arguments are named at the call, so that a reordered signature
+    cannot swap two of them silently; the values of the `triton.heuristics` around the kernel
+    are computed once (`through_heuristics`), and Triton receives the arguments in the kernel's
+    order: its launcher binds keywords by name at every launch, about 10 us for a 70-argument
+    kernel (`python -m bench.host_time`). Every parameter must be given (a KeyError names a
+    missing one)."""
+    kernel, kwargs = through_heuristics(kernel, (), kwargs)
+    options = {name: kwargs[name] for name in LAUNCH_OPTIONS if name in kwargs}
+    kernel[grid](*_in_order(kernel)(kwargs), **options)
